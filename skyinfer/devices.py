@@ -1,0 +1,121 @@
+"""Which devices each engine gets, and the few ways the GPU and CPU paths differ.
+
+Every engine is an independent vLLM instance. On a GPU machine it gets its
+own group of ``tp x pp`` GPUs through ``CUDA_VISIBLE_DEVICES``; on a CPU
+machine it gets its own cores through ``VLLM_CPU_OMP_THREADS_BIND`` (vLLM's
+default would bind every engine to the same cores).
+"""
+
+from __future__ import annotations
+
+import os
+
+import attrs
+
+
+class LayoutError(ValueError):
+    """The requested engines do not fit on this machine."""
+
+
+@attrs.frozen
+class EngineDevices:
+    kind: str  # "cuda" or "cpu"
+    # GPU indices (as the parent sees them) or CPU core ids, grouped by worker.
+    worker_ids: tuple[tuple[int, ...], ...]
+    env: dict[str, str]
+
+    @property
+    def ids(self) -> tuple[int, ...]:
+        return tuple(i for group in self.worker_ids for i in group)
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "ids": list(self.ids)}
+
+
+def detect_device_kind() -> str:
+    try:
+        import pynvml
+    except ImportError:
+        return "cpu"
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return "cpu"
+    try:
+        return "cuda" if pynvml.nvmlDeviceGetCount() > 0 else "cpu"
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _visible_gpus() -> list[int]:
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        count = pynvml.nvmlDeviceGetCount()
+    finally:
+        pynvml.nvmlShutdown()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return list(range(count))
+    ids = [int(x) for x in visible.split(",") if x.strip()]
+    missing = [i for i in ids if i >= count]
+    if missing:
+        raise LayoutError(f"CUDA_VISIBLE_DEVICES names GPUs {missing}, but only {count} exist")
+    return ids
+
+
+def _id_list(ids: tuple[int, ...]) -> str:
+    return ",".join(str(i) for i in ids)
+
+
+def plan_engine_devices(
+    kind: str, engines: int, workers_per_engine: int, cpu_kvcache_gib: int = 1
+) -> list[EngineDevices]:
+    """Split the machine's GPUs or cores into one disjoint group per engine."""
+    needed = engines * workers_per_engine
+    if kind == "cuda":
+        gpus = _visible_gpus()
+        if needed > len(gpus):
+            raise LayoutError(
+                f"{engines} engine(s) x {workers_per_engine} GPU(s) each need {needed} GPUs, "
+                f"but {len(gpus)} are visible ({_id_list(tuple(gpus)) or 'none'})"
+            )
+        plans = []
+        for e in range(engines):
+            group = tuple(gpus[e * workers_per_engine : (e + 1) * workers_per_engine])
+            plans.append(
+                EngineDevices("cuda", tuple((g,) for g in group), {"CUDA_VISIBLE_DEVICES": _id_list(group)})
+            )
+        return plans
+    if kind != "cpu":
+        raise LayoutError(f"unknown device kind {kind!r}; expected 'cuda' or 'cpu'")
+
+    cores = sorted(os.sched_getaffinity(0))
+    if needed > len(cores):
+        raise LayoutError(
+            f"{engines} engine(s) x {workers_per_engine} worker(s) need {needed} CPU cores, "
+            f"but this process may use {len(cores)}"
+        )
+    per_worker = len(cores) // needed
+    plans = []
+    for e in range(engines):
+        workers = tuple(
+            tuple(cores[(e * workers_per_engine + w) * per_worker : (e * workers_per_engine + w + 1) * per_worker])
+            for w in range(workers_per_engine)
+        )
+        env = {
+            # One core list per worker rank, '|'-separated, as vLLM expects.
+            "VLLM_CPU_OMP_THREADS_BIND": "|".join(_id_list(w) for w in workers),
+            "VLLM_CPU_KVCACHE_SPACE": str(cpu_kvcache_gib),
+        }
+        plans.append(EngineDevices("cpu", workers, env))
+    return plans
+
+
+def platform_engine_args(kind: str, user_args: tuple[str, ...]) -> tuple[str, ...]:
+    """vLLM arguments an engine needs on this kind of device, unless the user gave them."""
+    if kind == "cpu" and "--enforce-eager" not in user_args:
+        # CPU has no graph capture worth its start-up cost for these engines.
+        return ("--enforce-eager",)
+    return ()

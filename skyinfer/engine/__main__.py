@@ -1,0 +1,52 @@
+"""Engine child process: ``python -m skyinfer.engine --socket PATH -- <vllm serve arguments>``.
+
+The front starts one of these per engine, with the device environment
+(``CUDA_VISIBLE_DEVICES`` or ``VLLM_CPU_OMP_THREADS_BIND``) already set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def parse_engine_args(vllm_argv: list[str]):
+    """Parse arguments exactly as ``vllm serve`` does."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser(prog="skyinfer engine"))
+    args = parser.parse_args(vllm_argv)
+    if args.model_tag is not None:
+        args.model = args.model_tag
+    validate_parsed_serve_args(args)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    own = argparse.ArgumentParser(prog="python -m skyinfer.engine")
+    own.add_argument("--socket", required=True, help="Unix socket to serve on once the engine is ready")
+    split = argv.index("--") if "--" in argv else len(argv)
+    own_argv, vllm_argv = argv[:split], argv[split + 1 :]
+    ns = own.parse_args(own_argv)
+
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.logger import configure_logging_from_args
+
+    cli_env_setup()
+    args = parse_engine_args(vllm_argv)
+    configure_logging_from_args(args)
+
+    import uvloop
+
+    from .server import serve_engine
+
+    try:
+        uvloop.run(serve_engine(ns.socket, args))
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""One engine: vLLM's ``AsyncLLM`` in this process, served on a Unix socket.
+
+The routes call vLLM's own OpenAI serving classes, built by vLLM's
+``init_app_state``, so request parsing, chat templates, logprobs and SSE
+framing are exactly vLLM's. aiohttp runs with ``handler_cancellation``: when
+the front drops a connection the handler is cancelled, and cancelling the
+generator inside vLLM aborts the request in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any
+
+import pydantic
+from aiohttp import web
+
+from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+
+from ..errors import error_response, json_response, parse_json_object
+
+log = logging.getLogger("skyinfer.engine")
+
+ENGINE_CLIENT = web.AppKey("engine_client", Any)
+SERVING_STATE = web.AppKey("serving_state", Any)
+
+
+class VllmRequestView:
+    """What vLLM's serving classes read from a starlette ``Request``: headers and a state bag."""
+
+    __slots__ = ("headers", "state")
+
+    def __init__(self, request: web.Request):
+        self.headers = request.headers
+        self.state = _StateBag()
+
+
+class _StateBag:
+    pass
+
+
+def _validation_message(exc: pydantic.ValidationError) -> tuple[str, str | None]:
+    errors = exc.errors(include_url=False, include_input=False)
+    parts = []
+    for err in errors[:5]:
+        loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith(("function-", "union")))
+        parts.append(f"{loc}: {err['msg']}" if loc else err["msg"])
+    first_loc = errors[0]["loc"] if errors else ()
+    param = str(first_loc[0]) if first_loc else None
+    more = f" (+{len(errors) - 5} more)" if len(errors) > 5 else ""
+    return "; ".join(parts) + more, param
+
+
+def _serving_route(
+    adapter: pydantic.TypeAdapter, call: Callable[[Any], Callable[..., Awaitable[Any]]]
+) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """A handler that validates the body into vLLM's request type and calls one serving method."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        try:
+            payload = parse_json_object(await request.read())
+            parsed = adapter.validate_python(payload)
+        except ValueError as exc:  # pydantic.ValidationError is a ValueError
+            if isinstance(exc, pydantic.ValidationError):
+                message, param = _validation_message(exc)
+                return error_response(400, message, param)
+            return error_response(400, str(exc))
+        try:
+            result = await call(request.app[SERVING_STATE])(parsed, VllmRequestView(request))
+        except Exception as exc:
+            # vLLM's own mapping: its validation errors are 400, not-found 404, the rest 500.
+            result = create_error_response(exc)
+            if result.error.code >= 500:
+                log.exception("%s failed", request.path)
+        return await _respond(request, result)
+
+    return handler
+
+
+async def _respond(request: web.Request, result: Any) -> web.StreamResponse:
+    if isinstance(result, ErrorResponse):
+        return web.Response(
+            status=result.error.code, body=result.model_dump_json(), content_type="application/json"
+        )
+    if isinstance(result, pydantic.BaseModel):
+        return web.Response(body=result.model_dump_json(), content_type="application/json")
+    return await _stream_sse(request, result)
+
+
+async def _stream_sse(request: web.Request, frames: AsyncGenerator[str, None]) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    try:
+        async for frame in frames:
+            await response.write(frame.encode())
+    finally:
+        # Closing the generator on a dropped connection aborts the request in vLLM.
+        await frames.aclose()
+    await response.write_eof()
+    return response
+
+
+async def _models(request: web.Request) -> web.Response:
+    models = await request.app[SERVING_STATE].openai_serving_models.show_available_models()
+    return web.Response(body=models.model_dump_json(), content_type="application/json")
+
+
+async def _health(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_CLIENT]
+    try:
+        await engine.check_health()
+    except Exception as exc:  # EngineDeadError and friends
+        return error_response(503, f"engine unhealthy: {exc}")
+    return json_response({"pid": os.getpid(), "unfinished_requests": engine.get_num_unfinished_requests()})
+
+
+def create_engine_app(engine_client: Any, serving_state: Any) -> web.Application:
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest
+    from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest, TokenizeRequest
+
+    # Bodies come from the front, which enforces the user-facing limit.
+    app = web.Application(client_max_size=1024**3)
+    app[ENGINE_CLIENT] = engine_client
+    app[SERVING_STATE] = serving_state
+    serving = {
+        "/v1/completions": (CompletionRequest, lambda s: s.openai_serving_completion.create_completion),
+        "/v1/chat/completions": (ChatCompletionRequest, lambda s: s.openai_serving_chat.create_chat_completion),
+        "/inference/v1/generate": (GenerateRequest, lambda s: s.serving_tokens.serve_tokens),
+        "/tokenize": (TokenizeRequest, lambda s: s.serving_tokenization.create_tokenize),
+        "/detokenize": (DetokenizeRequest, lambda s: s.serving_tokenization.create_detokenize),
+    }
+    for path, (request_type, call) in serving.items():
+        app.router.add_post(path, _serving_route(pydantic.TypeAdapter(request_type), call))
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/health", _health)
+    return app
+
+
+async def _watch_parent(stop: asyncio.Event, parent_pid: int) -> None:
+    # If the front dies without stopping us, nobody else will: go down with it.
+    while not stop.is_set():
+        if os.getppid() != parent_pid:
+            log.warning("front process %d is gone; shutting down", parent_pid)
+            stop.set()
+            return
+        await asyncio.sleep(1.0)
+
+
+async def serve_engine(socket_path: str, args: Any) -> None:
+    from starlette.datastructures import State
+    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+    from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
+
+    def interrupt_start_up(*_):
+        raise KeyboardInterrupt("terminated during start-up")
+
+    # vLLM's start-up blocks the event loop; a signal must still stop it.
+    signal.signal(signal.SIGTERM, interrupt_start_up)
+    parent_pid = os.getppid()
+    async with build_async_engine_client(args) as engine_client:
+        supported_tasks = await engine_client.get_supported_tasks()
+        state = State()
+        await init_app_state(engine_client, state, args, supported_tasks)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        watcher = asyncio.create_task(_watch_parent(stop, parent_pid))
+        runner = web.AppRunner(create_engine_app(engine_client, state), handler_cancellation=True, access_log=None)
+        await runner.setup()
+        # The socket appearing is the signal to the front that this engine is ready.
+        site = web.UnixSite(runner, socket_path)
+        await site.start()
+        log.info("engine ready on %s", socket_path)
+        try:
+            await stop.wait()
+        finally:
+            watcher.cancel()
+            await runner.cleanup()

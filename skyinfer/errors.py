@@ -1,0 +1,79 @@
+"""The one place that writes errors in the OpenAI shape.
+
+``{"error": {"message": ..., "type": ..., "param": ..., "code": <http status>}}``
+is what vLLM's own server and the OpenAI SDK use; the SDK maps the HTTP
+status to its exception classes and shows ``message``.
+"""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+
+import orjson
+from aiohttp import web
+
+_TYPE_BY_STATUS = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
+    404: "NotFoundError",
+    409: "ConflictError",
+    413: "RequestTooLargeError",
+    422: "UnprocessableEntityError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+    504: "GatewayTimeoutError",
+}
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    err_type = _TYPE_BY_STATUS.get(status) or HTTPStatus(status).phrase.replace(" ", "") + "Error"
+    return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+
+
+def error_response(
+    status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
+) -> web.Response:
+    return web.Response(
+        status=status,
+        body=orjson.dumps(error_body(status, message, param)),
+        content_type="application/json",
+        headers=headers,
+    )
+
+
+def json_response(payload, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(
+        status=status, body=orjson.dumps(payload), content_type="application/json", headers=headers
+    )
+
+
+def parse_json_object(body: bytes) -> dict:
+    """Parse a request body that must be a JSON object; ValueError says what is wrong."""
+    if not body:
+        raise ValueError("request body is empty; expected a JSON object")
+    try:
+        payload = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise ValueError(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(payload, dict):
+        raise ValueError(f"request body must be a JSON object, not {type(payload).__name__}")
+    return payload
+
+
+@web.middleware
+async def openai_errors_middleware(request: web.Request, handler):
+    """Turn aiohttp's own HTTP errors (unknown route, body too large, ...) into the OpenAI shape."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400 or exc.content_type == "application/json":
+            raise
+        message = exc.text if exc.text and not exc.text.startswith(f"{exc.status}:") else exc.reason
+        return error_response(exc.status, message, headers=_passthrough_headers(exc))
+
+
+def _passthrough_headers(exc: web.HTTPException) -> dict[str, str]:
+    # 405 must keep its Allow header.
+    allow = exc.headers.get("Allow")
+    return {"Allow": allow} if allow else {}

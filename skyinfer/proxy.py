@@ -1,0 +1,114 @@
+"""Data plane: pick one engine for a request and relay bytes both ways.
+
+Bodies pass through untouched unless they carry a ``session_id`` field, which
+is moved to the ``X-Session-ID`` header (the engine validates bodies strictly
+and reads the session from that header). Streams are written to the client
+chunk by chunk as the engine produces them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from .errors import error_body, error_response, parse_json_object
+from .state import EngineRecord, EngineRegistry, NoEngineAvailable
+
+log = logging.getLogger("skyinfer.proxy")
+
+REGISTRY = web.AppKey("registry", EngineRegistry)
+
+SESSION_HEADER = "X-Session-ID"
+ENGINE_HEADER = "X-Skyinfer-Engine"
+
+DATA_PLANE_POST = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/inference/v1/generate",
+    "/tokenize",
+    "/detokenize",
+)
+DATA_PLANE_GET = ("/v1/models",)
+
+# Hop-by-hop headers, and credentials meant for the front only.
+_NOT_FORWARDED = frozenset(
+    h.lower()
+    for h in (
+        "Host", "Content-Length", "Connection", "Keep-Alive", "Transfer-Encoding", "TE", "Upgrade",
+        "Authorization", "Accept-Encoding", "Proxy-Authorization", "Proxy-Connection",
+    )
+)  # fmt: skip
+
+
+def _session_from_body(body: bytes) -> tuple[bytes, str | None]:
+    """Move a top-level ``session_id`` out of a JSON body; parse only when it may be there."""
+    if b'"session_id"' not in body:
+        return body, None
+    payload = parse_json_object(body)
+    if "session_id" not in payload:
+        return body, None
+    session_id = payload.pop("session_id")
+    return orjson.dumps(payload), None if session_id is None else str(session_id)
+
+
+async def forward(request: web.Request) -> web.StreamResponse:
+    body = await request.read()
+    session_id = request.headers.get(SESSION_HEADER)
+    try:
+        body, body_session = _session_from_body(body)
+    except ValueError as exc:
+        return error_response(400, str(exc))
+    session_id = session_id or body_session
+    try:
+        engine = request.app[REGISTRY].pick(session_id)
+    except NoEngineAvailable as exc:
+        return error_response(503, str(exc))
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
+    if session_id:
+        headers[SESSION_HEADER] = session_id
+    with engine.in_flight():
+        return await _relay(request, engine, body, headers)
+
+
+async def _relay(request: web.Request, engine: EngineRecord, body: bytes, headers: dict) -> web.StreamResponse:
+    own_headers = {ENGINE_HEADER: str(engine.engine_id)}
+    assert engine.client is not None
+    try:
+        upstream = await engine.client.request(request.method, request.rel_url, data=body or None, headers=headers)
+        content_type = upstream.headers.get("Content-Type", "application/json")
+        if not content_type.startswith("text/event-stream"):
+            async with upstream:
+                payload = await upstream.read()
+            return web.Response(status=upstream.status, body=payload, headers={**own_headers, "Content-Type": content_type})
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        log.warning("engine %d: %s %s failed: %r", engine.engine_id, request.method, request.path, exc)
+        message = f"engine {engine.engine_id} failed while serving the request: {exc!r}"
+        return error_response(503, message, headers=own_headers)
+    async with upstream:
+        return await _relay_stream(request, engine, upstream, {**own_headers, "Content-Type": content_type})
+
+
+async def _relay_stream(
+    request: web.Request, engine: EngineRecord, upstream: aiohttp.ClientResponse, headers: dict
+) -> web.StreamResponse:
+    response = web.StreamResponse(status=upstream.status, headers={**headers, "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    try:
+        async for chunk in upstream.content.iter_any():
+            await response.write(chunk)
+    except aiohttp.ClientPayloadError as exc:
+        # The engine broke off mid-stream; the status line is already sent.
+        log.warning("engine %d: stream on %s broke off: %r", engine.engine_id, request.path, exc)
+        message = f"engine {engine.engine_id} failed mid-stream: {exc!r}"
+        await response.write(b"data: " + orjson.dumps(error_body(503, message)) + b"\n\ndata: [DONE]\n\n")
+    except (ConnectionResetError, asyncio.CancelledError):
+        # The client is gone: drop the engine connection so that the engine
+        # sees the disconnect and aborts the request.
+        upstream.close()
+        raise
+    await response.write_eof()
+    return response

@@ -1,0 +1,192 @@
+"""Start, watch and stop the engine child processes."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+
+import aiohttp
+
+from .config import ServeConfig
+from .state import EngineRecord, EngineRegistry, EngineState
+
+log = logging.getLogger("skyinfer.supervisor")
+
+
+class EngineStartError(RuntimeError):
+    pass
+
+
+class EngineProcess:
+    """One engine child process, in its own process group so that stopping it
+    also stops vLLM's EngineCore and worker processes beneath it."""
+
+    def __init__(self, record: EngineRecord, config: ServeConfig):
+        self.record = record
+        self.config = config
+        self.proc: asyncio.subprocess.Process | None = None
+        # The end of the engine's output, quoted when it fails to start.
+        self.log_tail: collections.deque[str] = collections.deque(maxlen=40)
+        self._pump: asyncio.Task | None = None
+
+    def argv(self) -> list[str]:
+        from .devices import platform_engine_args
+
+        c = self.config
+        vllm_args = [
+            "--model", c.model,
+            "--tensor-parallel-size", str(c.tensor_parallel_size),
+            "--pipeline-parallel-size", str(c.pipeline_parallel_size),
+            *platform_engine_args(self.record.devices.kind, c.engine_args),
+            *c.engine_args,
+        ]  # fmt: skip
+        return [sys.executable, "-m", "skyinfer.engine", "--socket", self.record.socket_path, "--", *vllm_args]
+
+    async def spawn(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.record.socket_path)
+        env = {**os.environ, **self.record.devices.env, "PYTHONUNBUFFERED": "1"}
+        self.proc = await asyncio.create_subprocess_exec(
+            *self.argv(),
+            env=env,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.record.pid = self.proc.pid
+        self._pump = asyncio.create_task(self._pump_output())
+        log.info("engine %d: started pid %d on %s", self.record.engine_id, self.proc.pid, self.record.devices.describe())
+
+    async def _pump_output(self) -> None:
+        prefix = f"[engine {self.record.engine_id}] ".encode()
+        out = sys.stderr.buffer
+        assert self.proc is not None and self.proc.stdout is not None
+        async for line in self.proc.stdout:
+            self.log_tail.append(line.decode(errors="replace").rstrip())
+            out.write(prefix + line)
+            out.flush()
+
+    @property
+    def exited(self) -> bool:
+        return self.proc is None or self.proc.returncode is not None
+
+    async def wait_ready(self, timeout_s: float) -> aiohttp.ClientSession:
+        """Wait until the engine answers on its socket; return a client for it."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.exited:
+                await self._drain_output()
+                tail = "\n".join(self.log_tail)
+                raise EngineStartError(
+                    f"engine {self.record.engine_id} exited with code {self.proc.returncode} "
+                    f"during start-up; its last output:\n{tail}"
+                )
+            if os.path.exists(self.record.socket_path):
+                client = _engine_client(self.record.socket_path)
+                try:
+                    async with client.get("/health", timeout=aiohttp.ClientTimeout(total=self.config.engine_probe_timeout_s)) as resp:
+                        if resp.status == 200:
+                            return client
+                except (aiohttp.ClientError, asyncio.TimeoutError):
+                    pass
+                await client.close()
+            if time.monotonic() > deadline:
+                raise EngineStartError(f"engine {self.record.engine_id} not ready after {timeout_s:.0f}s")
+            await asyncio.sleep(0.5)
+
+    async def _drain_output(self) -> None:
+        if self._pump is not None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._pump), 2.0)
+
+    async def stop(self, timeout_s: float) -> None:
+        """SIGTERM the engine (it shuts vLLM down cleanly), then SIGKILL its whole group."""
+        if self.proc is None:
+            return
+        pgid = self.proc.pid
+        if self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(self.proc.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                log.warning("engine %d: no exit %.0fs after SIGTERM; killing", self.record.engine_id, timeout_s)
+        # Whatever the engine left behind in its group (EngineCore, workers) goes too.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+        await self.proc.wait()
+        await self._drain_output()
+
+
+def _engine_client(socket_path: str) -> aiohttp.ClientSession:
+    # No connection cap: the front may hold thousands of requests on one engine.
+    connector = aiohttp.UnixConnector(path=socket_path, limit=0)
+    return aiohttp.ClientSession(
+        base_url="http://engine",
+        connector=connector,
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+        auto_decompress=False,
+    )
+
+
+class Supervisor:
+    """Owns the engine processes behind an ``EngineRegistry``."""
+
+    def __init__(self, registry: EngineRegistry, config: ServeConfig):
+        self.registry = registry
+        self.config = config
+        self.processes = {r.engine_id: EngineProcess(r, config) for r in registry.records}
+        self.ready = asyncio.Event()
+        self._start_task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        """Start every engine in parallel; ``wait_ready`` reports the outcome."""
+        self._start_task = asyncio.create_task(self._start_all())
+
+    async def wait_ready(self) -> None:
+        assert self._start_task is not None
+        await asyncio.shield(self._start_task)
+
+    async def _start_all(self) -> None:
+        started = time.monotonic()
+        await asyncio.gather(*(self._start_one(p) for p in self.processes.values()))
+        self.ready.set()
+        log.info("all %d engine(s) ready in %.1fs", len(self.processes), time.monotonic() - started)
+
+    async def _start_one(self, process: EngineProcess) -> None:
+        record = process.record
+        async with self.registry.lock:
+            await process.spawn()
+        try:
+            client = await process.wait_ready(self.config.engine_start_timeout_s)
+        except EngineStartError:
+            self.registry.set_state(record, EngineState.DEAD)
+            raise
+        record.client = client
+        self.registry.set_state(record, EngineState.READY)
+
+    async def stop(self) -> None:
+        if self._start_task is not None and not self._start_task.done():
+            self._start_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, EngineStartError):
+                await self._start_task
+        async with self.registry.lock:
+            for record in self.registry.records:
+                if record.state is not EngineState.STOPPED:
+                    self.registry.set_state(record, EngineState.STOPPING)
+            await asyncio.gather(*(self._stop_one(p) for p in self.processes.values()))
+
+    async def _stop_one(self, process: EngineProcess) -> None:
+        record = process.record
+        if record.client is not None:
+            await record.client.close()
+            record.client = None
+        await process.stop(self.config.engine_stop_timeout_s)
+        self.registry.set_state(record, EngineState.STOPPED)
