@@ -31,12 +31,13 @@ class SessionRouter:
         if not candidates:
             raise ValueError("no candidate engines")
         if session_id is None:
-            return self._least_loaded(candidates)
+            return self._least_loaded(candidates, by_sessions=False)
         bound = self._engine_of.get(session_id)
         if bound is not None and any(c.engine_id == bound for c in candidates):
             self._engine_of.move_to_end(session_id)
             return bound
-        chosen = self._least_loaded(candidates)
+        # A new session brings more requests later: balance sessions too.
+        chosen = self._least_loaded(candidates, by_sessions=True)
         self._bind(session_id, chosen)
         return chosen
 
@@ -46,20 +47,17 @@ class SessionRouter:
     def session_count(self, engine_id: int) -> int:
         return self._sessions_on.get(engine_id, 0)
 
-    def _least_loaded(self, candidates: Sequence[Candidate]) -> int:
-        # Ties go to the engine holding fewer sessions, then round-robin, so
-        # that sequential traffic (load always 0) still spreads.
+    def _least_loaded(self, candidates: Sequence[Candidate], by_sessions: bool) -> int:
+        # Ties go round-robin, so that sequential traffic (load always 0) still spreads.
         self._turn += 1
         n = len(candidates)
-        best = min(
-            range(n),
-            key=lambda i: (
-                candidates[i].load,
-                self._sessions_on.get(candidates[i].engine_id, 0),
-                (i - self._turn) % n,
-            ),
-        )
-        return candidates[best].engine_id
+
+        def key(i: int) -> tuple[int, int, int]:
+            c = candidates[i]
+            sessions = self._sessions_on.get(c.engine_id, 0) if by_sessions else 0
+            return (c.load, sessions, (i - self._turn) % n)
+
+        return candidates[min(range(n), key=key)].engine_id
 
     def _bind(self, session_id: str, engine_id: int) -> None:
         previous = self._engine_of.pop(session_id, None)

@@ -1,0 +1,75 @@
+"""Helpers for tests that run real skyinfer servers."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+START_TIMEOUT_S = 300
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """A `skyinfer serve` subprocess, as a user would start it."""
+
+    def __init__(self, model: Path, engines: int, log_path: Path, extra_args: tuple[str, ...] = ()):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.model = str(model)
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "skyinfer", "serve", "--model", self.model, "--engines", str(engines),
+             "--port", str(self.port), *extra_args],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
+
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                engines = httpx.get(f"{self.url}/engines", timeout=5).json()["engines"]
+                if all(e["state"] == "ready" for e in engines):
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"server not ready after {timeout_s}s:\n{self.log_tail()}")
+
+    def engines(self) -> list[dict]:
+        return httpx.get(f"{self.url}/engines", timeout=10).json()["engines"]
+
+    def log_tail(self, lines: int = 60) -> str:
+        self._log.flush()
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self, timeout_s: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+
+def engine_of(response) -> int:
+    """The engine that served a response, from skyinfer's response header."""
+    return int(response.headers["X-Skyinfer-Engine"])

@@ -1,0 +1,123 @@
+"""Fast unit tests of routing policy, device layout and the demo model; no engines."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from skyinfer.demo_model import VOCAB_SIZE, build_demo_model
+from skyinfer.devices import LayoutError, plan_engine_devices
+from skyinfer.routing import Candidate, SessionRouter
+
+
+def candidates(*loads: int) -> list[Candidate]:
+    return [Candidate(i, load) for i, load in enumerate(loads)]
+
+
+def test_router_sticks_and_prefers_least_loaded():
+    router = SessionRouter()
+    first = router.choose(candidates(0, 0), "a")
+    assert all(router.choose(candidates(5, 5), "a") == first for _ in range(10))
+    # A new session goes to the less loaded engine.
+    assert router.choose(candidates(3, 0), "b") == 1
+    assert router.choose(candidates(0, 3), "c") == 0
+    # Without a session: least loaded.
+    assert router.choose(candidates(2, 1, 0)) == 2
+
+
+def test_router_spreads_sequential_sessions_and_requests():
+    router = SessionRouter()
+    sessions = collections.Counter(router.choose(candidates(0, 0, 0), f"s{i}") for i in range(30))
+    assert sessions == {0: 10, 1: 10, 2: 10}
+    plain = collections.Counter(router.choose(candidates(0, 0)) for _ in range(10))
+    assert plain == {0: 5, 1: 5}
+
+
+def test_router_moves_session_off_a_missing_engine():
+    router = SessionRouter()
+    assert router.choose(candidates(0, 0), "s") in (0, 1)
+    bound = router.engine_of("s")
+    survivor = 1 - bound
+    assert router.choose([Candidate(survivor, 0)], "s") == survivor
+    assert router.engine_of("s") == survivor
+    assert router.session_count(bound) == 0 and router.session_count(survivor) == 1
+
+
+def test_router_forgets_oldest_sessions_beyond_limit():
+    router = SessionRouter(max_sessions=3)
+    for i in range(5):
+        router.choose(candidates(0, 0), f"s{i}")
+    assert router.engine_of("s0") is None and router.engine_of("s1") is None
+    assert router.engine_of("s4") is not None
+    assert router.session_count(0) + router.session_count(1) == 3
+
+
+def test_router_refuses_empty_candidates():
+    with pytest.raises(ValueError):
+        SessionRouter().choose([], "s")
+
+
+def test_cpu_layout_gives_disjoint_cores():
+    cores = sorted(os.sched_getaffinity(0))
+    plans = plan_engine_devices("cpu", engines=len(cores), workers_per_engine=1, cpu_kvcache_gib=3)
+    seen = [p.ids for p in plans]
+    assert sorted(i for ids in seen for i in ids) == cores
+    assert all(p.env["VLLM_CPU_KVCACHE_SPACE"] == "3" for p in plans)
+    assert [p.env["VLLM_CPU_OMP_THREADS_BIND"] for p in plans] == [str(c) for c in cores]
+
+
+def test_cpu_layout_with_tensor_parallel_separates_ranks():
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs two cores")
+    (plan,) = plan_engine_devices("cpu", engines=1, workers_per_engine=2)
+    assert plan.env["VLLM_CPU_OMP_THREADS_BIND"].count("|") == 1
+    assert len(plan.worker_ids) == 2
+
+
+def test_layout_that_does_not_fit_is_an_error():
+    too_many = len(os.sched_getaffinity(0)) + 1
+    with pytest.raises(LayoutError, match="CPU cores"):
+        plan_engine_devices("cpu", engines=too_many, workers_per_engine=1)
+
+
+def test_demo_model_is_deterministic_and_well_formed(tmp_path):
+    a = build_demo_model(tmp_path / "a")
+    b = build_demo_model(tmp_path / "b")
+    files = sorted(p.name for p in a.iterdir())
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(files)
+    for name in files:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    config = json.loads((a / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForCausalLM"]
+    assert config["head_dim"] == 64 and config["tie_word_embeddings"] is True
+    tokenizer = json.loads((a / "tokenizer.json").read_text())
+    assert len(tokenizer["model"]["vocab"]) + len(tokenizer["added_tokens"]) >= VOCAB_SIZE - 3
+
+
+def test_demo_model_cli_writes_a_loadable_model(tmp_path):
+    out = tmp_path / "cli-model"
+    subprocess.run([sys.executable, "-m", "skyinfer", "demo-model", str(out)], check=True, capture_output=True)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.vocab_size == VOCAB_SIZE == len(tokenizer)
+    text = "a b c 123 hello"
+    assert tokenizer.decode(tokenizer(text).input_ids) == text
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_router_ignores_session_counts_for_sessionless_requests():
+    router = SessionRouter()
+    for i in range(4):
+        router.choose([Candidate(0, 0)], f"pinned-{i}")  # engine 0 holds 4 sessions
+    plain = collections.Counter(router.choose(candidates(0, 0)) for _ in range(10))
+    assert plain == {0: 5, 1: 5}
+    assert router.choose(candidates(0, 0), "new") == 1

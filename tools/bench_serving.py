@@ -1,0 +1,202 @@
+#!/usr/bin/env python
+"""Throughput and latency of skyinfer (one engine) against vLLM's own server.
+
+Both servers run the same model with the same engine arguments, the same
+cores and the same KV cache size, one after the other (never side by side:
+they would share the cores). Each route gets the same closed-loop load:
+``--concurrency`` clients, each sending its next request as soon as the last
+finished, ``--requests`` requests in all, ``--max-tokens`` tokens each
+(``ignore_eos``). The text routes stream (time to first token is measured);
+the token route answers in one piece, as RL rollouts use it.
+
+    .venv/bin/python tools/bench_serving.py --concurrency 64 --requests 256
+
+prints, per route, requests/s, output tokens/s and latency percentiles for
+both servers, and skyinfer / vllm ratios (throughput ratio > 1 is better,
+latency ratio < 1 is better).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from skyinfer.demo_model import build_demo_model  # noqa: E402
+
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_reference(model: str, port: int, engine_args: list[str], env: dict) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
+           "--enforce-eager", "--enable-scale-out", "--disable-uvicorn-access-log", *engine_args]  # fmt: skip
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def start_skyinfer(model: str, port: int, engine_args: list[str], env: dict) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "skyinfer", "serve", "--model", model, "--port", str(port), "--engines", "1",
+           *engine_args]  # fmt: skip
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+async def wait_healthy(session: aiohttp.ClientSession, url: str, proc: subprocess.Popen, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            async with session.get(f"{url}/health") as r:
+                if r.status == 200:
+                    return
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(1)
+    raise TimeoutError(url)
+
+
+def request_body(route: str, model: str, i: int, max_tokens: int, prompt_ids: list[int]) -> dict:
+    prompt = f"Request {i}: the trainer pushes new weights and the engines keep serving rollouts."
+    sampling = {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 1.0, "seed": i}
+    if route == "/v1/completions":
+        return {"model": model, "prompt": prompt, "stream": True, **sampling}
+    if route == "/v1/chat/completions":
+        return {"model": model, "messages": [{"role": "user", "content": prompt}], "stream": True, **sampling}
+    return {"model": model, "token_ids": prompt_ids + [i % 1000 + 10], "sampling_params": sampling}
+
+
+async def one_request(session, url, route, body) -> tuple[float, float | None]:
+    """Latency and, for streams, time to the first token."""
+    started = time.perf_counter()
+    first = None
+    async with session.post(f"{url}{route}", data=orjson.dumps(body), headers={"Content-Type": "application/json"}) as r:
+        if r.status != 200:
+            raise RuntimeError(f"{route}: {r.status} {await r.text()}")
+        if body.get("stream"):
+            async for _ in r.content.iter_any():
+                if first is None:
+                    first = time.perf_counter() - started
+        else:
+            await r.read()
+    return time.perf_counter() - started, first
+
+
+async def run_load(session, url, route, model, args, prompt_ids) -> dict:
+    queue = list(range(args.requests))
+    latencies, ttfts = [], []
+
+    async def client():
+        while queue:
+            i = queue.pop()
+            latency, ttft = await one_request(session, url, route, request_body(route, model, i, args.max_tokens, prompt_ids))
+            latencies.append(latency)
+            if ttft is not None:
+                ttfts.append(ttft)
+
+    # Warm-up, not counted.
+    await asyncio.gather(*(one_request(session, url, route, request_body(route, model, -j, 8, prompt_ids)) for j in range(4)))
+    started = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(args.concurrency)))
+    wall = time.perf_counter() - started
+    latencies.sort()
+    return {
+        "req_per_s": args.requests / wall,
+        "tok_per_s": args.requests * args.max_tokens / wall,
+        "p50_ms": 1000 * statistics.median(latencies),
+        "p99_ms": 1000 * latencies[int(0.99 * (len(latencies) - 1))],
+        "ttft_p50_ms": 1000 * statistics.median(ttfts) if ttfts else None,
+    }
+
+
+async def bench_server(name, start, model, args, env) -> dict[str, dict]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start(model, port, args.engine_args, env)
+    results = {}
+    try:
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
+            await wait_healthy(session, url, proc)
+            async with session.post(f"{url}/tokenize", json={"model": model, "prompt": "Request: the trainer pushes new weights"}) as r:
+                prompt_ids = (await r.json())["tokens"]
+            for route in ROUTES:
+                rounds = [await run_load(session, url, route, model, args, prompt_ids) for _ in range(args.rounds)]
+                # Median round per figure damps this noisy machine.
+                results[route] = {k: statistics.median([r[k] for r in rounds]) if rounds[0][k] is not None else None for k in rounds[0]}
+                print(f"  {name:9s} {route:24s} {results[route]['tok_per_s']:8.0f} tok/s", file=sys.stderr)
+    finally:
+        stop(proc)
+    return results
+
+
+def report(ref: dict, sky: dict, args) -> str:
+    lines = [
+        f"concurrency {args.concurrency}, {args.requests} requests x {args.max_tokens} tokens, median of {args.rounds} round(s)",
+        f"{'route':24s} {'metric':12s} {'vllm serve':>11s} {'skyinfer':>11s} {'ratio':>7s}",
+    ]
+    for route in ROUTES:
+        for key in ("req_per_s", "tok_per_s", "p50_ms", "p99_ms", "ttft_p50_ms"):
+            a, b = ref[route][key], sky[route][key]
+            if a is None:
+                continue
+            lines.append(f"{route:24s} {key:12s} {a:11.1f} {b:11.1f} {b / a:7.3f}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="model directory (default: a freshly built demo model)")
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--kvcache-gib", type=int, default=2)
+    p.add_argument("engine_args", nargs=argparse.REMAINDER, help="after --: vLLM engine arguments for both servers")
+    args = p.parse_args()
+    args.engine_args = [a for a in args.engine_args if a != "--"]
+    model = args.model or str(build_demo_model(Path(tempfile.mkdtemp(prefix="bench-model-"))))
+    cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+    # Same cores and KV cache for both; skyinfer sets these itself for its engine.
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": cores, "VLLM_CPU_KVCACHE_SPACE": str(args.kvcache_gib)}
+    sky_args = ["--cpu-kvcache-gib", str(args.kvcache_gib), *args.engine_args]
+
+    async def run():
+        ref = await bench_server("vllm", start_reference, model, args, env)
+        sky_ns = argparse.Namespace(**{**vars(args), "engine_args": sky_args})
+        sky = await bench_server("skyinfer", start_skyinfer, model, sky_ns, env)
+        return ref, sky
+
+    ref, sky = asyncio.run(run())
+    print(report(ref, sky, args))
+
+
+if __name__ == "__main__":
+    main()
