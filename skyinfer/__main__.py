@@ -35,6 +35,7 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="auto: cuda if nvidia-ml-py sees GPUs, else cpu")
     p.add_argument("--cpu-kvcache-gib", type=int, default=1, help="KV cache per engine on CPU, GiB (default: 1)")
     p.add_argument("--engine-start-timeout", type=float, default=600.0, help="seconds an engine may take to start")
+    p.add_argument("--control-timeout", type=float, default=300.0, help="seconds each engine gets for an admin call (default: 300)")
     p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds in-flight requests get to finish on shutdown")
     return p
 
@@ -58,6 +59,7 @@ def _config_from_args(ns: argparse.Namespace, engine_args: list[str]):
         device=ns.device,
         cpu_kvcache_gib=ns.cpu_kvcache_gib,
         engine_start_timeout_s=ns.engine_start_timeout,
+        control_timeout_s=ns.control_timeout,
     )
 
 

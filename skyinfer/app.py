@@ -11,6 +11,7 @@ import aiohttp
 from aiohttp import web
 
 from .config import ServeConfig
+from .control import CONTROL, ControlPlane, add_control_routes
 from .devices import detect_device_kind, plan_engine_devices
 from .errors import json_response, openai_errors_middleware
 from .proxy import DATA_PLANE_GET, DATA_PLANE_POST, REGISTRY, forward
@@ -67,6 +68,7 @@ def create_app(config: ServeConfig) -> web.Application:
     supervisor = Supervisor(registry, config)
     app[REGISTRY] = registry
     app[SUPERVISOR] = supervisor
+    app[CONTROL] = ControlPlane(registry, config.control_timeout_s)
 
     async def engines_ctx(_app: web.Application):
         supervisor.start()
@@ -80,6 +82,7 @@ def create_app(config: ServeConfig) -> web.Application:
         app.router.add_post(path, forward)
     for path in DATA_PLANE_GET:
         app.router.add_get(path, forward)
+    add_control_routes(app)
     app.router.add_get("/health", health)
     app.router.add_get("/engines", engines_view)
     return app

@@ -28,8 +28,13 @@ class EngineDevices:
     def ids(self) -> tuple[int, ...]:
         return tuple(i for group in self.worker_ids for i in group)
 
+    @property
+    def sleep_frees_memory(self) -> bool:
+        # vLLM's sleep mode is GPU-only; on CPU sleep/wake_up only pause and resume.
+        return self.kind == "cuda"
+
     def describe(self) -> dict:
-        return {"kind": self.kind, "ids": list(self.ids)}
+        return {"kind": self.kind, "ids": list(self.ids), "sleep_frees_memory": self.sleep_frees_memory}
 
 
 def detect_device_kind() -> str:
@@ -118,4 +123,7 @@ def platform_engine_args(kind: str, user_args: tuple[str, ...]) -> tuple[str, ..
     if kind == "cpu" and "--enforce-eager" not in user_args:
         # CPU has no graph capture worth its start-up cost for these engines.
         return ("--enforce-eager",)
+    if kind == "cuda" and "--enable-sleep-mode" not in user_args:
+        # /sleep frees GPU memory only with sleep mode on; vLLM rejects it on CPU.
+        return ("--enable-sleep-mode",)
     return ()

@@ -19,21 +19,57 @@ log = logging.getLogger("skyinfer.state")
 class EngineState(enum.Enum):
     STARTING = "starting"
     READY = "ready"
+    PAUSED = "paused"
+    SLEEPING = "sleeping"
     STOPPING = "stopping"
     STOPPED = "stopped"
     DEAD = "dead"
 
 
+S = EngineState
 # Which state may follow which; anything else is a bug in the caller.
 _TRANSITIONS: dict[EngineState, frozenset[EngineState]] = {
-    EngineState.STARTING: frozenset({EngineState.READY, EngineState.DEAD, EngineState.STOPPING}),
-    EngineState.READY: frozenset({EngineState.DEAD, EngineState.STOPPING}),
-    EngineState.DEAD: frozenset({EngineState.STOPPING, EngineState.STOPPED}),
-    EngineState.STOPPING: frozenset({EngineState.STOPPED, EngineState.DEAD}),
-    EngineState.STOPPED: frozenset(),
+    S.STARTING: frozenset({S.READY, S.DEAD, S.STOPPING}),
+    S.READY: frozenset({S.PAUSED, S.SLEEPING, S.DEAD, S.STOPPING}),
+    S.PAUSED: frozenset({S.READY, S.SLEEPING, S.DEAD, S.STOPPING}),
+    S.SLEEPING: frozenset({S.READY, S.DEAD, S.STOPPING}),
+    S.DEAD: frozenset({S.STOPPING, S.STOPPED}),
+    S.STOPPING: frozenset({S.STOPPED, S.DEAD}),
+    S.STOPPED: frozenset(),
 }
 
-SERVING_STATES = frozenset({EngineState.READY})
+# Paused and sleeping engines still take requests: vLLM queues them until
+# resume / wake-up, which is what a trainer pausing for a weight push wants.
+SERVING_STATES = frozenset({S.READY, S.PAUSED, S.SLEEPING})
+# States in which an engine process is up and takes admin calls.
+LIVE_STATES = SERVING_STATES
+
+# Control operations: the states each may be applied in. Anything else is an
+# ordering mistake (409), e.g. resume while not paused.
+CONTROL_ALLOWED_FROM: dict[str, frozenset[EngineState]] = {
+    "pause": frozenset({S.READY, S.PAUSED}),
+    "resume": frozenset({S.PAUSED}),
+    "sleep": frozenset({S.READY, S.PAUSED}),
+    "wake_up": frozenset({S.SLEEPING}),
+    "reset_prefix_cache": LIVE_STATES,
+    "abort_requests": LIVE_STATES,
+}
+
+_ORDERING_HINTS = {
+    ("resume", S.READY): "it is not paused",
+    ("resume", S.SLEEPING): "it is sleeping; POST /wake_up instead",
+    ("pause", S.SLEEPING): "it is sleeping; POST /wake_up first",
+    ("sleep", S.SLEEPING): "it is already sleeping",
+    ("wake_up", S.READY): "it is not sleeping",
+    ("wake_up", S.PAUSED): "it is paused, not sleeping; POST /resume instead",
+}
+
+
+def ordering_error(operation: str, state: EngineState) -> str | None:
+    """Why ``operation`` cannot be applied to an engine in ``state``, or None if it can."""
+    if state in CONTROL_ALLOWED_FROM[operation]:
+        return None
+    return _ORDERING_HINTS.get((operation, state), f"it is {state.value}")
 
 
 class NoEngineAvailable(RuntimeError):
@@ -64,6 +100,8 @@ class EngineRecord:
         return {
             "id": self.engine_id,
             "state": self.state.value,
+            "paused": self.state in (S.PAUSED, S.SLEEPING),
+            "sleeping": self.state is S.SLEEPING,
             "pid": self.pid,
             "devices": self.devices.describe(),
             "load": self.load,

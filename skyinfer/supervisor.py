@@ -143,8 +143,8 @@ class Supervisor:
         self.registry = registry
         self.config = config
         self.processes = {r.engine_id: EngineProcess(r, config) for r in registry.records}
-        self.ready = asyncio.Event()
         self._start_task: asyncio.Task | None = None
+        self._watchers: list[asyncio.Task] = []
 
     def start(self) -> None:
         """Start every engine in parallel; ``wait_ready`` reports the outcome."""
@@ -157,20 +157,28 @@ class Supervisor:
     async def _start_all(self) -> None:
         started = time.monotonic()
         await asyncio.gather(*(self._start_one(p) for p in self.processes.values()))
-        self.ready.set()
         log.info("all %d engine(s) ready in %.1fs", len(self.processes), time.monotonic() - started)
 
     async def _start_one(self, process: EngineProcess) -> None:
         record = process.record
         async with self.registry.lock:
             await process.spawn()
-        try:
-            client = await process.wait_ready(self.config.engine_start_timeout_s)
-        except EngineStartError:
+        self._watchers.append(asyncio.create_task(self._watch_exit(process)))
+        client = await process.wait_ready(self.config.engine_start_timeout_s)
+        if record.state is EngineState.STARTING:
+            record.client = client
+            self.registry.set_state(record, EngineState.READY)
+        else:
+            await client.close()
+
+    async def _watch_exit(self, process: EngineProcess) -> None:
+        """An engine process that exits unasked is dead: stop routing to it at once."""
+        assert process.proc is not None
+        code = await process.proc.wait()
+        record = process.record
+        if record.state not in (EngineState.STOPPING, EngineState.STOPPED, EngineState.DEAD):
+            log.error("engine %d: process %d exited with code %s", record.engine_id, process.proc.pid, code)
             self.registry.set_state(record, EngineState.DEAD)
-            raise
-        record.client = client
-        self.registry.set_state(record, EngineState.READY)
 
     async def stop(self) -> None:
         if self._start_task is not None and not self._start_task.done():
@@ -182,6 +190,8 @@ class Supervisor:
                 if record.state is not EngineState.STOPPED:
                     self.registry.set_state(record, EngineState.STOPPING)
             await asyncio.gather(*(self._stop_one(p) for p in self.processes.values()))
+        for watcher in self._watchers:
+            watcher.cancel()
 
     async def _stop_one(self, process: EngineProcess) -> None:
         record = process.record

@@ -22,7 +22,10 @@ def demo_model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def server(demo_model, tmp_path_factory):
     """One skyinfer server with two real vLLM engines, shared by the session."""
-    srv = ServerProcess(demo_model, engines=2, log_path=tmp_path_factory.mktemp("logs") / "server.log")
+    # float32: greedy tokens compared across batch shapes must not flip on bf16 rounding.
+    srv = ServerProcess(
+        demo_model, engines=2, log_path=tmp_path_factory.mktemp("logs") / "server.log", extra_args=("--dtype", "float32")
+    )
     try:
         srv.wait_ready()
         yield srv

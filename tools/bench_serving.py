@@ -2,8 +2,10 @@
 """Throughput and latency of skyinfer (one engine) against vLLM's own server.
 
 Both servers run the same model with the same engine arguments, the same
-cores and the same KV cache size, one after the other (never side by side:
-they would share the cores). Each route gets the same closed-loop load:
+cores and the same KV cache size. Both are up at once but only one is under
+load at a time: each round measures every route on vLLM, then on skyinfer,
+so slow drifts of this shared machine hit both alike. Each route gets the
+same closed-loop load:
 ``--concurrency`` clients, each sending its next request as soon as the last
 finished, ``--requests`` requests in all, ``--max-tokens`` tokens each
 (``ignore_eos``). The text routes stream (time to first token is measured);
@@ -46,16 +48,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _spawn(cmd: list[str], env: dict, log_name: str) -> subprocess.Popen:
+    log_path = Path(tempfile.gettempdir()) / log_name
+    print(f"  log: {log_path}", file=sys.stderr)
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
 def start_reference(model: str, port: int, engine_args: list[str], env: dict) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
            "--enforce-eager", "--enable-scale-out", "--disable-uvicorn-access-log", *engine_args]  # fmt: skip
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    return _spawn(cmd, env, "bench-vllm-serve.log")
 
 
 def start_skyinfer(model: str, port: int, engine_args: list[str], env: dict) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "skyinfer", "serve", "--model", model, "--port", str(port), "--engines", "1",
            *engine_args]  # fmt: skip
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    return _spawn(cmd, env, "bench-skyinfer.log")
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -136,25 +145,36 @@ async def run_load(session, url, route, model, args, prompt_ids) -> dict:
     }
 
 
-async def bench_server(name, start, model, args, env) -> dict[str, dict]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = start(model, port, args.engine_args, env)
-    results = {}
-    try:
-        connector = aiohttp.TCPConnector(limit=0)
-        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
-            await wait_healthy(session, url, proc)
-            async with session.post(f"{url}/tokenize", json={"model": model, "prompt": "Request: the trainer pushes new weights"}) as r:
-                prompt_ids = (await r.json())["tokens"]
+class Server:
+    def __init__(self, name: str, start, model: str, engine_args: list[str], env: dict):
+        self.name = name
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = start(model, self.port, engine_args, env)
+
+
+async def bench(servers: list[Server], model: str, args) -> dict[str, dict[str, dict]]:
+    connector = aiohttp.TCPConnector(limit=0)
+    rounds: dict[str, dict[str, list[dict]]] = {s.name: {r: [] for r in ROUTES} for s in servers}
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
+        for server in servers:
+            await wait_healthy(session, server.url, server.proc)
+        async with session.post(f"{servers[0].url}/tokenize", json={"model": model, "prompt": "Request: the trainer pushes new weights"}) as r:
+            prompt_ids = (await r.json())["tokens"]
+        for i in range(args.rounds):
             for route in ROUTES:
-                rounds = [await run_load(session, url, route, model, args, prompt_ids) for _ in range(args.rounds)]
-                # Median round per figure damps this noisy machine.
-                results[route] = {k: statistics.median([r[k] for r in rounds]) if rounds[0][k] is not None else None for k in rounds[0]}
-                print(f"  {name:9s} {route:24s} {results[route]['tok_per_s']:8.0f} tok/s", file=sys.stderr)
-    finally:
-        stop(proc)
-    return results
+                for server in servers:
+                    result = await run_load(session, server.url, route, model, args, prompt_ids)
+                    rounds[server.name][route].append(result)
+                    print(f"  round {i} {server.name:9s} {route:24s} {result['tok_per_s']:8.0f} tok/s", file=sys.stderr)
+    # Median round per figure damps this noisy machine.
+    return {
+        name: {
+            route: {k: statistics.median([r[k] for r in rs]) if rs[0][k] is not None else None for k in rs[0]}
+            for route, rs in by_route.items()
+        }
+        for name, by_route in rounds.items()
+    }
 
 
 def report(ref: dict, sky: dict, args) -> str:
@@ -188,14 +208,16 @@ def main() -> None:
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": cores, "VLLM_CPU_KVCACHE_SPACE": str(args.kvcache_gib)}
     sky_args = ["--cpu-kvcache-gib", str(args.kvcache_gib), *args.engine_args]
 
-    async def run():
-        ref = await bench_server("vllm", start_reference, model, args, env)
-        sky_ns = argparse.Namespace(**{**vars(args), "engine_args": sky_args})
-        sky = await bench_server("skyinfer", start_skyinfer, model, sky_ns, env)
-        return ref, sky
-
-    ref, sky = asyncio.run(run())
-    print(report(ref, sky, args))
+    servers = [
+        Server("vllm", start_reference, model, args.engine_args, env),
+        Server("skyinfer", start_skyinfer, model, sky_args, env),
+    ]
+    try:
+        results = asyncio.run(bench(servers, model, args))
+    finally:
+        for server in servers:
+            stop(server.proc)
+    print(report(results["vllm"], results["skyinfer"], args))
 
 
 if __name__ == "__main__":

@@ -23,11 +23,10 @@ from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
 
 from ..errors import error_response, json_response, parse_json_object
+from .admin import add_admin_routes
+from .appkeys import ENGINE_CLIENT, SERVING_STATE
 
 log = logging.getLogger("skyinfer.engine")
-
-ENGINE_CLIENT = web.AppKey("engine_client", Any)
-SERVING_STATE = web.AppKey("serving_state", Any)
 
 
 class VllmRequestView:
@@ -140,6 +139,7 @@ def create_engine_app(engine_client: Any, serving_state: Any) -> web.Application
         app.router.add_post(path, _serving_route(pydantic.TypeAdapter(request_type), call))
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
+    add_admin_routes(app)
     return app
 
 

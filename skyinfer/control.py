@@ -1,0 +1,201 @@
+"""Control plane: fan each admin call out to every engine at once and aggregate.
+
+The answer is 200 only when every engine did what was asked. Otherwise it
+is the OpenAI error shape with a non-2xx status (the engines' common status,
+or 502 when they differ) plus each engine's own result, so a partial failure
+is never hidden. Ordering mistakes are refused with 409 before any engine is
+called.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import attrs
+from aiohttp import web
+
+from .errors import error_body, error_response, json_response, parse_json_object
+from .proxy import REGISTRY
+from .state import LIVE_STATES, EngineRecord, EngineRegistry, EngineState, ordering_error
+from .wire import AbortParams, PauseParams, ResetPrefixCacheParams, SleepParams, WakeUpParams, WireError, reject_body_params
+
+log = logging.getLogger("skyinfer.control")
+
+
+class OrderingError(Exception):
+    pass
+
+
+@attrs.frozen
+class EngineOutcome:
+    engine_id: int
+    status: int
+    body: dict
+
+    @property
+    def ok(self) -> bool:
+        return 200 <= self.status < 300
+
+    @property
+    def message(self) -> str:
+        error = self.body.get("error")
+        return error.get("message", str(error)) if isinstance(error, dict) else str(error or self.body)
+
+    def as_json(self) -> dict:
+        key = "result" if self.ok else "error"
+        return {"engine": self.engine_id, "status": self.status, key: self.body if self.ok else self.message}
+
+
+async def _call_engine(record: EngineRecord, path: str, query: Any, body: dict | None, timeout_s: float) -> EngineOutcome:
+    assert record.client is not None
+    try:
+        async with record.client.post(path, params=query, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+            payload = await r.json(content_type=None)
+            return EngineOutcome(record.engine_id, r.status, payload if isinstance(payload, dict) else {"value": payload})
+    except asyncio.TimeoutError:
+        return EngineOutcome(record.engine_id, 504, {"error": f"no answer within {timeout_s:.0f}s"})
+    except (aiohttp.ClientError, ValueError) as exc:
+        return EngineOutcome(record.engine_id, 503, {"error": f"engine unreachable: {exc!r}"})
+
+
+class ControlPlane:
+    def __init__(self, registry: EngineRegistry, timeout_s: float):
+        self.registry = registry
+        self.timeout_s = timeout_s
+
+    async def apply(
+        self,
+        operation: str,
+        query: Any = None,
+        body: dict | None = None,
+        next_state: Callable[[dict], EngineState | None] = lambda _result: None,
+    ) -> list[EngineOutcome]:
+        """Run ``/operation`` on every live engine; record each engine's new state."""
+        # One admin call at a time: a pause must not interleave with a resume.
+        async with self.registry.lock:
+            live = [r for r in self.registry.records if r.state in LIVE_STATES]
+            refusals = [(r, why) for r in live if (why := ordering_error(operation, r.state))]
+            if refusals:
+                raise OrderingError(
+                    f"cannot {operation}: "
+                    + "; ".join(f"engine {r.engine_id}: {why}" for r, why in refusals)
+                )
+            outcomes = await asyncio.gather(
+                *(_call_engine(r, f"/{operation}", query, body, self.timeout_s) for r in live)
+            )
+            for outcome in outcomes:
+                record = self.registry.records[outcome.engine_id]
+                if outcome.ok and (new := next_state(outcome.body)) is not None:
+                    self.registry.set_state(record, new)
+                elif not outcome.ok:
+                    log.warning("engine %d: %s failed: %s", outcome.engine_id, operation, outcome.message)
+        down = [
+            EngineOutcome(r.engine_id, 503, {"error": f"engine is {r.state.value}"})
+            for r in self.registry.records
+            if r.state not in LIVE_STATES
+        ]
+        return sorted([*outcomes, *down], key=lambda o: o.engine_id)
+
+
+def aggregate(operation: str, outcomes: list[EngineOutcome], ok_body: dict) -> web.Response:
+    engines = [o.as_json() for o in outcomes]
+    failed = [o for o in outcomes if not o.ok]
+    if not failed:
+        return json_response({**ok_body, "engines": engines})
+    statuses = {o.status for o in failed}
+    status = statuses.pop() if len(statuses) == 1 else 502
+    message = f"{operation} failed on {len(failed)} of {len(outcomes)} engine(s): " + "; ".join(
+        f"engine {o.engine_id}: {o.message}" for o in failed
+    )
+    return json_response({**error_body(status, message), "engines": engines}, status=status)
+
+
+CONTROL = web.AppKey("control", ControlPlane)
+
+Handler = Callable[[web.Request, ControlPlane], Awaitable[web.Response]]
+
+
+def _control_route(handler: Handler, body_params: tuple[str, ...] = ()) -> Callable[[web.Request], Awaitable[web.Response]]:
+    async def route(request: web.Request) -> web.Response:
+        try:
+            raw = await request.read()
+            if raw and body_params:
+                reject_body_params(parse_json_object(raw), body_params, request.path)
+            return await handler(request, request.app[CONTROL])
+        except WireError as exc:
+            return error_response(400, str(exc), exc.param)
+        except ValueError as exc:
+            return error_response(400, str(exc))
+        except OrderingError as exc:
+            return error_response(409, str(exc))
+
+    return route
+
+
+async def _pause(request: web.Request, control: ControlPlane) -> web.Response:
+    p = PauseParams.from_query(request.query)
+    outcomes = await control.apply("pause", p.to_query(), next_state=lambda _: EngineState.PAUSED)
+    return aggregate("pause", outcomes, {"status": "paused", "mode": p.mode})
+
+
+async def _resume(request: web.Request, control: ControlPlane) -> web.Response:
+    outcomes = await control.apply("resume", next_state=lambda _: EngineState.READY)
+    return aggregate("resume", outcomes, {"status": "resumed"})
+
+
+async def _sleep(request: web.Request, control: ControlPlane) -> web.Response:
+    p = SleepParams.from_query(request.query)
+    outcomes = await control.apply("sleep", p.to_query(), next_state=lambda _: EngineState.SLEEPING)
+    return aggregate("sleep", outcomes, {"status": "sleeping", "level": p.level})
+
+
+async def _wake_up(request: web.Request, control: ControlPlane) -> web.Response:
+    p = WakeUpParams.from_query(request.query)
+    outcomes = await control.apply(
+        "wake_up",
+        p.to_query(),
+        # A partial wake-up (some tags) leaves the engine asleep.
+        next_state=lambda result: EngineState.READY if result["fully_awake"] else None,
+    )
+    awake = all(o.ok and o.body.get("fully_awake") for o in outcomes)
+    return aggregate("wake_up", outcomes, {"status": "awake" if awake else "sleeping", "tags": list(p.tags or [])})
+
+
+async def _reset_prefix_cache(request: web.Request, control: ControlPlane) -> web.Response:
+    p = ResetPrefixCacheParams.from_query(request.query)
+    outcomes = await control.apply("reset_prefix_cache", p.to_query())
+    return aggregate("reset_prefix_cache", outcomes, {"status": "reset"})
+
+
+async def _abort_requests(request: web.Request, control: ControlPlane) -> web.Response:
+    raw = await request.read()
+    p = AbortParams.from_body(parse_json_object(raw) if raw else None)
+    outcomes = await control.apply("abort_requests", body=p.to_body())
+    aborted = sum(o.body.get("aborted", 0) for o in outcomes if o.ok)
+    return aggregate("abort_requests", outcomes, {"status": "aborted", "aborted": aborted})
+
+
+def _flag_view(name: str, states: frozenset[EngineState]):
+    async def view(request: web.Request) -> web.Response:
+        records = request.app[REGISTRY].records
+        engines = [{"engine": r.engine_id, name: r.state in states, "state": r.state.value} for r in records]
+        return json_response({name: any(e[name] for e in engines), "engines": engines})
+
+    return view
+
+
+def add_control_routes(app: web.Application) -> None:
+    app.router.add_post("/pause", _control_route(_pause, PauseParams.QUERY_NAMES))
+    app.router.add_post("/resume", _control_route(_resume))
+    app.router.add_post("/sleep", _control_route(_sleep, SleepParams.QUERY_NAMES))
+    app.router.add_post("/wake_up", _control_route(_wake_up, WakeUpParams.QUERY_NAMES))
+    app.router.add_post(
+        "/reset_prefix_cache", _control_route(_reset_prefix_cache, ResetPrefixCacheParams.QUERY_NAMES)
+    )
+    app.router.add_post("/abort_requests", _control_route(_abort_requests))
+    app.router.add_get("/is_paused", _flag_view("is_paused", frozenset({EngineState.PAUSED, EngineState.SLEEPING})))
+    app.router.add_get("/is_sleeping", _flag_view("is_sleeping", frozenset({EngineState.SLEEPING})))

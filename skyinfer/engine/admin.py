@@ -1,0 +1,107 @@
+"""Engine-side admin routes: each parses its typed parameters and makes one AsyncLLM call.
+
+Ordering rules (resume only when paused, ...) live in the front, which
+knows every engine's state; these handlers only carry the call out.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from ..errors import error_response, json_response, parse_json_object
+from ..wire import AbortParams, PauseParams, ResetPrefixCacheParams, SleepParams, WakeUpParams, WireError
+from .appkeys import ENGINE_CLIENT
+
+log = logging.getLogger("skyinfer.engine.admin")
+
+
+async def _pause(engine, request: web.Request) -> dict:
+    p = PauseParams.from_query(request.query)
+    await engine.pause_generation(mode=p.mode, clear_cache=p.clear_cache)
+    return {"status": "paused", "mode": p.mode}
+
+
+async def _resume(engine, request: web.Request) -> dict:
+    await engine.resume_generation()
+    return {"status": "resumed"}
+
+
+async def _sleep(engine, request: web.Request) -> dict:
+    p = SleepParams.from_query(request.query)
+    await engine.sleep(p.level, p.mode)
+    return {"status": "sleeping", "level": p.level}
+
+
+async def _wake_up(engine, request: web.Request) -> dict:
+    p = WakeUpParams.from_query(request.query)
+    fully_awake = await engine.wake_up(list(p.tags) if p.tags else None)
+    return {"status": "awake" if fully_awake else "sleeping", "fully_awake": fully_awake}
+
+
+async def _reset_prefix_cache(engine, request: web.Request) -> dict:
+    p = ResetPrefixCacheParams.from_query(request.query)
+    reset = await engine.reset_prefix_cache(p.reset_running_requests, p.reset_external)
+    return {"status": "reset" if reset else "not_reset", "reset": reset}
+
+
+def _tracked_ids(engine, response_ids: tuple[str, ...] | None) -> list[str]:
+    """Internal ids of the requests to abort: all of them, or those behind the given response ids.
+
+    A completion's response id is ``cmpl-X`` while vLLM tracks prompt i as
+    ``cmpl-X-i``, so a response id matches its per-prompt requests too.
+    """
+    processor = engine.output_processor
+    states = processor.request_states
+    if response_ids is None:
+        # Parents of parallel sampling included, as vLLM's own /abort_requests does.
+        return [*states.keys(), *processor.parent_requests.keys()]
+    wanted = set(response_ids)
+    return [
+        internal_id
+        for internal_id, state in states.items()
+        if state.external_req_id in wanted or state.external_req_id.rpartition("-")[0] in wanted
+    ]
+
+
+async def _abort_requests(engine, request: web.Request) -> dict:
+    body = await request.read()
+    p = AbortParams.from_body(parse_json_object(body) if body else None)
+    ids = _tracked_ids(engine, p.request_ids)
+    await engine.abort(ids, internal=True)
+    return {"status": "aborted", "aborted": len(ids)}
+
+
+async def _is_paused(engine, request: web.Request) -> dict:
+    return {"is_paused": await engine.is_paused()}
+
+
+def _admin_route(call: Callable[[Any, web.Request], Awaitable[dict]]):
+    async def handler(request: web.Request) -> web.Response:
+        try:
+            return json_response(await call(request.app[ENGINE_CLIENT], request))
+        except WireError as exc:
+            return error_response(400, str(exc), exc.param)
+        except ValueError as exc:
+            return error_response(400, str(exc))
+        except Exception as exc:
+            log.exception("%s failed", request.path)
+            return error_response(500, f"{request.path} failed in the engine: {exc!r}")
+
+    return handler
+
+
+def add_admin_routes(app: web.Application) -> None:
+    for path, call in {
+        "/pause": _pause,
+        "/resume": _resume,
+        "/sleep": _sleep,
+        "/wake_up": _wake_up,
+        "/reset_prefix_cache": _reset_prefix_cache,
+        "/abort_requests": _abort_requests,
+    }.items():
+        app.router.add_post(path, _admin_route(call))
+    app.router.add_get("/is_paused", _admin_route(_is_paused))

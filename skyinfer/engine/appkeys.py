@@ -1,0 +1,8 @@
+"""Keys for what the engine's aiohttp app holds."""
+
+from typing import Any
+
+from aiohttp import web
+
+ENGINE_CLIENT = web.AppKey("engine_client", Any)  # vLLM's AsyncLLM
+SERVING_STATE = web.AppKey("serving_state", Any)  # what vLLM's init_app_state built

@@ -1,0 +1,229 @@
+"""Control plane over two real engines: pause/resume in every mode, sleep/wake-up, ordering."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from support import engine_of
+
+
+@pytest.fixture
+async def http(server):
+    async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+        yield client
+
+
+async def admin(http: httpx.AsyncClient, path: str, expect: int = 200, **kw) -> dict:
+    r = await http.post(path, **kw)
+    assert r.status_code == expect, r.text
+    return r.json()
+
+
+async def complete(http, model: str, prompt: str, max_tokens: int, session: str | None = None) -> httpx.Response:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    r = await http.post("/v1/completions", json=body, headers={"X-Session-ID": session} if session else {})
+    assert r.status_code == 200, r.text
+    return r
+
+
+async def total_unfinished(http) -> int:
+    return sum(e["unfinished_requests"] for e in (await http.get("/engines")).json()["engines"])
+
+
+async def wait_unfinished(http, n: int, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (got := await total_unfinished(http)) != n:
+        assert time.monotonic() < deadline, f"expected {n} unfinished requests, have {got}"
+        await asyncio.sleep(0.05)
+
+
+async def admit_while_paused(http, coros) -> list[asyncio.Task]:
+    """Start requests while the engines are paused (keep), so all are in flight at once.
+
+    The demo model decodes a batch so fast that requests started on a running
+    engine may finish before anyone can pause them. Returns with engines paused.
+    """
+    await admin(http, "/pause", params={"mode": "keep"})
+    tasks = [asyncio.create_task(c) for c in coros]
+    await wait_unfinished(http, len(tasks))
+    return tasks
+
+
+async def sessions_on_each_engine(http, model: str) -> dict[int, str]:
+    """A session id pinned to each engine."""
+    found: dict[int, str] = {}
+    for i in range(20):
+        r = await complete(http, model, "x", 1, session=f"pin-{i}")
+        found.setdefault(engine_of(r), f"pin-{i}")
+        if len(found) == 2:
+            return found
+    raise AssertionError(f"sessions landed only on {found}")
+
+
+async def test_keep_pause_cycles_preserve_in_flight_requests(http, model_name):
+    max_tokens = 384
+    prompts = [f"Rollout {i}: the policy answers" for i in range(16)]
+    # Reference: the same requests, unpaused, one at a time.
+    baseline = [(await complete(http, model_name, p, max_tokens)).json()["choices"][0]["token_ids"] for p in prompts]
+
+    tasks = await admit_while_paused(http, [complete(http, model_name, p, max_tokens) for p in prompts])
+    await admin(http, "/resume")
+    for _ in range(3):
+        await asyncio.sleep(0.1)
+        result = await admin(http, "/pause", params={"mode": "keep"})
+        assert [e["status"] for e in result["engines"]] == [200, 200]
+        assert await total_unfinished(http) == 16, "requests finished before the pause"
+        assert (await http.get("/is_paused")).json()["is_paused"] is True
+        await asyncio.sleep(0.3)
+        assert not any(t.done() for t in tasks), "a kept request finished while paused"
+        await admin(http, "/resume")
+    results = [r.json()["choices"][0] for r in await asyncio.gather(*tasks)]
+    assert [c["finish_reason"] for c in results] == ["length"] * 16
+    assert [len(c["token_ids"]) for c in results] == [max_tokens] * 16
+    assert [c["token_ids"] for c in results] == baseline
+    assert (await http.get("/is_paused")).json()["is_paused"] is False
+
+
+async def test_abort_pause_returns_partial_tokens(http, model_name):
+    max_tokens = 3000
+    tasks = [asyncio.create_task(complete(http, model_name, f"abort me {i}", max_tokens)) for i in range(4)]
+    await wait_unfinished(http, 4)
+    await asyncio.sleep(0.3)
+    await admin(http, "/pause", params={"mode": "abort"})
+    try:
+        choices = [r.json()["choices"][0] for r in await asyncio.wait_for(asyncio.gather(*tasks), 30)]
+    finally:
+        await admin(http, "/resume")
+    assert [c["finish_reason"] for c in choices] == ["abort"] * 4
+    assert all(0 < len(c["token_ids"]) < max_tokens for c in choices), [len(c["token_ids"]) for c in choices]
+
+
+async def test_wait_pause_returns_after_requests_finish(http, model_name):
+    tasks = await admit_while_paused(http, [complete(http, model_name, f"drain {i}", 400) for i in range(4)])
+    await admin(http, "/resume")
+    await admin(http, "/pause", params={"mode": "wait"})
+    try:
+        # By the time the pause answers, the engines hold nothing in flight.
+        assert await total_unfinished(http) == 0
+        choices = [r.json()["choices"][0] for r in await asyncio.wait_for(asyncio.gather(*tasks), 10)]
+    finally:
+        await admin(http, "/resume")
+    assert [(c["finish_reason"], len(c["token_ids"])) for c in choices] == [("length", 400)] * 4
+
+
+async def test_requests_sent_while_paused_are_held_on_every_engine(http, model_name):
+    sessions = await sessions_on_each_engine(http, model_name)
+    await admin(http, "/pause", params={"mode": "keep"})
+    try:
+        tasks = {e: asyncio.create_task(complete(http, model_name, "held", 8, session=s)) for e, s in sessions.items()}
+        await asyncio.sleep(1.5)
+        assert not any(t.done() for t in tasks.values()), "a request ran while the engines were paused"
+    finally:
+        await admin(http, "/resume")
+    for engine, task in tasks.items():
+        r = await asyncio.wait_for(task, 30)
+        assert engine_of(r) == engine
+        assert len(r.json()["choices"][0]["token_ids"]) == 8
+
+
+async def engine_states(http) -> list[tuple[str, bool, bool]]:
+    return [(e["state"], e["paused"], e["sleeping"]) for e in (await http.get("/engines")).json()["engines"]]
+
+
+async def greedy_on_each_engine(http, model, sessions) -> dict[int, list[int]]:
+    return {e: (await complete(http, model, "sleep test", 16, s)).json()["choices"][0]["token_ids"] for e, s in sessions.items()}
+
+
+async def test_sleep_and_wake_up_round_trip(http, model_name):
+    sessions = await sessions_on_each_engine(http, model_name)
+    before = await greedy_on_each_engine(http, model_name, sessions)
+
+    result = await admin(http, "/sleep", params={"level": "1"})
+    assert result["level"] == 1
+    assert (await http.get("/is_sleeping")).json()["is_sleeping"] is True
+    assert await engine_states(http) == [("sleeping", True, True)] * 2
+    woke = await admin(http, "/wake_up")
+    assert woke["status"] == "awake"
+    assert (await http.get("/is_sleeping")).json()["is_sleeping"] is False
+    assert await engine_states(http) == [("ready", False, False)] * 2
+    assert await greedy_on_each_engine(http, model_name, sessions) == before
+
+    await admin(http, "/sleep", params={"level": "1"})
+    partial = await admin(http, "/wake_up", params={"tags": "weights"})
+    assert partial["status"] == "sleeping"
+    assert (await http.get("/is_sleeping")).json()["is_sleeping"] is True
+    assert await engine_states(http) == [("sleeping", True, True)] * 2
+    full = await admin(http, "/wake_up", params={"tags": "kv_cache"})
+    assert full["status"] == "awake"
+    assert (await http.get("/is_sleeping")).json()["is_sleeping"] is False
+    assert await greedy_on_each_engine(http, model_name, sessions) == before
+
+
+async def test_engines_view_says_cpu_sleep_frees_no_memory(http):
+    engines = (await http.get("/engines")).json()["engines"]
+    assert [e["devices"]["sleep_frees_memory"] for e in engines] == [False, False]
+
+
+async def test_ordering_mistakes_are_409(http):
+    err = await admin(http, "/resume", expect=409)
+    assert "not paused" in err["error"]["message"]
+    err = await admin(http, "/wake_up", expect=409)
+    assert "not sleeping" in err["error"]["message"]
+    await admin(http, "/sleep", params={"level": "0"})
+    try:
+        assert "sleeping" in (await admin(http, "/resume", expect=409))["error"]["message"]
+        assert "already sleeping" in (await admin(http, "/sleep", expect=409))["error"]["message"]
+    finally:
+        await admin(http, "/wake_up")
+    assert await engine_states(http) == [("ready", False, False)] * 2
+
+
+async def test_query_parameters_rule_and_json_body_cannot_change_them(http, model_name):
+    # A mode in the body is refused rather than silently ignored.
+    err = await admin(http, "/pause", expect=400, json={"mode": "keep"})
+    assert err["error"]["param"] == "mode" and "query parameter" in err["error"]["message"]
+    for params in ({"mode": "bogus"}, {"clear_cache": "maybe"}, {"mode": ["keep", "abort"]}):
+        await admin(http, "/pause", expect=400, params=params)
+    await admin(http, "/sleep", expect=400, params={"level": "7"})
+    await admin(http, "/wake_up", expect=400, params={"tags": "everything"})
+    # Nothing was paused by the refused calls.
+    assert (await http.get("/is_paused")).json()["is_paused"] is False
+
+    # The query string decides: keep, so an in-flight request survives.
+    (task,) = await admit_while_paused(http, [complete(http, model_name, "query decides", 600)])
+    await admin(http, "/resume")
+    await admin(http, "/pause?mode=keep", json={})
+    await asyncio.sleep(0.2)
+    await admin(http, "/resume")
+    choice = (await task).json()["choices"][0]
+    assert (choice["finish_reason"], len(choice["token_ids"])) == ("length", 600)
+
+
+async def test_reset_prefix_cache(http):
+    result = await admin(http, "/reset_prefix_cache")
+    assert [e["result"]["reset"] for e in result["engines"]] == [True, True]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_abort_requests_by_response_id(http, model_name, path):
+    body = {"model": model_name, "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    body.update({"prompt": "abort by id"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "abort by id"}]})
+    async with http.stream("POST", path, json=body) as r:
+        lines = r.aiter_lines()
+        async for line in lines:
+            if line.startswith("data: {"):
+                request_id = json.loads(line[len("data: "):])["id"]
+                break
+        result = await admin(http, "/abort_requests", json={"request_ids": [request_id]})
+        assert result["aborted"] == 1
+        rest = [json.loads(line[len("data: "):]) for line in [x async for x in lines] if line.startswith("data: {")]
+    assert rest[-1]["choices"][0]["finish_reason"] == "abort"
+    await wait_unfinished(http, 0, timeout_s=5)
+    # Aborting everything when nothing runs is a no-op, not an error.
+    assert (await admin(http, "/abort_requests"))["aborted"] == 0
