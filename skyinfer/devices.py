@@ -74,29 +74,24 @@ def _id_list(ids: tuple[int, ...]) -> str:
     return ",".join(str(i) for i in ids)
 
 
-def plan_engine_devices(
-    kind: str, engines: int, workers_per_engine: int, cpu_kvcache_gib: int = 1
-) -> list[EngineDevices]:
-    """Split the machine's GPUs or cores into one disjoint group per engine."""
+def split_gpus(gpus: list[int], engines: int, workers_per_engine: int) -> list[EngineDevices]:
+    """One group of ``workers_per_engine`` consecutive visible GPUs per engine."""
     needed = engines * workers_per_engine
-    if kind == "cuda":
-        gpus = _visible_gpus()
-        if needed > len(gpus):
-            raise LayoutError(
-                f"{engines} engine(s) x {workers_per_engine} GPU(s) each need {needed} GPUs, "
-                f"but {len(gpus)} are visible ({_id_list(tuple(gpus)) or 'none'})"
-            )
-        plans = []
-        for e in range(engines):
-            group = tuple(gpus[e * workers_per_engine : (e + 1) * workers_per_engine])
-            plans.append(
-                EngineDevices("cuda", tuple((g,) for g in group), {"CUDA_VISIBLE_DEVICES": _id_list(group)})
-            )
-        return plans
-    if kind != "cpu":
-        raise LayoutError(f"unknown device kind {kind!r}; expected 'cuda' or 'cpu'")
+    if needed > len(gpus):
+        raise LayoutError(
+            f"{engines} engine(s) x {workers_per_engine} GPU(s) each need {needed} GPUs, "
+            f"but {len(gpus)} are visible ({_id_list(tuple(gpus)) or 'none'})"
+        )
+    plans = []
+    for e in range(engines):
+        group = tuple(gpus[e * workers_per_engine : (e + 1) * workers_per_engine])
+        plans.append(EngineDevices("cuda", tuple((g,) for g in group), {"CUDA_VISIBLE_DEVICES": _id_list(group)}))
+    return plans
 
-    cores = sorted(os.sched_getaffinity(0))
+
+def split_cores(cores: list[int], engines: int, workers_per_engine: int, cpu_kvcache_gib: int) -> list[EngineDevices]:
+    """An equal share of cores per worker; each engine's workers are bound to their own cores."""
+    needed = engines * workers_per_engine
     if needed > len(cores):
         raise LayoutError(
             f"{engines} engine(s) x {workers_per_engine} worker(s) need {needed} CPU cores, "
@@ -105,9 +100,9 @@ def plan_engine_devices(
     per_worker = len(cores) // needed
     plans = []
     for e in range(engines):
+        first = e * workers_per_engine
         workers = tuple(
-            tuple(cores[(e * workers_per_engine + w) * per_worker : (e * workers_per_engine + w + 1) * per_worker])
-            for w in range(workers_per_engine)
+            tuple(cores[(first + w) * per_worker : (first + w + 1) * per_worker]) for w in range(workers_per_engine)
         )
         env = {
             # One core list per worker rank, '|'-separated, as vLLM expects.
@@ -116,6 +111,17 @@ def plan_engine_devices(
         }
         plans.append(EngineDevices("cpu", workers, env))
     return plans
+
+
+def plan_engine_devices(
+    kind: str, engines: int, workers_per_engine: int, cpu_kvcache_gib: int = 1
+) -> list[EngineDevices]:
+    """Split this machine's visible GPUs, or the cores this process may use, between the engines."""
+    if kind == "cuda":
+        return split_gpus(_visible_gpus(), engines, workers_per_engine)
+    if kind == "cpu":
+        return split_cores(sorted(os.sched_getaffinity(0)), engines, workers_per_engine, cpu_kvcache_gib)
+    raise LayoutError(f"unknown device kind {kind!r}; expected 'cuda' or 'cpu'")
 
 
 def platform_engine_args(kind: str, user_args: tuple[str, ...]) -> tuple[str, ...]:

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from skyinfer.demo_model import VOCAB_SIZE, build_demo_model
-from skyinfer.devices import LayoutError, plan_engine_devices
+from skyinfer.devices import LayoutError, plan_engine_devices, split_cores, split_gpus
 from skyinfer.routing import Candidate, SessionRouter
 
 
@@ -71,15 +71,6 @@ def test_cpu_layout_gives_disjoint_cores():
     assert [p.env["VLLM_CPU_OMP_THREADS_BIND"] for p in plans] == [str(c) for c in cores]
 
 
-def test_cpu_layout_with_tensor_parallel_separates_ranks():
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < 2:
-        pytest.skip("needs two cores")
-    (plan,) = plan_engine_devices("cpu", engines=1, workers_per_engine=2)
-    assert plan.env["VLLM_CPU_OMP_THREADS_BIND"].count("|") == 1
-    assert len(plan.worker_ids) == 2
-
-
 def test_layout_that_does_not_fit_is_an_error():
     too_many = len(os.sched_getaffinity(0)) + 1
     with pytest.raises(LayoutError, match="CPU cores"):
@@ -121,3 +112,20 @@ def test_router_ignores_session_counts_for_sessionless_requests():
     plain = collections.Counter(router.choose(candidates(0, 0)) for _ in range(10))
     assert plain == {0: 5, 1: 5}
     assert router.choose(candidates(0, 0), "new") == 1
+
+
+def test_gpu_layout_gives_each_engine_its_own_group():
+    plans = split_gpus([0, 1, 2, 3, 4, 5, 6, 7], engines=2, workers_per_engine=4)
+    assert [p.env["CUDA_VISIBLE_DEVICES"] for p in plans] == ["0,1,2,3", "4,5,6,7"]
+    assert [p.ids for p in plans] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert all(p.sleep_frees_memory for p in plans)
+    # Respects what CUDA_VISIBLE_DEVICES left visible, in its order.
+    assert [p.env["CUDA_VISIBLE_DEVICES"] for p in split_gpus([3, 1], 2, 1)] == ["3", "1"]
+    with pytest.raises(LayoutError, match="need 6 GPUs, but 4 are visible"):
+        split_gpus([0, 1, 2, 3], engines=3, workers_per_engine=2)
+
+
+def test_cpu_layout_splits_cores_between_engines_and_ranks():
+    plans = split_cores(list(range(8)), engines=2, workers_per_engine=2, cpu_kvcache_gib=1)
+    assert [p.env["VLLM_CPU_OMP_THREADS_BIND"] for p in plans] == ["0,1|2,3", "4,5|6,7"]
+    assert not any(p.sleep_frees_memory for p in plans)

