@@ -16,6 +16,11 @@ from support import engine_of
 async def http(server):
     async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
         yield client
+        # Leave the shared engines serving, whatever the test did.
+        if (await client.get("/is_sleeping")).json()["is_sleeping"]:
+            await client.post("/wake_up")
+        if (await client.get("/is_paused")).json()["is_paused"]:
+            await client.post("/resume")
 
 
 async def admin(http: httpx.AsyncClient, path: str, expect: int = 200, **kw) -> dict:
@@ -66,24 +71,41 @@ async def sessions_on_each_engine(http, model: str) -> dict[int, str]:
     raise AssertionError(f"sessions landed only on {found}")
 
 
-async def test_keep_pause_cycles_preserve_in_flight_requests(http, model_name):
-    max_tokens = 384
-    prompts = [f"Rollout {i}: the policy answers" for i in range(16)]
-    # Reference: the same requests, unpaused, one at a time.
-    baseline = [(await complete(http, model_name, p, max_tokens)).json()["choices"][0]["token_ids"] for p in prompts]
+async def run_through_pause_cycles(http, model: str, prompts: list[str], max_tokens: int) -> list[dict] | None:
+    """Run the requests concurrently through three keep-pause cycles.
 
-    tasks = await admit_while_paused(http, [complete(http, model_name, p, max_tokens) for p in prompts])
+    Returns their choices, or None when some request finished before a pause:
+    on two cores an admin call to a busy engine can take a second to arrive,
+    and the demo model decodes fast, so the precondition can be lost.
+    """
+    tasks = await admit_while_paused(http, [complete(http, model, p, max_tokens) for p in prompts])
     await admin(http, "/resume")
     for _ in range(3):
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.05)
         result = await admin(http, "/pause", params={"mode": "keep"})
         assert [e["status"] for e in result["engines"]] == [200, 200]
-        assert await total_unfinished(http) == 16, "requests finished before the pause"
+        if await total_unfinished(http) != len(prompts):
+            await admin(http, "/resume")
+            await asyncio.gather(*tasks)
+            return None
         assert (await http.get("/is_paused")).json()["is_paused"] is True
         await asyncio.sleep(0.3)
         assert not any(t.done() for t in tasks), "a kept request finished while paused"
         await admin(http, "/resume")
-    results = [r.json()["choices"][0] for r in await asyncio.gather(*tasks)]
+    return [r.json()["choices"][0] for r in await asyncio.gather(*tasks)]
+
+
+async def test_keep_pause_cycles_preserve_in_flight_requests(http, model_name):
+    max_tokens = 1024
+    prompts = [f"Rollout {i}: the policy answers" for i in range(16)]
+    # Reference: the same requests, unpaused, one at a time.
+    baseline = [(await complete(http, model_name, p, max_tokens)).json()["choices"][0]["token_ids"] for p in prompts]
+    for _attempt in range(3):
+        results = await run_through_pause_cycles(http, model_name, prompts, max_tokens)
+        if results is not None:
+            break
+    else:
+        pytest.fail("could not keep 16 requests in flight through three pause cycles in 3 attempts")
     assert [c["finish_reason"] for c in results] == ["length"] * 16
     assert [len(c["token_ids"]) for c in results] == [max_tokens] * 16
     assert [c["token_ids"] for c in results] == baseline
