@@ -36,6 +36,7 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--cpu-kvcache-gib", type=int, default=1, help="KV cache per engine on CPU, GiB (default: 1)")
     p.add_argument("--engine-start-timeout", type=float, default=600.0, help="seconds an engine may take to start")
     p.add_argument("--control-timeout", type=float, default=300.0, help="seconds each engine gets for an admin call (default: 300)")
+    p.add_argument("--weight-transfer-timeout", type=float, default=120.0, help="seconds a trainer gets to join, and each transfer step gets to finish (default: 120)")
     p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds in-flight requests get to finish on shutdown")
     return p
 
@@ -60,6 +61,7 @@ def _config_from_args(ns: argparse.Namespace, engine_args: list[str]):
         cpu_kvcache_gib=ns.cpu_kvcache_gib,
         engine_start_timeout_s=ns.engine_start_timeout,
         control_timeout_s=ns.control_timeout,
+        weight_transfer_timeout_s=ns.weight_transfer_timeout,
     )
 
 

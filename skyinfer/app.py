@@ -17,6 +17,7 @@ from .errors import json_response, openai_errors_middleware
 from .proxy import DATA_PLANE_GET, DATA_PLANE_POST, REGISTRY, forward
 from .state import EngineRecord, EngineRegistry
 from .supervisor import Supervisor
+from .weights.sync import WEIGHT_SYNC, WeightSync, add_weight_routes
 
 SUPERVISOR = web.AppKey("supervisor", Supervisor)
 
@@ -69,6 +70,9 @@ def create_app(config: ServeConfig) -> web.Application:
     app[REGISTRY] = registry
     app[SUPERVISOR] = supervisor
     app[CONTROL] = ControlPlane(registry, config.control_timeout_s)
+    app[WEIGHT_SYNC] = WeightSync(
+        registry, config.workers_per_engine, config.model, config.weight_transfer_timeout_s, supervisor.restart
+    )
 
     async def engines_ctx(_app: web.Application):
         supervisor.start()
@@ -83,6 +87,7 @@ def create_app(config: ServeConfig) -> web.Application:
     for path in DATA_PLANE_GET:
         app.router.add_get(path, forward)
     add_control_routes(app)
+    add_weight_routes(app)
     app.router.add_get("/health", health)
     app.router.add_get("/engines", engines_view)
     return app

@@ -23,6 +23,8 @@ class ServeConfig:
     engine_stop_timeout_s: float = 30.0
     # Per-engine timeout of an admin call (pause in "wait" mode waits for requests to drain).
     control_timeout_s: float = 300.0
+    # Bounds the trainer rendezvous and each transfer step.
+    weight_transfer_timeout_s: float = 120.0
     # Per-call timeout for the front's short calls to an engine (health, status).
     engine_probe_timeout_s: float = 5.0
     # Where engine Unix sockets live; None means a fresh temporary directory.

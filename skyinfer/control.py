@@ -20,14 +20,10 @@ from aiohttp import web
 
 from .errors import error_body, error_response, json_response, parse_json_object
 from .proxy import REGISTRY
-from .state import LIVE_STATES, EngineRecord, EngineRegistry, EngineState, ordering_error
+from .state import LIVE_STATES, EngineRecord, EngineRegistry, EngineState, OrderingError, control_targets
 from .wire import AbortParams, PauseParams, ResetPrefixCacheParams, SleepParams, WakeUpParams, WireError, reject_body_params
 
 log = logging.getLogger("skyinfer.control")
-
-
-class OrderingError(Exception):
-    pass
 
 
 @attrs.frozen
@@ -78,14 +74,9 @@ class ControlPlane:
         # One admin call at a time: a pause must not interleave with a resume.
         async with self.registry.lock:
             live = [r for r in self.registry.records if r.state in LIVE_STATES]
-            refusals = [(r, why) for r in live if (why := ordering_error(operation, r.state))]
-            if refusals:
-                raise OrderingError(
-                    f"cannot {operation}: "
-                    + "; ".join(f"engine {r.engine_id}: {why}" for r, why in refusals)
-                )
+            targets, already_done = control_targets(operation, live)
             outcomes = await asyncio.gather(
-                *(_call_engine(r, f"/{operation}", query, body, self.timeout_s) for r in live)
+                *(_call_engine(r, f"/{operation}", query, body, self.timeout_s) for r in targets)
             )
             for outcome in outcomes:
                 record = self.registry.records[outcome.engine_id]
@@ -93,12 +84,13 @@ class ControlPlane:
                     self.registry.set_state(record, new)
                 elif not outcome.ok:
                     log.warning("engine %d: %s failed: %s", outcome.engine_id, operation, outcome.message)
+        unchanged = [EngineOutcome(r.engine_id, 200, {"status": "unchanged", "state": r.state.value}) for r in already_done]
         down = [
             EngineOutcome(r.engine_id, 503, {"error": f"engine is {r.state.value}"})
             for r in self.registry.records
             if r.state not in LIVE_STATES
         ]
-        return sorted([*outcomes, *down], key=lambda o: o.engine_id)
+        return sorted([*outcomes, *unchanged, *down], key=lambda o: o.engine_id)
 
 
 def aggregate(operation: str, outcomes: list[EngineOutcome], ok_body: dict) -> web.Response:

@@ -86,8 +86,12 @@ def _build_tokenizer(seed: int):
     return tokenizer
 
 
-def build_demo_model(out_dir: str | Path, seed: int = 0) -> Path:
-    """Write the demo checkpoint (config, safetensors weights, tokenizer) to ``out_dir``."""
+def build_demo_model(out_dir: str | Path, seed: int = 0, **config_overrides) -> Path:
+    """Write the demo checkpoint (config, safetensors weights, tokenizer) to ``out_dir``.
+
+    ``config_overrides`` change the architecture (e.g. ``num_hidden_layers``)
+    for benchmarks that need a bigger model; keep ``head_dim`` at 64.
+    """
     import torch
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
@@ -106,7 +110,9 @@ def build_demo_model(out_dir: str | Path, seed: int = 0) -> Path:
 
     eos_id = hf_tokenizer.convert_tokens_to_ids("<|im_end|>")
     pad_id = hf_tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    config = Qwen2Config(**MODEL_CONFIG, eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None)
+    config = Qwen2Config(
+        **{**MODEL_CONFIG, **config_overrides}, eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None
+    )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
     with torch.no_grad():

@@ -124,12 +124,20 @@ def plan_engine_devices(
     raise LayoutError(f"unknown device kind {kind!r}; expected 'cuda' or 'cpu'")
 
 
+# Weight-transfer backend per device kind: vLLM's nccl needs GPUs; on CPU,
+# skyinfer's gloo backend (registered by its worker extension).
+WEIGHT_TRANSFER_BACKEND = {"cuda": "nccl", "cpu": "gloo"}
+
+
 def platform_engine_args(kind: str, user_args: tuple[str, ...]) -> tuple[str, ...]:
     """vLLM arguments an engine needs on this kind of device, unless the user gave them."""
+    args: list[str] = []
     if kind == "cpu" and "--enforce-eager" not in user_args:
         # CPU has no graph capture worth its start-up cost for these engines.
-        return ("--enforce-eager",)
+        args.append("--enforce-eager")
     if kind == "cuda" and "--enable-sleep-mode" not in user_args:
         # /sleep frees GPU memory only with sleep mode on; vLLM rejects it on CPU.
-        return ("--enable-sleep-mode",)
-    return ()
+        args.append("--enable-sleep-mode")
+    if "--weight-transfer-config" not in user_args:
+        args += ["--weight-transfer-config", f'{{"backend": "{WEIGHT_TRANSFER_BACKEND[kind]}"}}']
+    return tuple(args)

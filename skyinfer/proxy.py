@@ -24,6 +24,7 @@ REGISTRY = web.AppKey("registry", EngineRegistry)
 
 SESSION_HEADER = "X-Session-ID"
 ENGINE_HEADER = "X-Skyinfer-Engine"
+WEIGHT_VERSION_HEADER = "X-Weight-Version"
 
 DATA_PLANE_POST = (
     "/v1/completions",
@@ -74,12 +75,17 @@ async def forward(request: web.Request) -> web.StreamResponse:
         return await _relay(request, engine, body, headers)
 
 
+def _own_headers(engine: EngineRecord) -> dict[str, str]:
+    return {ENGINE_HEADER: str(engine.engine_id), WEIGHT_VERSION_HEADER: engine.weight_version or ""}
+
+
 async def _relay(request: web.Request, engine: EngineRecord, body: bytes, headers: dict) -> web.StreamResponse:
-    own_headers = {ENGINE_HEADER: str(engine.engine_id)}
     assert engine.client is not None
     try:
         upstream = await engine.client.request(request.method, request.rel_url, data=body or None, headers=headers)
         content_type = upstream.headers.get("Content-Type", "application/json")
+        # Read once the engine answers: the version a kept request finished with.
+        own_headers = _own_headers(engine)
         if not content_type.startswith("text/event-stream"):
             async with upstream:
                 payload = await upstream.read()
@@ -87,7 +93,7 @@ async def _relay(request: web.Request, engine: EngineRecord, body: bytes, header
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         log.warning("engine %d: %s %s failed: %r", engine.engine_id, request.method, request.path, exc)
         message = f"engine {engine.engine_id} failed while serving the request: {exc!r}"
-        return error_response(503, message, headers=own_headers)
+        return error_response(503, message, headers=_own_headers(engine))
     async with upstream:
         return await _relay_stream(request, engine, upstream, {**own_headers, "Content-Type": content_type})
 

@@ -21,6 +21,10 @@ class EngineState(enum.Enum):
     READY = "ready"
     PAUSED = "paused"
     SLEEPING = "sleeping"
+    # Up, but holding weights older than the fleet's (restarted after a failed
+    # transfer): takes admin and weight calls, serves nothing until a push.
+    STALE = "stale"
+    RESTARTING = "restarting"
     STOPPING = "stopping"
     STOPPED = "stopped"
     DEAD = "dead"
@@ -29,11 +33,13 @@ class EngineState(enum.Enum):
 S = EngineState
 # Which state may follow which; anything else is a bug in the caller.
 _TRANSITIONS: dict[EngineState, frozenset[EngineState]] = {
-    S.STARTING: frozenset({S.READY, S.DEAD, S.STOPPING}),
-    S.READY: frozenset({S.PAUSED, S.SLEEPING, S.DEAD, S.STOPPING}),
-    S.PAUSED: frozenset({S.READY, S.SLEEPING, S.DEAD, S.STOPPING}),
-    S.SLEEPING: frozenset({S.READY, S.DEAD, S.STOPPING}),
-    S.DEAD: frozenset({S.STOPPING, S.STOPPED}),
+    S.STARTING: frozenset({S.READY, S.STALE, S.DEAD, S.STOPPING}),
+    S.READY: frozenset({S.PAUSED, S.SLEEPING, S.RESTARTING, S.DEAD, S.STOPPING}),
+    S.PAUSED: frozenset({S.READY, S.SLEEPING, S.RESTARTING, S.DEAD, S.STOPPING}),
+    S.SLEEPING: frozenset({S.READY, S.RESTARTING, S.DEAD, S.STOPPING}),
+    S.STALE: frozenset({S.READY, S.RESTARTING, S.DEAD, S.STOPPING}),
+    S.RESTARTING: frozenset({S.READY, S.STALE, S.DEAD, S.STOPPING}),
+    S.DEAD: frozenset({S.RESTARTING, S.STOPPING, S.STOPPED}),
     S.STOPPING: frozenset({S.STOPPED, S.DEAD}),
     S.STOPPED: frozenset(),
 }
@@ -42,17 +48,23 @@ _TRANSITIONS: dict[EngineState, frozenset[EngineState]] = {
 # resume / wake-up, which is what a trainer pausing for a weight push wants.
 SERVING_STATES = frozenset({S.READY, S.PAUSED, S.SLEEPING})
 # States in which an engine process is up and takes admin calls.
-LIVE_STATES = SERVING_STATES
+LIVE_STATES = SERVING_STATES | {S.STALE}
 
-# Control operations: the states each may be applied in. Anything else is an
-# ordering mistake (409), e.g. resume while not paused.
-CONTROL_ALLOWED_FROM: dict[str, frozenset[EngineState]] = {
-    "pause": frozenset({S.READY, S.PAUSED}),
+# Control operations: the states each applies to, and the states in which it
+# is already done (that engine is left as it is, e.g. resuming an engine that
+# restarted while the others were paused). Any other state is an ordering
+# mistake (409), as is a call that applies to no engine at all.
+CONTROL_APPLIES_TO: dict[str, frozenset[EngineState]] = {
+    "pause": frozenset({S.READY, S.PAUSED, S.STALE}),
     "resume": frozenset({S.PAUSED}),
     "sleep": frozenset({S.READY, S.PAUSED}),
     "wake_up": frozenset({S.SLEEPING}),
     "reset_prefix_cache": LIVE_STATES,
     "abort_requests": LIVE_STATES,
+}
+CONTROL_ALREADY_DONE: dict[str, frozenset[EngineState]] = {
+    "resume": frozenset({S.READY, S.STALE}),
+    "wake_up": frozenset({S.READY, S.STALE}),
 }
 
 _ORDERING_HINTS = {
@@ -60,16 +72,35 @@ _ORDERING_HINTS = {
     ("resume", S.SLEEPING): "it is sleeping; POST /wake_up instead",
     ("pause", S.SLEEPING): "it is sleeping; POST /wake_up first",
     ("sleep", S.SLEEPING): "it is already sleeping",
+    ("sleep", S.STALE): "it is stale; push weights first",
     ("wake_up", S.READY): "it is not sleeping",
     ("wake_up", S.PAUSED): "it is paused, not sleeping; POST /resume instead",
 }
 
 
-def ordering_error(operation: str, state: EngineState) -> str | None:
-    """Why ``operation`` cannot be applied to an engine in ``state``, or None if it can."""
-    if state in CONTROL_ALLOWED_FROM[operation]:
-        return None
-    return _ORDERING_HINTS.get((operation, state), f"it is {state.value}")
+class OrderingError(Exception):
+    pass
+
+
+def control_targets(operation: str, records: list[EngineRecord]) -> tuple[list[EngineRecord], list[EngineRecord]]:
+    """Split live engines into those ``operation`` applies to and those already done.
+
+    Raises OrderingError when some engine's state makes the call a mistake, or
+    when it would apply to none.
+    """
+    applies, done = CONTROL_APPLIES_TO[operation], CONTROL_ALREADY_DONE.get(operation, frozenset())
+    refused = [r for r in records if r.state not in applies | done]
+    targets = [r for r in records if r.state in applies]
+    if refused or not targets:
+        reasons = refused or records
+        raise OrderingError(
+            f"cannot {operation}: "
+            + "; ".join(
+                f"engine {r.engine_id}: {_ORDERING_HINTS.get((operation, r.state), f'it is {r.state.value}')}"
+                for r in reasons
+            )
+        )
+    return targets, [r for r in records if r.state in done]
 
 
 class NoEngineAvailable(RuntimeError):
@@ -87,6 +118,10 @@ class EngineRecord:
     load: int = 0
     # HTTP client over this engine's Unix socket; set once it is ready.
     client: aiohttp.ClientSession | None = None
+    # The weights it serves, as the engine reports them ("default": as loaded).
+    weight_version: str | None = None
+    # The dtype it serves weights in; pushed tensors must match.
+    model_dtype: str | None = None
 
     @contextlib.contextmanager
     def in_flight(self):
@@ -105,6 +140,7 @@ class EngineRecord:
             "pid": self.pid,
             "devices": self.devices.describe(),
             "load": self.load,
+            "weight_version": self.weight_version,
         }
 
 
@@ -112,6 +148,8 @@ class EngineRegistry:
     def __init__(self, records: list[EngineRecord], max_sessions: int):
         self.records = records
         self.router = SessionRouter(max_sessions)
+        # The version of the last completed push; None while engines serve what they loaded.
+        self.fleet_weight_version: str | None = None
         # Held across multi-step, awaiting changes to an engine (start, stop,
         # restart). Routing itself never awaits, so it needs no lock.
         self.lock = asyncio.Lock()

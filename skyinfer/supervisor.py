@@ -37,10 +37,13 @@ class EngineProcess:
 
     def argv(self) -> list[str]:
         from .devices import platform_engine_args
+        from .engine import EXTENSION_PATH
 
         c = self.config
         vllm_args = [
             "--model", c.model,
+            # Imported by vLLM in every worker: registers the gloo weight-transfer backend.
+            "--worker-extension-cls", EXTENSION_PATH,
             "--tensor-parallel-size", str(c.tensor_parallel_size),
             "--pipeline-parallel-size", str(c.pipeline_parallel_size),
             *platform_engine_args(self.record.devices.kind, c.engine_args),
@@ -77,8 +80,8 @@ class EngineProcess:
     def exited(self) -> bool:
         return self.proc is None or self.proc.returncode is not None
 
-    async def wait_ready(self, timeout_s: float) -> aiohttp.ClientSession:
-        """Wait until the engine answers on its socket; return a client for it."""
+    async def wait_ready(self, timeout_s: float) -> tuple[aiohttp.ClientSession, dict]:
+        """Wait until the engine answers on its socket; return a client for it and its health report."""
         deadline = time.monotonic() + timeout_s
         while True:
             if self.exited:
@@ -93,7 +96,7 @@ class EngineProcess:
                 try:
                     async with client.get("/health", timeout=aiohttp.ClientTimeout(total=self.config.engine_probe_timeout_s)) as resp:
                         if resp.status == 200:
-                            return client
+                            return client, await resp.json()
                 except (aiohttp.ClientError, asyncio.TimeoutError):
                     pass
                 await client.close()
@@ -160,24 +163,53 @@ class Supervisor:
         log.info("all %d engine(s) ready in %.1fs", len(self.processes), time.monotonic() - started)
 
     async def _start_one(self, process: EngineProcess) -> None:
-        record = process.record
         async with self.registry.lock:
             await process.spawn()
         self._watchers.append(asyncio.create_task(self._watch_exit(process)))
-        client = await process.wait_ready(self.config.engine_start_timeout_s)
-        if record.state is EngineState.STARTING:
-            record.client = client
-            self.registry.set_state(record, EngineState.READY)
-        else:
-            await client.close()
+        await self._become_ready(process)
+
+    async def _become_ready(self, process: EngineProcess) -> None:
+        record = process.record
+        client, health = await process.wait_ready(self.config.engine_start_timeout_s)
+        if record.state not in (EngineState.STARTING, EngineState.RESTARTING):
+            await client.close()  # stopped while starting
+            return
+        record.client = client
+        record.weight_version = health["weight_version"]
+        record.model_dtype = health["model_dtype"]
+        fleet = self.registry.fleet_weight_version
+        # An engine loads the checkpoint from disk: behind a fleet that has had pushes.
+        stale = fleet is not None and record.weight_version != fleet
+        self.registry.set_state(record, EngineState.STALE if stale else EngineState.READY)
+
+    async def restart(self, record: EngineRecord, reason: str) -> None:
+        """Replace an engine's process; it comes back stale if the fleet's weights moved on."""
+        process = self.processes[record.engine_id]
+        log.warning("engine %d: restarting (%s)", record.engine_id, reason)
+        self.registry.set_state(record, EngineState.RESTARTING)
+        if record.client is not None:
+            await record.client.close()
+            record.client = None
+        await process.stop(self.config.engine_stop_timeout_s)
+        await process.spawn()
+        self._watchers.append(asyncio.create_task(self._watch_exit(process)))
+        try:
+            await self._become_ready(process)
+        except EngineStartError:
+            log.exception("engine %d: restart failed", record.engine_id)
+            if record.state is not EngineState.DEAD:
+                self.registry.set_state(record, EngineState.DEAD)
 
     async def _watch_exit(self, process: EngineProcess) -> None:
         """An engine process that exits unasked is dead: stop routing to it at once."""
         assert process.proc is not None
-        code = await process.proc.wait()
+        proc = process.proc
+        code = await proc.wait()
         record = process.record
-        if record.state not in (EngineState.STOPPING, EngineState.STOPPED, EngineState.DEAD):
-            log.error("engine %d: process %d exited with code %s", record.engine_id, process.proc.pid, code)
+        if proc is process.proc and record.state not in (
+            EngineState.STOPPING, EngineState.STOPPED, EngineState.DEAD, EngineState.RESTARTING
+        ):  # fmt: skip
+            log.error("engine %d: process %d exited with code %s", record.engine_id, proc.pid, code)
             self.registry.set_state(record, EngineState.DEAD)
 
     async def stop(self) -> None:

@@ -1,1 +1,5 @@
 """The engine child process: one vLLM AsyncLLM behind a small aiohttp app on a Unix socket."""
+
+# Named here (not imported from worker_extension, which imports vLLM) so the
+# front can pass it to engines without importing vLLM itself.
+EXTENSION_PATH = "skyinfer.engine.worker_extension.SkyinferWorkerExtension"

@@ -25,6 +25,7 @@ from vllm.entrypoints.serve.exception_handling.error_response import create_erro
 from ..errors import error_response, json_response, parse_json_object
 from .admin import add_admin_routes
 from .appkeys import ENGINE_CLIENT, SERVING_STATE
+from .weights import add_weight_routes
 
 log = logging.getLogger("skyinfer.engine")
 
@@ -115,7 +116,15 @@ async def _health(request: web.Request) -> web.Response:
         await engine.check_health()
     except Exception as exc:  # EngineDeadError and friends
         return error_response(503, f"engine unhealthy: {exc}")
-    return json_response({"pid": os.getpid(), "unfinished_requests": engine.get_num_unfinished_requests()})
+    return json_response(
+        {
+            "pid": os.getpid(),
+            "unfinished_requests": engine.get_num_unfinished_requests(),
+            "weight_version": await engine.get_weight_version(),
+            # The dtype weights are served in: pushed tensors must match it.
+            "model_dtype": str(engine.model_config.dtype).removeprefix("torch."),
+        }
+    )
 
 
 def create_engine_app(engine_client: Any, serving_state: Any) -> web.Application:
@@ -140,6 +149,7 @@ def create_engine_app(engine_client: Any, serving_state: Any) -> web.Application
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     add_admin_routes(app)
+    add_weight_routes(app)
     return app
 
 

@@ -1,0 +1,92 @@
+"""Engine-side weight-transfer routes: vLLM's own calls, plus waiting out the rendezvous.
+
+The front has already checked order and metadata; these run the calls on
+this engine's AsyncLLM and report how they went.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from aiohttp import web
+
+from ..errors import error_response, json_response, parse_json_object
+from .appkeys import ENGINE_CLIENT
+
+log = logging.getLogger("skyinfer.engine.weights")
+
+STATUS_RPC = "skyinfer_transfer_status"
+
+
+async def _wait_for_rendezvous(engine, timeout_s: float) -> web.Response:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        statuses = await engine.collective_rpc(STATUS_RPC)
+        states = {s["state"] for s in statuses}
+        if "failed" in states:
+            error = next(s["error"] for s in statuses if s["state"] == "failed")
+            return error_response(502, f"joining the trainer's group failed: {error}")
+        if states == {"ready"}:
+            return json_response({"status": "joined", "workers": len(statuses)})
+        if "timeout" in states or time.monotonic() > deadline:
+            return error_response(504, f"the trainer did not join the weight-transfer group within {timeout_s:.0f}s")
+        await asyncio.sleep(0.1)
+
+
+async def init_weight_transfer(request: web.Request) -> web.Response:
+    from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+    engine = request.app[ENGINE_CLIENT]
+    init_info = parse_json_object(await request.read())["init_info"]
+    await engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
+    return await _wait_for_rendezvous(engine, float(request.query["timeout_s"]))
+
+
+async def start_weight_update(request: web.Request) -> web.Response:
+    await request.app[ENGINE_CLIENT].start_weight_update()
+    return json_response({"status": "started"})
+
+
+async def update_weights(request: web.Request) -> web.Response:
+    from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+    update_info = parse_json_object(await request.read())["update_info"]
+    await request.app[ENGINE_CLIENT].update_weights(WeightTransferUpdateRequest(update_info=update_info))
+    return json_response({"status": "updated"})
+
+
+async def finish_weight_update(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_CLIENT]
+    version = parse_json_object(await request.read()).get("weight_version")
+    await engine.finish_weight_update(version)
+    # vLLM keeps the prefix cache across an update: KV computed with the old
+    # weights must never be served again.
+    await engine.reset_prefix_cache(reset_running_requests=True)
+    return json_response({"status": "finished", "weight_version": await engine.get_weight_version()})
+
+
+async def weight_info(request: web.Request) -> web.Response:
+    return json_response({"weight_version": await request.app[ENGINE_CLIENT].get_weight_version()})
+
+
+def _weight_route(handler):
+    async def route(request: web.Request) -> web.Response:
+        try:
+            return await handler(request)
+        except (ValueError, KeyError, TypeError) as exc:
+            return error_response(400, f"{request.path}: {exc}")
+        except Exception as exc:
+            log.exception("%s failed", request.path)
+            return error_response(500, f"{request.path} failed in the engine: {exc}")
+
+    return route
+
+
+def add_weight_routes(app: web.Application) -> None:
+    app.router.add_post("/init_weight_transfer", _weight_route(init_weight_transfer))
+    app.router.add_post("/start_weight_update", _weight_route(start_weight_update))
+    app.router.add_post("/update_weights", _weight_route(update_weights))
+    app.router.add_post("/finish_weight_update", _weight_route(finish_weight_update))
+    app.router.add_get("/weight_info", _weight_route(weight_info))

@@ -1,0 +1,212 @@
+"""The trainer's side of weight sync: join skyinfer's transfer group, push named tensors.
+
+Needs only torch and the standard library, never vLLM::
+
+    from skyinfer.trainer import GlooTrainer
+
+    trainer = GlooTrainer("http://127.0.0.1:8000")
+    trainer.init()                                   # once: joins every engine's workers
+    trainer.push(model.state_dict().items(), version="step-17")
+
+``push`` runs the broadcast while the HTTP call that makes the engines
+receive is in flight (both are halves of one collective). Three HTTP calls
+per push, however many tensors: start (checks the metadata before any byte
+moves), update, finish. ``SkyinferClient`` also satisfies vLLM's
+``VLLMWeightSyncClient`` protocol, so vLLM's own trainer-side engines
+(nccl, ipc, on GPUs) can drive skyinfer unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .weights.packing import DEFAULT_BUFFER_SIZE_BYTES, TensorMeta, dtype_name, pack, plan_chunks
+
+
+class WeightSyncError(RuntimeError):
+    def __init__(self, status: int, message: str):
+        super().__init__(f"{status}: {message}")
+        self.status = status
+        self.message = message
+
+
+class SkyinferClient:
+    """Blocking HTTP calls to skyinfer's weight routes (vLLM's ``VLLMWeightSyncClient`` protocol)."""
+
+    def __init__(self, base_url: str, timeout_s: float = 600.0):
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+
+    def _call(self, method: str, path: str, body: dict | None = None) -> dict:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(
+            self.base_url + path, data=data, method=method, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                return json.loads(response.read() or b"{}")
+        except urllib.error.HTTPError as exc:
+            raw = exc.read()
+            try:
+                message = json.loads(raw)["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = raw.decode(errors="replace")
+            raise WeightSyncError(exc.code, message) from None
+
+    def get_world_size(self) -> int:
+        return self._call("GET", "/get_world_size")["world_size"]
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self._call("POST", "/init_weight_transfer", {"init_info": init_info})
+
+    def start_weight_update(self, update_info: dict | None = None) -> None:
+        self._call("POST", "/start_weight_update", None if update_info is None else {"update_info": update_info})
+
+    def update_weights(self, update_info: dict, weight_version: str | None = None) -> None:
+        body = {"update_info": update_info}
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        self._call("POST", "/update_weights", body)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._call("POST", "/finish_weight_update", {"weight_version": weight_version})
+
+    def weight_info(self) -> dict:
+        return self._call("GET", "/weight_info")
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _gloo_group(host: str, port: int, world_size: int, timeout: timedelta):
+    """Rank 0 of a gloo group, built the way vLLM's ``stateless_init_torch_distributed_process_group``
+    builds its members' (same store prefix, same sequence-number handshake)."""
+    store = dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+    prefix_store = dist.PrefixStore(f"tcp://{host}:{port}", store)
+    group = dist.ProcessGroup(prefix_store, 0, world_size)
+    backend = dist.ProcessGroupGloo(prefix_store, 0, world_size, timeout=timeout)
+    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    backend._set_sequence_number_for_group()
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    return store, group
+
+
+class GlooTrainer:
+    """Rank 0 of a gloo weight-transfer group spanning every engine of a skyinfer server."""
+
+    def __init__(
+        self,
+        base_url: str,
+        master_address: str = "127.0.0.1",
+        master_port: int | None = None,
+        timeout_s: float = 120.0,
+        packed: bool = True,
+        buffer_size_bytes: int = DEFAULT_BUFFER_SIZE_BYTES,
+        rank_offset: int = 1,
+        world_size: int | None = None,
+    ):
+        self.client = SkyinferClient(base_url, timeout_s=timeout_s + 60)
+        self.master_address = master_address
+        self.master_port = master_port
+        self.timeout_s = timeout_s
+        self.packed = packed
+        self.buffer_size_bytes = buffer_size_bytes
+        self.rank_offset = rank_offset
+        self.world_size = world_size
+        self._store = None
+        self._group = None
+
+    def init(self) -> None:
+        """Form the group with every engine; returns once all have joined."""
+        world_size = self.world_size or self.rank_offset + self.client.get_world_size()
+        port = self.master_port or _free_port(self.master_address)
+        init_info = {
+            "master_address": self.master_address,
+            "master_port": port,
+            "rank_offset": self.rank_offset,
+            "world_size": world_size,
+            "packed": self.packed,
+            "packed_buffer_size_bytes": self.buffer_size_bytes,
+            "timeout_s": self.timeout_s,
+        }
+        timeout = timedelta(seconds=self.timeout_s)
+        pool = ThreadPoolExecutor(2)
+        try:
+            # The engines' workers connect to the store this side hosts; building
+            # the gloo group waits until all of them have. A refusal from the
+            # server means they never will: report it, don't wait out the timeout.
+            joined = pool.submit(self.client.init_weight_transfer_engine, init_info)
+            grouped = pool.submit(_gloo_group, self.master_address, port, world_size, timeout)
+            joined.result()
+            self._store, self._group = grouped.result()
+        finally:
+            pool.shutdown(wait=False)
+        self.world_size = world_size
+
+    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str, one_call: bool = False) -> None:
+        """Send the tensors to every engine; afterwards they serve ``version``.
+
+        ``one_call`` uses a single ``/update_weights`` (skyinfer starts and
+        finishes the update itself): one HTTP call instead of three.
+        """
+        if self._group is None:
+            raise RuntimeError("call init() first")
+        tensors = [(name, t.detach().contiguous().cpu()) for name, t in named_tensors]
+        metas = [TensorMeta(name, t.dtype, tuple(t.shape)) for name, t in tensors]
+        update_info = {
+            "names": [m.name for m in metas],
+            "dtype_names": [dtype_name(m.dtype) for m in metas],
+            "shapes": [list(m.shape) for m in metas],
+            "packed": self.packed,
+        }
+        if not one_call:
+            self.client.start_weight_update(update_info)  # a 400 here: nothing moved
+        with ThreadPoolExecutor(1) as pool:
+            receiving = pool.submit(self.client.update_weights, update_info, version if one_call else None)
+            if one_call:
+                _raise_if_refused(receiving)
+            self._broadcast(tensors, metas)
+            receiving.result()
+        if not one_call:
+            self.client.finish_weight_update(version)
+
+    def _broadcast(self, tensors: list[tuple[str, torch.Tensor]], metas: list[TensorMeta]) -> None:
+        if self.packed:
+            by_name = dict(tensors)
+            for chunk in plan_chunks(metas, self.buffer_size_bytes):
+                self._send(pack([by_name[m.name] for m in chunk]))
+        else:
+            for _name, tensor in tensors:
+                self._send(tensor)
+
+    def _send(self, tensor: torch.Tensor) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self._group.broadcast([tensor], opts).wait()
+
+
+# How long a one-call push waits for the server to refuse its metadata before
+# broadcasting. The front checks metadata first thing, so a refusal is back
+# in milliseconds; a call still pending after this is receiving.
+_REFUSAL_GRACE_S = 0.5
+
+
+def _raise_if_refused(receiving: Future) -> None:
+    done = threading.Event()
+    receiving.add_done_callback(lambda _f: done.set())
+    if done.wait(_REFUSAL_GRACE_S):
+        receiving.result()  # raises the refusal
+        raise WeightSyncError(500, "the server finished an update before any byte was sent")

@@ -1,0 +1,1 @@
+"""Weight sync: rank layout, metadata checks, packing, and the front's orchestration."""

@@ -1,0 +1,67 @@
+"""Packing of many tensors into few broadcasts, by the rule vLLM's ``packed_tensor`` uses.
+
+Each tensor is flattened to bytes and appended to the current chunk; a chunk
+is closed as soon as it holds *more* than ``buffer_size_bytes`` (so a chunk
+ends with the tensor that crossed the limit). Sender and receivers cut the
+same stream of (name, shape, dtype) at the same places without talking,
+which is why both sides use this one module. Needs only torch: the trainer
+side must not import vLLM.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+
+import attrs
+import torch
+
+DEFAULT_BUFFER_SIZE_BYTES = 1024 * 1024 * 1024  # vLLM's default
+
+
+@attrs.frozen
+class TensorMeta:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """``"bfloat16"`` (as vLLM's ``dtype_names`` carry it) to ``torch.bfloat16``."""
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def plan_chunks(metas: Iterable[TensorMeta], buffer_size_bytes: int) -> Iterator[list[TensorMeta]]:
+    """Group tensors into the chunks a packed transfer broadcasts."""
+    chunk: list[TensorMeta] = []
+    total = 0
+    for meta in metas:
+        chunk.append(meta)
+        total += meta.nbytes
+        if total > buffer_size_bytes:
+            yield chunk
+            chunk, total = [], 0
+    if chunk:
+        yield chunk
+
+
+def pack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One contiguous uint8 buffer holding the tensors' bytes back to back."""
+    return torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in tensors])
+
+
+def unpack(buffer: torch.Tensor, chunk: list[TensorMeta]) -> list[tuple[str, torch.Tensor]]:
+    """The named tensors in a received buffer (views into it)."""
+    parts = buffer.split([m.nbytes for m in chunk])
+    return [(m.name, part.view(m.dtype).view(m.shape)) for m, part in zip(chunk, parts)]

@@ -1,0 +1,300 @@
+"""The front's side of weight sync: rank layout, checks, and driving every engine at once.
+
+Routes and bodies follow vLLM 0.32's server. Every step is a collective with
+the trainer, so the front calls all engines concurrently and the trainer
+broadcasts at the same time. Nothing touches an engine's weights before the
+update's metadata has been checked: ``/start_weight_update`` only opens a
+session here, and the engines start theirs when the first checked
+``/update_weights`` arrives. An engine whose transfer fails mid-way holds
+half-loaded weights; it is taken out of rotation and restarted, and serves
+again only after a push brings it to the fleet's version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+import attrs
+from aiohttp import web
+
+from ..errors import error_body, error_response, json_response, parse_json_object
+from ..state import LIVE_STATES, EngineRecord, EngineRegistry, EngineState
+from .checkpoint import CheckpointSpec, UpdateMetadata
+from .layout import LayoutError, RankLayout
+
+log = logging.getLogger("skyinfer.weights")
+
+
+class SyncError(Exception):
+    def __init__(self, status: int, message: str, engines: list[dict] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.engines = engines
+
+
+@attrs.frozen
+class EngineReply:
+    engine_id: int
+    status: int
+    body: dict
+
+    @property
+    def ok(self) -> bool:
+        return 200 <= self.status < 300
+
+    def as_json(self) -> dict:
+        if self.ok:
+            return {"engine": self.engine_id, "status": self.status, "result": self.body}
+        error = self.body.get("error")
+        message = error.get("message") if isinstance(error, dict) else str(error)
+        return {"engine": self.engine_id, "status": self.status, "error": message}
+
+
+async def _post(record: EngineRecord, path: str, body: dict | None, timeout_s: float, query=None) -> EngineReply:
+    assert record.client is not None
+    try:
+        async with record.client.post(
+            path, json=body, params=query, timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as r:
+            return EngineReply(record.engine_id, r.status, await r.json(content_type=None))
+    except asyncio.TimeoutError:
+        return EngineReply(record.engine_id, 504, {"error": f"{path} took longer than {timeout_s:.0f}s"})
+    except (aiohttp.ClientError, ValueError) as exc:
+        return EngineReply(record.engine_id, 503, {"error": f"engine unreachable: {exc!r}"})
+
+
+class WeightSync:
+    def __init__(self, registry: EngineRegistry, workers_per_engine: int, model: str, timeout_s: float, restart):
+        self.registry = registry
+        self.workers_per_engine = workers_per_engine
+        self.timeout_s = timeout_s
+        self._restart: Callable[[EngineRecord, str], Awaitable[None]] = restart
+        self._spec = CheckpointSpec.read(model)
+        self._joined: set[int] = set()  # engines in the current trainer's group
+        self._session_open = False  # /start_weight_update seen, engines not started yet
+        self._engines_started = False
+        self.last_update_s: float | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.workers_per_engine * len(self.registry.records)
+
+    def _engines(self) -> list[EngineRecord]:
+        """Every engine takes part in every transfer: the trainer's group spans them all."""
+        down = [r for r in self.registry.records if r.state not in LIVE_STATES]
+        if down:
+            raise SyncError(
+                409,
+                "weight transfer needs every engine: "
+                + ", ".join(f"engine {r.engine_id} is {r.state.value}" for r in down)
+                + "; retry once it is up (GET /engines)",
+            )
+        return self.registry.records
+
+    # -- init ----------------------------------------------------------------
+    async def init(self, init_info: dict) -> dict:
+        if not isinstance(init_info, dict):
+            raise SyncError(400, "init_info must be an object")
+        try:
+            base = int(init_info.get("rank_offset", 1))
+            world_size = int(init_info["world_size"])
+        except KeyError:
+            raise SyncError(400, "init_info needs world_size (1 + GET /get_world_size for a single trainer)") from None
+        except (TypeError, ValueError):
+            raise SyncError(400, "init_info rank_offset and world_size must be integers") from None
+        try:
+            layout = RankLayout.build(base, world_size, (self.workers_per_engine,) * len(self.registry.records))
+        except LayoutError as exc:
+            raise SyncError(400, str(exc)) from None
+        if self._session_open or self._engines_started:
+            raise SyncError(409, "a weight update is in progress; POST /finish_weight_update first")
+        async with self.registry.lock:
+            records = self._engines()
+            timeout_s = float(init_info.get("timeout_s", self.timeout_s))
+            replies = await asyncio.gather(
+                *(
+                    _post(
+                        r,
+                        "/init_weight_transfer",
+                        {"init_info": {**init_info, "rank_offset": layout.rank_offset(i), "timeout_s": timeout_s}},
+                        timeout_s + 30,
+                        query={"timeout_s": str(timeout_s)},
+                    )
+                    for i, r in enumerate(records)
+                )
+            )
+            self._joined = {rep.engine_id for rep in replies if rep.ok}
+        self._raise_if_failed("init_weight_transfer", replies)
+        return {"status": "joined", "world_size": world_size, "rank_offsets": [layout.rank_offset(i) for i in range(len(records))]}
+
+    # -- one update ------------------------------------------------------------
+    def check_metadata(self, update_info) -> UpdateMetadata:
+        meta = UpdateMetadata.from_update_info(update_info)
+        dtypes = {r.model_dtype for r in self.registry.records if r.model_dtype}
+        if self._spec is not None and dtypes:
+            self._spec.check(meta, dtypes.pop())
+        return meta
+
+    def start(self, update_info) -> dict:
+        if self._session_open or self._engines_started:
+            raise SyncError(409, "a weight update is already in progress; POST /finish_weight_update first")
+        if update_info is not None:
+            self.check_metadata(update_info)
+        self._session_open = True
+        return {"status": "started"}
+
+    async def update(self, update_info, weight_version: str | None) -> dict:
+        """Check, then receive on every engine. Without an open session: start and finish too."""
+        try:
+            self.check_metadata(update_info)
+        except ValueError as exc:
+            raise SyncError(400, f"update_info rejected before any transfer: {exc}") from None
+        one_shot = not self._session_open and not self._engines_started
+        async with self.registry.lock:
+            records = self._engines()
+            missing = [r.engine_id for r in records if r.engine_id not in self._joined]
+            if missing:
+                raise SyncError(409, f"engines {missing} are not in the trainer's group; POST /init_weight_transfer first")
+            started = time.monotonic()
+            replies = await asyncio.gather(*(self._receive(r, update_info) for r in records))
+            failed = [rep for rep in replies if not rep.ok]
+            self._session_open, self._engines_started = False, not failed
+            if failed:
+                await self._abandon(records, failed)
+            self._raise_if_failed("update_weights", replies)
+            self.last_update_s = time.monotonic() - started
+        if one_shot:
+            return await self.finish(weight_version)
+        return {"status": "updated", "engines": [rep.as_json() for rep in replies]}
+
+    async def _receive(self, record: EngineRecord, update_info: dict) -> EngineReply:
+        if not self._engines_started:
+            reply = await _post(record, "/start_weight_update", None, self.timeout_s)
+            if not reply.ok:
+                return reply
+        return await _post(record, "/update_weights", {"update_info": update_info}, self.timeout_s)
+
+    async def finish(self, weight_version: str | None) -> dict:
+        if not self._engines_started:
+            raise SyncError(409, "no weight update to finish; POST /update_weights first")
+        version = weight_version if weight_version is not None else f"update-{int(time.time())}"
+        async with self.registry.lock:
+            records = self._engines()
+            replies = await asyncio.gather(
+                *(_post(r, "/finish_weight_update", {"weight_version": version}, self.timeout_s) for r in records)
+            )
+            self._engines_started = False
+            failed = [rep for rep in replies if not rep.ok]
+            if failed:
+                await self._abandon(records, failed)
+            self._raise_if_failed("finish_weight_update", replies)
+            self.registry.fleet_weight_version = version
+            for record in records:
+                record.weight_version = version
+                if record.state is EngineState.STALE:
+                    self.registry.set_state(record, EngineState.READY)
+        log.info("weight version %s on %d engine(s)", version, len(records))
+        return {"status": "finished", "weight_version": version, "engines": [rep.as_json() for rep in replies]}
+
+    async def _abandon(self, records: list[EngineRecord], failed: list[EngineReply]) -> None:
+        """Engines whose transfer broke hold half-loaded weights: restart them, out of rotation."""
+        self._joined.clear()  # the group is broken for everyone
+        for reply in failed:
+            record = self.registry.records[reply.engine_id]
+            # Restarting takes the registry lock's holder a while; run it beside this call.
+            asyncio.create_task(self._restart(record, f"weight transfer failed: {reply.as_json()['error']}"))
+            self.registry.set_state(record, EngineState.RESTARTING)
+
+    @staticmethod
+    def _raise_if_failed(step: str, replies: list[EngineReply]) -> None:
+        failed = [rep for rep in replies if not rep.ok]
+        if failed:
+            statuses = {rep.status for rep in failed}
+            status = statuses.pop() if len(statuses) == 1 else 502
+            message = f"{step} failed on " + "; ".join(f"engine {r.engine_id}: {r.as_json()['error']}" for r in failed)
+            raise SyncError(status, message, [rep.as_json() for rep in replies])
+
+    def info(self) -> dict:
+        return {
+            "weight_version": self.registry.fleet_weight_version,
+            "update_in_progress": self._session_open or self._engines_started,
+            "last_update_seconds": self.last_update_s,
+            "engines": [
+                {"engine": r.engine_id, "weight_version": r.weight_version, "state": r.state.value,
+                 "in_transfer_group": r.engine_id in self._joined}  # fmt: skip
+                for r in self.registry.records
+            ],
+        }
+
+
+WEIGHT_SYNC = web.AppKey("weight_sync", WeightSync)
+
+
+def _body(raw: bytes) -> dict:
+    return parse_json_object(raw) if raw else {}
+
+
+def _sync_route(handler: Callable[[WeightSync, dict], Awaitable[dict]]):
+    async def route(request: web.Request) -> web.Response:
+        try:
+            body = _body(await request.read())
+            # Shielded: a trainer that dies mid-call must not cancel the
+            # bookkeeping (restarting engines whose transfer broke).
+            return json_response(await asyncio.shield(handler(request.app[WEIGHT_SYNC], body)))
+        except SyncError as exc:
+            payload = error_body(exc.status, str(exc))
+            if exc.engines is not None:
+                payload["engines"] = exc.engines
+            return json_response(payload, status=exc.status)
+        except ValueError as exc:
+            return error_response(400, str(exc))
+
+    return route
+
+
+async def _init(sync: WeightSync, body: dict) -> dict:
+    if "init_info" not in body:
+        raise SyncError(400, 'body must be {"init_info": {...}}')
+    return await sync.init(body["init_info"])
+
+
+async def _start(sync: WeightSync, body: dict) -> dict:
+    try:
+        return sync.start(body.get("update_info"))
+    except ValueError as exc:
+        raise SyncError(400, f"update_info rejected: {exc}") from None
+
+
+async def _update(sync: WeightSync, body: dict) -> dict:
+    if "update_info" not in body:
+        raise SyncError(400, 'body must be {"update_info": {"names": [...], "dtype_names": [...], "shapes": [...]}}')
+    return await sync.update(body["update_info"], body.get("weight_version"))
+
+
+async def _finish(sync: WeightSync, body: dict) -> dict:
+    version = body.get("weight_version")
+    if version is not None and not isinstance(version, str):
+        raise SyncError(400, "weight_version must be a string")
+    return await sync.finish(version)
+
+
+async def _world_size(request: web.Request) -> web.Response:
+    return json_response({"world_size": request.app[WEIGHT_SYNC].world_size})
+
+
+async def _weight_info(request: web.Request) -> web.Response:
+    return json_response(request.app[WEIGHT_SYNC].info())
+
+
+def add_weight_routes(app: web.Application) -> None:
+    app.router.add_get("/get_world_size", _world_size)
+    for path in ("/init_weight_transfer", "/init_weight_transfer_engine"):
+        app.router.add_post(path, _sync_route(_init))
+    app.router.add_post("/start_weight_update", _sync_route(_start))
+    app.router.add_post("/update_weights", _sync_route(_update))
+    app.router.add_post("/finish_weight_update", _sync_route(_finish))
+    app.router.add_get("/weight_info", _weight_info)

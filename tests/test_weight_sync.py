@@ -1,0 +1,219 @@
+"""Weight sync with a real trainer process over gloo into two real engines.
+
+The trainer runs in its own process without vLLM (tests/trainer_process.py).
+Correctness is judged against a transformers float32 forward pass of the
+pushed weights. Runs last: it changes the shared engines' weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+
+from support import engine_of
+
+TRAINER = Path(__file__).with_name("trainer_process.py")
+PROMPTS = ["The quick brown fox", "Reinforcement learning updates a policy", "def main():"]
+
+
+def modified_weights(demo_model: Path, seed: int) -> dict[str, torch.Tensor]:
+    """The demo model's weights, float32, with some scaled, some re-randomized, the embeddings changed."""
+    model = AutoModelForCausalLM.from_pretrained(demo_model, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    weights = {}
+    for name, tensor in model.state_dict().items():
+        t = tensor.clone()
+        if "layers.0.self_attn.q_proj" in name or "layers.1.mlp.up_proj" in name:
+            t *= 1.25 + 0.25 * seed
+        elif "layers.1.mlp.down_proj.weight" in name or "layers.0.self_attn.o_proj" in name:
+            t = torch.randn(t.shape, generator=g) * 0.2
+        elif "embed_tokens" in name:
+            t += torch.randn(t.shape, generator=g) * 0.1
+        weights[name] = t.contiguous()
+    weights.pop("lm_head.weight", None)  # tied to the embeddings
+    return weights
+
+
+def save(weights: dict[str, torch.Tensor], path: Path) -> Path:
+    save_file(weights, str(path))
+    return path
+
+
+def run_trainer(server, weights_file: Path, version: str, *extra: str, timeout_s: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(TRAINER), server.url, str(weights_file), version, *extra],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+
+
+def reference_logprobs(demo_model: Path, weights: dict[str, torch.Tensor], prompt_ids: list[int], out_ids: list[int]) -> list[float]:
+    model = AutoModelForCausalLM.from_pretrained(demo_model, dtype=torch.float32)
+    model.load_state_dict(weights, strict=False)
+    model.tie_weights()
+    ids = torch.tensor([prompt_ids + out_ids])
+    with torch.no_grad():
+        logprobs = model(ids).logits[0].float().log_softmax(-1)
+    start = len(prompt_ids) - 1
+    return [logprobs[start + i, tok].item() for i, tok in enumerate(out_ids)]
+
+
+def sessions_per_engine(server, model_name) -> dict[int, str]:
+    found: dict[int, str] = {}
+    for i in range(20):
+        r = httpx.post(f"{server.url}/v1/completions", json={"model": model_name, "prompt": "x", "max_tokens": 1},
+                       headers={"X-Session-ID": f"ws-{i}"}, timeout=60)  # fmt: skip
+        found.setdefault(engine_of(r), f"ws-{i}")
+    assert set(found) == {0, 1}
+    return found
+
+
+def assert_engines_match(server, model_name, demo_model, weights, version):
+    for engine, session in sessions_per_engine(server, model_name).items():
+        for prompt in PROMPTS:
+            prompt_ids = httpx.post(f"{server.url}/tokenize", json={"model": model_name, "prompt": prompt}, timeout=30).json()["tokens"]
+            r = httpx.post(
+                f"{server.url}/v1/completions",
+                json={"model": model_name, "prompt": prompt, "max_tokens": 16, "temperature": 0, "logprobs": 1,
+                      "return_token_ids": True, "ignore_eos": True},  # fmt: skip
+                headers={"X-Session-ID": session},
+                timeout=60,
+            )
+            assert r.status_code == 200, r.text
+            assert engine_of(r) == engine
+            assert r.headers["X-Weight-Version"] == version
+            choice = r.json()["choices"][0]
+            expected = reference_logprobs(demo_model, weights, prompt_ids, choice["token_ids"])
+            got = choice["logprobs"]["token_logprobs"]
+            diff = max(abs(a - b) for a, b in zip(got, expected))
+            assert diff < 0.05, f"engine {engine}, {prompt!r}: logprobs differ by {diff:.4f}"
+
+
+def greedy(server, model_name, session: str) -> list[int]:
+    r = httpx.post(
+        f"{server.url}/v1/completions",
+        json={"model": model_name, "prompt": "unchanged?", "max_tokens": 12, "temperature": 0, "return_token_ids": True},
+        headers={"X-Session-ID": session},
+        timeout=60,
+    )
+    return r.json()["choices"][0]["token_ids"]
+
+
+async def test_push_under_keep_pause_then_logprobs_match_transformers(server, model_name, demo_model, tmp_path):
+    assert httpx.get(f"{server.url}/get_world_size").json()["world_size"] == 2
+    weights = modified_weights(demo_model, seed=1)
+    weights_file = save(weights, tmp_path / "w1.safetensors")
+    async with httpx.AsyncClient(base_url=server.url, timeout=300) as http:
+        assert (await http.post("/pause", params={"mode": "keep"})).status_code == 200
+        body = {"model": model_name, "max_tokens": 64, "ignore_eos": True, "return_token_ids": True}
+        tasks = [asyncio.create_task(http.post("/v1/completions", json={**body, "prompt": f"in flight {i}"})) for i in range(8)]
+        deadline = time.monotonic() + 30
+        while sum(e["unfinished_requests"] for e in (await http.get("/engines")).json()["engines"]) != 8:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.1)
+        trainer = await asyncio.to_thread(run_trainer, server, weights_file, "v-one")
+        assert trainer.returncode == 0, trainer.stdout + trainer.stderr
+        assert not any(t.done() for t in tasks)
+        assert (await http.post("/resume")).status_code == 200
+        results = await asyncio.gather(*tasks)
+    for r in results:
+        assert r.status_code == 200
+        choice = r.json()["choices"][0]
+        assert (choice["finish_reason"], len(choice["token_ids"])) == ("length", 64)
+    info = httpx.get(f"{server.url}/weight_info").json()
+    assert info["weight_version"] == "v-one"
+    assert [e["weight_version"] for e in info["engines"]] == ["v-one", "v-one"]
+    assert_engines_match(server, model_name, demo_model, weights, "v-one")
+
+    # A second push, with other weights, through a single /update_weights call.
+    weights2 = modified_weights(demo_model, seed=2)
+    trainer = run_trainer(server, save(weights2, tmp_path / "w2.safetensors"), "v-two", "--one-call")
+    assert trainer.returncode == 0, trainer.stdout + trainer.stderr
+    assert_engines_match(server, model_name, demo_model, weights2, "v-two")
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda w: w.update({"model.layers.0.no_such_tensor.weight": torch.zeros(2)}), "unknown tensor"),
+        (lambda w: w.update({"model.norm.weight": torch.zeros(7)}), "wrong shape"),
+        (lambda w: w.update({"model.norm.weight": w["model.norm.weight"].to(torch.bfloat16)}), "wrong dtype"),
+    ],
+)
+def test_bad_metadata_is_refused_before_any_transfer(server, model_name, demo_model, tmp_path, change, message):
+    version_before = httpx.get(f"{server.url}/weight_info").json()["weight_version"]
+    before = greedy(server, model_name, "bad-metadata")
+    weights = modified_weights(demo_model, seed=3)
+    change(weights)
+    trainer = run_trainer(server, save(weights, tmp_path / "bad.safetensors"), "v-bad")
+    assert trainer.returncode == 3, trainer.stdout + trainer.stderr
+    assert "refused 400" in trainer.stdout and message in trainer.stdout
+    # The same metadata straight to /update_weights (the one-call path): 400 too.
+    names = list(weights)
+    update_info = {"names": names, "dtype_names": [str(weights[n].dtype).split(".")[-1] for n in names],
+                   "shapes": [list(weights[n].shape) for n in names]}  # fmt: skip
+    r = httpx.post(f"{server.url}/update_weights", json={"update_info": update_info}, timeout=30)
+    assert r.status_code == 400 and message in r.json()["error"]["message"]
+    assert httpx.get(f"{server.url}/weight_info").json()["weight_version"] == version_before
+    assert greedy(server, model_name, "bad-metadata") == before
+    assert all(e["state"] == "ready" for e in server.engines())
+
+
+async def test_trainer_that_never_joins_times_out_while_engines_serve(server, model_name):
+    from support import free_port
+
+    init_info = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 3, "timeout_s": 6}
+    async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
+        started = time.monotonic()
+        init = asyncio.create_task(http.post("/init_weight_transfer", json={"init_info": init_info}))
+        await asyncio.sleep(1)
+        served = []
+        while not init.done():
+            t = time.monotonic()
+            r = await http.post("/v1/completions", json={"model": model_name, "prompt": "still here", "max_tokens": 4})
+            assert r.status_code == 200
+            served.append(time.monotonic() - t)
+            await asyncio.sleep(0.2)
+        r = await init
+        elapsed = time.monotonic() - started
+    assert r.status_code == 504, r.text
+    assert "did not join" in r.json()["error"]["message"]
+    assert elapsed < 6 + 10
+    assert len(served) >= 3 and max(served) < 5, served
+
+
+def test_trainer_dying_mid_transfer_restarts_engines_stale_until_next_push(server, model_name, demo_model, tmp_path):
+    weights = modified_weights(demo_model, seed=4)
+    weights_file = save(weights, tmp_path / "w4.safetensors")
+    trainer = run_trainer(server, weights_file, "v-dies", "--die-after", "3")
+    assert trainer.returncode == 9
+    # Every engine was receiving: each is restarted, and comes back stale.
+    deadline = time.monotonic() + 240
+    seen = set()
+    while True:
+        states = [e["state"] for e in server.engines()]
+        seen.update(states)
+        if states == ["stale", "stale"]:
+            break
+        assert time.monotonic() < deadline, states
+        r = httpx.post(f"{server.url}/v1/completions", json={"model": model_name, "prompt": "x", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 503, "a stale or restarting engine served a request"
+        time.sleep(1)
+    assert "restarting" in seen
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": model_name, "prompt": "x", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 503 and r.json()["error"]["type"] == "ServiceUnavailableError"
+
+    trainer = run_trainer(server, weights_file, "v-after-crash")
+    assert trainer.returncode == 0, trainer.stdout + trainer.stderr
+    assert [e["state"] for e in server.engines()] == ["ready", "ready"]
+    assert_engines_match(server, model_name, demo_model, weights, "v-after-crash")

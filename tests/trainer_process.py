@@ -1,0 +1,53 @@
+"""A trainer in its own process, as a training script would be: torch and skyinfer.trainer only.
+
+    python tests/trainer_process.py URL WEIGHTS.safetensors VERSION [--one-call] [--die-after N]
+
+Exits 0 after a push; prints a refusal's status and message and exits 3; with
+--die-after it sends N tensors one by one and then dies mid-transfer.
+"""
+
+import argparse
+import os
+import sys
+
+from safetensors.torch import load_file
+
+from skyinfer.trainer import GlooTrainer, WeightSyncError
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("url")
+    p.add_argument("weights")
+    p.add_argument("version")
+    p.add_argument("--one-call", action="store_true")
+    p.add_argument("--die-after", type=int)
+    p.add_argument("--timeout", type=float, default=60)
+    args = p.parse_args()
+    tensors = load_file(args.weights)
+    trainer = GlooTrainer(args.url, timeout_s=args.timeout, packed=args.die_after is None)
+    trainer.init()
+    if args.die_after is not None:
+        sent = 0
+        real_send = trainer._send
+
+        def send_then_die(tensor):
+            nonlocal sent
+            if sent == args.die_after:
+                os._exit(9)  # mid-transfer, as a crash would
+            real_send(tensor)
+            sent += 1
+
+        trainer._send = send_then_die
+    try:
+        trainer.push(tensors.items(), version=args.version, one_call=args.one_call)
+    except WeightSyncError as exc:
+        print(f"refused {exc.status}: {exc.message}", flush=True)
+        return 3
+    assert "vllm" not in sys.modules, "the trainer must not need vLLM"
+    print("pushed", args.version, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
