@@ -49,7 +49,10 @@ class EngineProcess:
             *platform_engine_args(self.record.devices.kind, c.engine_args),
             *c.engine_args,
         ]  # fmt: skip
-        return [sys.executable, "-m", "skyinfer.engine", "--socket", self.record.socket_path, "--", *vllm_args]
+        own = ["--socket", self.record.socket_path]
+        if self.record.devices.kind == "cpu":
+            own += ["--cpus", ",".join(str(c) for c in self.record.devices.ids)]
+        return [sys.executable, "-m", "skyinfer.engine", *own, "--", *vllm_args]
 
     async def spawn(self) -> None:
         with contextlib.suppress(FileNotFoundError):

@@ -72,22 +72,22 @@ async def sessions_on_each_engine(http, model: str) -> dict[int, str]:
 
 
 async def run_through_pause_cycles(http, model: str, prompts: list[str], max_tokens: int) -> list[dict] | None:
-    """Run the requests concurrently through three keep-pause cycles.
+    """Run the requests concurrently through three keep-pause cycles, the first while all are held.
 
-    Returns their choices, or None when some request finished before a pause:
-    on two cores an admin call to a busy engine can take a second to arrive,
-    and the demo model decodes fast, so the precondition can be lost.
+    Returns their choices, or None when all requests finished before a later
+    pause: on two cores the demo model decodes fast, and an admin call can
+    take a second to reach a busy engine.
     """
     tasks = await admit_while_paused(http, [complete(http, model, p, max_tokens) for p in prompts])
-    await admin(http, "/resume")
-    for _ in range(3):
-        await asyncio.sleep(0.05)
-        result = await admin(http, "/pause", params={"mode": "keep"})
-        assert [e["status"] for e in result["engines"]] == [200, 200]
-        if await total_unfinished(http) != len(prompts):
-            await admin(http, "/resume")
-            await asyncio.gather(*tasks)
-            return None
+    for cycle in range(3):
+        if cycle:
+            await asyncio.sleep(0.05)
+            result = await admin(http, "/pause", params={"mode": "keep"})
+            assert [e["status"] for e in result["engines"]] == [200, 200]
+            if await total_unfinished(http) == 0:
+                await admin(http, "/resume")
+                await asyncio.gather(*tasks)
+                return None
         assert (await http.get("/is_paused")).json()["is_paused"] is True
         await asyncio.sleep(0.3)
         assert not any(t.done() for t in tasks), "a kept request finished while paused"
@@ -242,8 +242,11 @@ async def test_abort_requests_by_response_id(http, model_name, path):
             if line.startswith("data: {"):
                 request_id = json.loads(line[len("data: "):])["id"]
                 break
+        # Held (keep), the request cannot finish before the abort reaches it.
+        await admin(http, "/pause", params={"mode": "keep"})
         result = await admin(http, "/abort_requests", json={"request_ids": [request_id]})
         assert result["aborted"] == 1
+        await admin(http, "/resume")
         rest = [json.loads(line[len("data: "):]) for line in [x async for x in lines] if line.startswith("data: {")]
     assert rest[-1]["choices"][0]["finish_reason"] == "abort"
     await wait_unfinished(http, 0, timeout_s=5)

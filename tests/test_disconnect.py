@@ -26,6 +26,11 @@ def wait_for(predicate, timeout_s: float = 15.0) -> bool:
     return False
 
 
+def pause(server, paused: bool) -> None:
+    r = httpx.post(f"{server.url}/{'pause' if paused else 'resume'}", params={"mode": "keep"} if paused else None, timeout=60)
+    assert r.status_code == 200, r.text
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_streaming_disconnect_aborts_in_engine(server, model_name, path):
     body = {"model": model_name, "stream": True, **LONG}
@@ -37,15 +42,23 @@ def test_streaming_disconnect_aborts_in_engine(server, model_name, path):
             chunks = r.iter_bytes()
             for _ in range(3):
                 next(chunks)
-            assert unfinished(server, engine) == 1, "the request should be running while we read"
-        # Leaving the block closes the connection mid-stream.
-    assert wait_for(lambda: unfinished(server, engine) == 0), server.engines()
-    assert wait_for(lambda: server.engines()[engine]["load"] == 0)
+            # Paused (keep), the request can only end by being aborted.
+            pause(server, True)
+            try:
+                assert unfinished(server, engine) == 1, "the request should be held in the engine"
+                # Leaving the block closes the connection mid-stream.
+            except BaseException:
+                pause(server, False)
+                raise
+        try:
+            assert wait_for(lambda: unfinished(server, engine) == 0), server.engines()
+            assert wait_for(lambda: server.engines()[engine]["load"] == 0)
+        finally:
+            pause(server, False)
 
 
 async def test_non_streaming_disconnect_aborts_in_engine(server, model_name):
-    # 4000 tokens take this engine well over 10 s; the abort must come much sooner.
-    body = {"model": model_name, "prompt": "go", **LONG, "max_tokens": 4000}
+    body = {"model": model_name, "prompt": "go", **LONG}
     async with httpx.AsyncClient(timeout=120) as client:
 
         async def total_unfinished() -> int:
@@ -53,13 +66,18 @@ async def test_non_streaming_disconnect_aborts_in_engine(server, model_name):
             return sum(e["unfinished_requests"] for e in engines)
 
         assert await total_unfinished() == 0
-        request = asyncio.create_task(client.post(f"{server.url}/v1/completions", json=body))
-        deadline = time.monotonic() + 15
-        while await total_unfinished() != 1:
-            assert time.monotonic() < deadline and not request.done(), "request never reached an engine"
-            await asyncio.sleep(0.1)
-        request.cancel()  # closes the connection while the engine is generating
-        cancelled_at = time.monotonic()
-        while await total_unfinished() != 0:
-            assert time.monotonic() - cancelled_at < 5, "engine kept generating for a client that left"
-            await asyncio.sleep(0.1)
+        # Admitted while paused (keep): held, so it can only end by being aborted.
+        assert (await client.post(f"{server.url}/pause", params={"mode": "keep"})).status_code == 200
+        try:
+            request = asyncio.create_task(client.post(f"{server.url}/v1/completions", json=body))
+            deadline = time.monotonic() + 15
+            while await total_unfinished() != 1:
+                assert time.monotonic() < deadline and not request.done(), "request never reached an engine"
+                await asyncio.sleep(0.1)
+            request.cancel()  # closes the connection
+            cancelled_at = time.monotonic()
+            while await total_unfinished() != 0:
+                assert time.monotonic() - cancelled_at < 5, "engine kept a request whose client left"
+                await asyncio.sleep(0.1)
+        finally:
+            assert (await client.post(f"{server.url}/resume")).status_code == 200

@@ -7,6 +7,7 @@ The front starts one of these per engine, with the device environment
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -27,9 +28,14 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     own = argparse.ArgumentParser(prog="python -m skyinfer.engine")
     own.add_argument("--socket", required=True, help="Unix socket to serve on once the engine is ready")
+    own.add_argument("--cpus", help="comma-separated cores this engine (and every process it starts) may run on")
     split = argv.index("--") if "--" in argv else len(argv)
     own_argv, vllm_argv = argv[:split], argv[split + 1 :]
     ns = own.parse_args(own_argv)
+    if ns.cpus:
+        # Inherited by vLLM's EngineCore and workers: a busy engine cannot
+        # starve another engine's control path of CPU.
+        os.sched_setaffinity(0, {int(c) for c in ns.cpus.split(",")})
 
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
     from vllm.logger import configure_logging_from_args

@@ -1,0 +1,148 @@
+#!/usr/bin/env python
+"""Weight-push throughput: skyinfer against a raw gloo broadcast of the same bytes.
+
+skyinfer serves a synthetic Qwen2 of a few hundred MB (the demo model made
+wider and deeper) on one engine, so the transfer group is the trainer plus
+one worker, as in the reference: two plain torch processes, one broadcasting
+the same packed buffers (same chunking) to the other over gloo. A push is
+timed from the trainer's first HTTP call to the return of the last: checks,
+transfer, loading into vLLM's model, finish. The figure is the ratio of
+bytes per second. Also counted: HTTP calls per push, for the model as it
+is and split into four times as many tensors.
+
+    .venv/bin/python tools/bench_weight_sync.py --pushes 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchlib import free_port, start_skyinfer, stop  # noqa: E402
+
+from skyinfer.demo_model import build_demo_model  # noqa: E402
+from skyinfer.trainer import GlooTrainer, SkyinferClient  # noqa: E402
+from skyinfer.weights.packing import DEFAULT_BUFFER_SIZE_BYTES, TensorMeta, pack, plan_chunks  # noqa: E402
+
+BENCH_MODEL = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=12, num_attention_heads=16,
+                   num_key_value_heads=4, head_dim=64)  # fmt: skip
+
+
+class CountingClient(SkyinferClient):
+    calls = 0
+
+    def _call(self, method, path, body=None):
+        CountingClient.calls += 1
+        return super()._call(method, path, body)
+
+
+def weights_of(model_dir: Path) -> list[tuple[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    return [(name, t.clone()) for name, t in sorted(tensors.items())]
+
+
+def raw_receiver(port: int, chunk_sizes: list[int], pushes: int) -> None:
+    store = torch.distributed.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timedelta(seconds=120))
+    group = torch.distributed.ProcessGroupGloo(store, 1, 2, timedelta(seconds=120))
+    opts = torch.distributed.BroadcastOptions()
+    opts.rootRank = 0
+    for _ in range(pushes):
+        for size in chunk_sizes:
+            group.broadcast([torch.empty(size, dtype=torch.uint8)], opts).wait()
+
+
+def raw_gloo(tensors, pushes: int, buffer_size: int) -> list[float]:
+    """Seconds per push for the same bytes, same chunks, between two plain torch processes."""
+    metas = [TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in tensors]
+    by_name = dict(tensors)
+    chunks = list(plan_chunks(metas, buffer_size))
+    port = free_port()
+    receiver = mp.get_context("spawn").Process(target=raw_receiver, args=(port, [sum(m.nbytes for m in c) for c in chunks], pushes))
+    receiver.start()
+    store = torch.distributed.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=timedelta(seconds=120))
+    group = torch.distributed.ProcessGroupGloo(store, 0, 2, timedelta(seconds=120))
+    opts = torch.distributed.BroadcastOptions()
+    opts.rootRank = 0
+    times = []
+    for _ in range(pushes):
+        started = time.perf_counter()
+        for chunk in chunks:
+            group.broadcast([pack([by_name[m.name] for m in chunk])], opts).wait()
+        times.append(time.perf_counter() - started)
+    receiver.join()
+    return times
+
+
+def skyinfer_pushes(url: str, tensors, pushes: int, buffer_size: int, packed: bool = True) -> tuple[list[float], list[int]]:
+    trainer = GlooTrainer(url, timeout_s=300, buffer_size_bytes=buffer_size, packed=packed)
+    trainer.client = CountingClient(url, timeout_s=600)
+    trainer.init()
+    times, calls = [], []
+    for i in range(pushes):
+        CountingClient.calls = 0
+        started = time.perf_counter()
+        trainer.push(tensors, version=f"bench-{i}")
+        times.append(time.perf_counter() - started)
+        calls.append(CountingClient.calls)
+    return times, calls
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pushes", type=int, default=3)
+    p.add_argument("--buffer-size-mb", type=int, default=DEFAULT_BUFFER_SIZE_BYTES // 2**20)
+    args = p.parse_args()
+    buffer_size = args.buffer_size_mb * 2**20
+    model_dir = build_demo_model(Path(tempfile.mkdtemp(prefix="bench-weights-")), **BENCH_MODEL)
+    tensors = weights_of(model_dir)
+    total = sum(t.numel() * t.element_size() for _, t in tensors)
+    print(f"model: {len(tensors)} tensors, {total / 2**20:.0f} MiB ({tensors[0][1].dtype})", file=sys.stderr)
+
+    raw = raw_gloo(tensors, args.pushes, buffer_size)
+    port = free_port()
+    proc = start_skyinfer(str(model_dir), port, ["--cpu-kvcache-gib", "1", "--max-model-len", "512"], dict(os.environ))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        import httpx
+
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise SystemExit("skyinfer did not start")
+            time.sleep(1)
+        sky, calls = skyinfer_pushes(url, tensors, args.pushes, buffer_size)
+        # One broadcast per tensor instead of a few packed buffers: same HTTP calls.
+        unpacked, unpacked_calls = skyinfer_pushes(url, tensors, 1, buffer_size, packed=False)
+    finally:
+        stop(proc)
+
+    raw_s, sky_s = statistics.median(raw), statistics.median(sky)
+    print(f"{args.pushes} pushes of {total / 2**20:.0f} MiB, packed in {buffer_size // 2**20} MiB buffers, median")
+    print(f"{'':28s} {'seconds':>8s} {'MiB/s':>8s}")
+    print(f"{'raw gloo broadcast':28s} {raw_s:8.3f} {total / 2**20 / raw_s:8.0f}")
+    print(f"{'skyinfer push (end to end)':28s} {sky_s:8.3f} {total / 2**20 / sky_s:8.0f}")
+    print(f"{'skyinfer push, unpacked':28s} {unpacked[0]:8.3f} {total / 2**20 / unpacked[0]:8.0f}")
+    print(f"throughput ratio skyinfer / raw: {raw_s / sky_s:.3f}")
+    print(f"HTTP calls per push: packed {calls}, unpacked {unpacked_calls} ({len(tensors)} tensors, "
+          f"{len(tensors)} broadcasts unpacked)")
+
+
+if __name__ == "__main__":
+    main()
