@@ -14,48 +14,15 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import aiohttp
-import attrs
 from aiohttp import web
 
 from .errors import error_body, error_response, json_response, parse_json_object
+from .fanout import EngineReply, call_engine, failure
 from .proxy import REGISTRY
-from .state import LIVE_STATES, EngineRecord, EngineRegistry, EngineState, OrderingError, control_targets
+from .state import LIVE_STATES, EngineRegistry, EngineState, OrderingError, control_targets
 from .wire import AbortParams, PauseParams, ResetPrefixCacheParams, SleepParams, WakeUpParams, WireError, reject_body_params
 
 log = logging.getLogger("skyinfer.control")
-
-
-@attrs.frozen
-class EngineOutcome:
-    engine_id: int
-    status: int
-    body: dict
-
-    @property
-    def ok(self) -> bool:
-        return 200 <= self.status < 300
-
-    @property
-    def message(self) -> str:
-        error = self.body.get("error")
-        return error.get("message", str(error)) if isinstance(error, dict) else str(error or self.body)
-
-    def as_json(self) -> dict:
-        key = "result" if self.ok else "error"
-        return {"engine": self.engine_id, "status": self.status, key: self.body if self.ok else self.message}
-
-
-async def _call_engine(record: EngineRecord, path: str, query: Any, body: dict | None, timeout_s: float) -> EngineOutcome:
-    assert record.client is not None
-    try:
-        async with record.client.post(path, params=query, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
-            payload = await r.json(content_type=None)
-            return EngineOutcome(record.engine_id, r.status, payload if isinstance(payload, dict) else {"value": payload})
-    except asyncio.TimeoutError:
-        return EngineOutcome(record.engine_id, 504, {"error": f"no answer within {timeout_s:.0f}s"})
-    except (aiohttp.ClientError, ValueError) as exc:
-        return EngineOutcome(record.engine_id, 503, {"error": f"engine unreachable: {exc!r}"})
 
 
 class ControlPlane:
@@ -69,14 +36,14 @@ class ControlPlane:
         query: Any = None,
         body: dict | None = None,
         next_state: Callable[[dict], EngineState | None] = lambda _result: None,
-    ) -> list[EngineOutcome]:
+    ) -> list[EngineReply]:
         """Run ``/operation`` on every live engine; record each engine's new state."""
         # One admin call at a time: a pause must not interleave with a resume.
         async with self.registry.lock:
             live = [r for r in self.registry.records if r.state in LIVE_STATES]
             targets, already_done = control_targets(operation, live)
             outcomes = await asyncio.gather(
-                *(_call_engine(r, f"/{operation}", query, body, self.timeout_s) for r in targets)
+                *(call_engine(r, f"/{operation}", timeout_s=self.timeout_s, query=query, body=body) for r in targets)
             )
             for outcome in outcomes:
                 record = self.registry.records[outcome.engine_id]
@@ -84,25 +51,21 @@ class ControlPlane:
                     self.registry.set_state(record, new)
                 elif not outcome.ok:
                     log.warning("engine %d: %s failed: %s", outcome.engine_id, operation, outcome.message)
-        unchanged = [EngineOutcome(r.engine_id, 200, {"status": "unchanged", "state": r.state.value}) for r in already_done]
+        unchanged = [EngineReply(r.engine_id, 200, {"status": "unchanged", "state": r.state.value}) for r in already_done]
         down = [
-            EngineOutcome(r.engine_id, 503, {"error": f"engine is {r.state.value}"})
+            EngineReply(r.engine_id, 503, {"error": f"engine is {r.state.value}"})
             for r in self.registry.records
             if r.state not in LIVE_STATES
         ]
         return sorted([*outcomes, *unchanged, *down], key=lambda o: o.engine_id)
 
 
-def aggregate(operation: str, outcomes: list[EngineOutcome], ok_body: dict) -> web.Response:
+def aggregate(operation: str, outcomes: list[EngineReply], ok_body: dict) -> web.Response:
     engines = [o.as_json() for o in outcomes]
-    failed = [o for o in outcomes if not o.ok]
-    if not failed:
+    failed = failure(operation, outcomes)
+    if failed is None:
         return json_response({**ok_body, "engines": engines})
-    statuses = {o.status for o in failed}
-    status = statuses.pop() if len(statuses) == 1 else 502
-    message = f"{operation} failed on {len(failed)} of {len(outcomes)} engine(s): " + "; ".join(
-        f"engine {o.engine_id}: {o.message}" for o in failed
-    )
+    status, message = failed
     return json_response({**error_body(status, message), "engines": engines}, status=status)
 
 

@@ -129,3 +129,40 @@ def test_cpu_layout_splits_cores_between_engines_and_ranks():
     plans = split_cores(list(range(8)), engines=2, workers_per_engine=2, cpu_kvcache_gib=1)
     assert [p.env["VLLM_CPU_OMP_THREADS_BIND"] for p in plans] == ["0,1|2,3", "4,5|6,7"]
     assert not any(p.sleep_frees_memory for p in plans)
+
+
+def test_packing_cuts_chunks_where_vllm_does_and_round_trips():
+    import torch
+    from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
+
+    from skyinfer.weights.packing import TensorMeta, pack, plan_chunks, unpack
+
+    sizes = [10, 300, 5, 700, 1, 64, 999, 3, 256, 256]
+    tensors = [(f"t{i}", torch.randn(n)) for i, n in enumerate(sizes)]
+    buffer = 1024
+    source, vllm_chunks = iter(tensors), []
+    while (chunk := pack_tensors(source, lambda item: item[1], buffer)) is not None:
+        vllm_chunks.append((chunk.names, chunk.packed_tensor))
+    metas = [TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in tensors]
+    ours = list(plan_chunks(metas, buffer))
+    assert [[m.name for m in c] for c in ours] == [names for names, _ in vllm_chunks]
+    by_name = dict(tensors)
+    for chunk, (_, vllm_packed) in zip(ours, vllm_chunks, strict=True):
+        packed = pack([by_name[m.name] for m in chunk])
+        assert torch.equal(packed, vllm_packed)
+        for name, tensor in unpack(packed, chunk):
+            assert torch.equal(tensor, by_name[name])
+
+
+def test_rank_layout_offsets_and_world_size():
+    from skyinfer.weights.layout import LayoutError, RankLayout
+
+    layout = RankLayout.build(base_offset=1, world_size=6, workers_per_engine=(2, 2, 1))
+    assert [layout.rank_offset(i) for i in range(3)] == [1, 3, 5]
+    # A second node's server starts after the first node's workers.
+    node2 = RankLayout.build(base_offset=6, world_size=9, workers_per_engine=(1, 1, 1))
+    assert [node2.rank_offset(i) for i in range(3)] == [6, 7, 8]
+    with pytest.raises(LayoutError, match="world_size >= 6"):
+        RankLayout.build(1, 5, (2, 2, 1))
+    with pytest.raises(LayoutError, match="at least 1"):
+        RankLayout.build(0, 6, (2, 2, 1))

@@ -95,7 +95,7 @@ def assert_engines_match(server, model_name, demo_model, weights, version):
             choice = r.json()["choices"][0]
             expected = reference_logprobs(demo_model, weights, prompt_ids, choice["token_ids"])
             got = choice["logprobs"]["token_logprobs"]
-            diff = max(abs(a - b) for a, b in zip(got, expected))
+            diff = max(abs(a - b) for a, b in zip(got, expected, strict=True))
             assert diff < 0.05, f"engine {engine}, {prompt!r}: logprobs differ by {diff:.4f}"
 
 

@@ -17,11 +17,10 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-import aiohttp
-import attrs
 from aiohttp import web
 
 from ..errors import error_body, error_response, json_response, parse_json_object
+from ..fanout import EngineReply, call_engine, failure
 from ..state import LIVE_STATES, EngineRecord, EngineRegistry, EngineState
 from .checkpoint import CheckpointSpec, UpdateMetadata
 from .layout import LayoutError, RankLayout
@@ -34,37 +33,6 @@ class SyncError(Exception):
         super().__init__(message)
         self.status = status
         self.engines = engines
-
-
-@attrs.frozen
-class EngineReply:
-    engine_id: int
-    status: int
-    body: dict
-
-    @property
-    def ok(self) -> bool:
-        return 200 <= self.status < 300
-
-    def as_json(self) -> dict:
-        if self.ok:
-            return {"engine": self.engine_id, "status": self.status, "result": self.body}
-        error = self.body.get("error")
-        message = error.get("message") if isinstance(error, dict) else str(error)
-        return {"engine": self.engine_id, "status": self.status, "error": message}
-
-
-async def _post(record: EngineRecord, path: str, body: dict | None, timeout_s: float, query=None) -> EngineReply:
-    assert record.client is not None
-    try:
-        async with record.client.post(
-            path, json=body, params=query, timeout=aiohttp.ClientTimeout(total=timeout_s)
-        ) as r:
-            return EngineReply(record.engine_id, r.status, await r.json(content_type=None))
-    except asyncio.TimeoutError:
-        return EngineReply(record.engine_id, 504, {"error": f"{path} took longer than {timeout_s:.0f}s"})
-    except (aiohttp.ClientError, ValueError) as exc:
-        return EngineReply(record.engine_id, 503, {"error": f"engine unreachable: {exc!r}"})
 
 
 class WeightSync:
@@ -117,12 +85,12 @@ class WeightSync:
             timeout_s = float(init_info.get("timeout_s", self.timeout_s))
             replies = await asyncio.gather(
                 *(
-                    _post(
+                    call_engine(
                         r,
                         "/init_weight_transfer",
-                        {"init_info": {**init_info, "rank_offset": layout.rank_offset(i), "timeout_s": timeout_s}},
-                        timeout_s + 30,
+                        timeout_s=timeout_s + 30,
                         query={"timeout_s": str(timeout_s)},
+                        body={"init_info": {**init_info, "rank_offset": layout.rank_offset(i), "timeout_s": timeout_s}},
                     )
                     for i, r in enumerate(records)
                 )
@@ -173,10 +141,10 @@ class WeightSync:
 
     async def _receive(self, record: EngineRecord, update_info: dict) -> EngineReply:
         if not self._engines_started:
-            reply = await _post(record, "/start_weight_update", None, self.timeout_s)
+            reply = await call_engine(record, "/start_weight_update", timeout_s=self.timeout_s)
             if not reply.ok:
                 return reply
-        return await _post(record, "/update_weights", {"update_info": update_info}, self.timeout_s)
+        return await call_engine(record, "/update_weights", timeout_s=self.timeout_s, body={"update_info": update_info})
 
     async def finish(self, weight_version: str | None) -> dict:
         if not self._engines_started:
@@ -185,7 +153,10 @@ class WeightSync:
         async with self.registry.lock:
             records = self._engines()
             replies = await asyncio.gather(
-                *(_post(r, "/finish_weight_update", {"weight_version": version}, self.timeout_s) for r in records)
+                *(
+                    call_engine(r, "/finish_weight_update", timeout_s=self.timeout_s, body={"weight_version": version})
+                    for r in records
+                )
             )
             self._engines_started = False
             failed = [rep for rep in replies if not rep.ok]
@@ -206,17 +177,14 @@ class WeightSync:
         for reply in failed:
             record = self.registry.records[reply.engine_id]
             # Restarting takes the registry lock's holder a while; run it beside this call.
-            asyncio.create_task(self._restart(record, f"weight transfer failed: {reply.as_json()['error']}"))
+            asyncio.create_task(self._restart(record, f"weight transfer failed: {reply.message}"))
             self.registry.set_state(record, EngineState.RESTARTING)
 
     @staticmethod
     def _raise_if_failed(step: str, replies: list[EngineReply]) -> None:
-        failed = [rep for rep in replies if not rep.ok]
-        if failed:
-            statuses = {rep.status for rep in failed}
-            status = statuses.pop() if len(statuses) == 1 else 502
-            message = f"{step} failed on " + "; ".join(f"engine {r.engine_id}: {r.as_json()['error']}" for r in failed)
-            raise SyncError(status, message, [rep.as_json() for rep in replies])
+        failed = failure(step, replies)
+        if failed is not None:
+            raise SyncError(*failed, [rep.as_json() for rep in replies])
 
     def info(self) -> dict:
         return {

@@ -1,0 +1,63 @@
+"""One engine's answer to a call the front makes on every engine, and how failures add up."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import attrs
+
+from .state import EngineRecord
+
+
+@attrs.frozen
+class EngineReply:
+    engine_id: int
+    status: int
+    body: dict
+
+    @property
+    def ok(self) -> bool:
+        return 200 <= self.status < 300
+
+    @property
+    def message(self) -> str:
+        error = self.body.get("error")
+        return error.get("message", str(error)) if isinstance(error, dict) else str(error or self.body)
+
+    def as_json(self) -> dict:
+        if self.ok:
+            return {"engine": self.engine_id, "status": self.status, "result": self.body}
+        return {"engine": self.engine_id, "status": self.status, "error": self.message}
+
+
+async def call_engine(
+    record: EngineRecord, path: str, *, timeout_s: float, query: Any = None, body: dict | None = None
+) -> EngineReply:
+    """POST to one engine; a timeout or an unreachable engine is a reply too (504, 503)."""
+    assert record.client is not None
+    try:
+        async with record.client.post(path, params=query, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+            payload = await r.json(content_type=None)
+            return EngineReply(record.engine_id, r.status, payload if isinstance(payload, dict) else {"value": payload})
+    except asyncio.TimeoutError:
+        return EngineReply(record.engine_id, 504, {"error": f"{path} got no answer within {timeout_s:.0f}s"})
+    except (aiohttp.ClientError, ValueError) as exc:
+        return EngineReply(record.engine_id, 503, {"error": f"engine unreachable: {exc!r}"})
+
+
+def failure(step: str, replies: list[EngineReply]) -> tuple[int, str] | None:
+    """The status and message for a call that failed on some engines, or None if none failed.
+
+    The status is the failed engines' common one, or 502 when they differ.
+    """
+    failed = [r for r in replies if not r.ok]
+    if not failed:
+        return None
+    statuses = {r.status for r in failed}
+    status = statuses.pop() if len(statuses) == 1 else 502
+    message = f"{step} failed on {len(failed)} of {len(replies)} engine(s): " + "; ".join(
+        f"engine {r.engine_id}: {r.message}" for r in failed
+    )
+    return status, message
