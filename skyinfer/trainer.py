@@ -113,7 +113,9 @@ class GlooTrainer:
         master_address: str = "127.0.0.1",
         master_port: int | None = None,
         timeout_s: float = 120.0,
-        packed: bool = True,
+        # Measured on CPU (tools/bench_weight_sync.py): one broadcast per tensor
+        # beats packing, which only adds copies when nothing overlaps them.
+        packed: bool = False,
         buffer_size_bytes: int = DEFAULT_BUFFER_SIZE_BYTES,
         rank_offset: int = 1,
         world_size: int | None = None,

@@ -166,3 +166,11 @@ def test_rank_layout_offsets_and_world_size():
         RankLayout.build(1, 5, (2, 2, 1))
     with pytest.raises(LayoutError, match="at least 1"):
         RankLayout.build(0, 6, (2, 2, 1))
+
+
+def test_skyinfer_client_satisfies_vllm_weight_sync_protocol():
+    from vllm.distributed.weight_transfer.base import VLLMWeightSyncClient
+
+    from skyinfer.trainer import SkyinferClient
+
+    assert isinstance(SkyinferClient("http://127.0.0.1:1"), VLLMWeightSyncClient)

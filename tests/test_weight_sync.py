@@ -134,6 +134,11 @@ async def test_push_under_keep_pause_then_logprobs_match_transformers(server, mo
     assert info["weight_version"] == "v-one"
     assert [e["weight_version"] for e in info["engines"]] == ["v-one", "v-one"]
     assert_engines_match(server, model_name, demo_model, weights, "v-one")
+    # The token route also reports vLLM's per-token version spans.
+    r = httpx.post(f"{server.url}/inference/v1/generate",
+                   json={"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 4, "ignore_eos": True}}, timeout=60)  # fmt: skip
+    assert r.headers["X-Weight-Version"] == "v-one"
+    assert r.json()["choices"][0]["weight_versions"] == [{"version": "v-one", "start": 0, "end": 4}]
 
     # A second push, with other weights, through a single /update_weights call.
     weights2 = modified_weights(demo_model, seed=2)

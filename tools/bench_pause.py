@@ -32,11 +32,11 @@ from benchlib import free_port, start_reference, start_skyinfer, stop, wait_heal
 from skyinfer.demo_model import build_demo_model  # noqa: E402
 
 
-async def call_all(session: aiohttp.ClientSession, urls: list[str], path: str) -> float:
+async def call_all(session: aiohttp.ClientSession, urls: list[str], path: str, body: dict | None = None) -> float:
     started = time.perf_counter()
 
     async def one(url: str) -> None:
-        async with session.post(f"{url}{path}") as r:
+        async with session.post(f"{url}{path}", json=body) as r:
             if r.status != 200:
                 raise RuntimeError(f"{url}{path}: {r.status} {await r.text()}")
 
@@ -64,7 +64,7 @@ async def measure(session, urls: list[str], model: str, args) -> dict[str, list[
         await asyncio.sleep(0.2)
         resumes.append(await call_all(session, urls, "/resume"))
     finished_early = sum(t.done() for t in tasks)
-    await call_all(session, urls, "/abort_requests")
+    await call_all(session, urls, "/abort_requests", {"request_ids": []})  # vLLM's wants a body
     await asyncio.gather(*tasks, return_exceptions=True)
     if finished_early:
         raise RuntimeError(f"{finished_early} requests finished before the last cycle; raise --max-tokens")

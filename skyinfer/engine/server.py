@@ -153,14 +153,19 @@ def create_engine_app(engine_client: Any, serving_state: Any) -> web.Application
     return app
 
 
-async def _watch_parent(stop: asyncio.Event, parent_pid: int) -> None:
-    # If the front dies without stopping us, nobody else will: go down with it.
+async def _watch_liveness(stop: asyncio.Event, parent_pid: int, engine_client: Any) -> None:
     while not stop.is_set():
+        # If the front dies without stopping us, nobody else will: go down with it.
         if os.getppid() != parent_pid:
             log.warning("front process %d is gone; shutting down", parent_pid)
             stop.set()
             return
-        await asyncio.sleep(1.0)
+        # A dead EngineCore never recovers; exiting tells the front at once.
+        if engine_client.errored:
+            log.error("the engine died (%s); exiting", engine_client.dead_error)
+            stop.set()
+            return
+        await asyncio.sleep(0.5)
 
 
 async def serve_engine(socket_path: str, args: Any) -> None:
@@ -182,7 +187,7 @@ async def serve_engine(socket_path: str, args: Any) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        watcher = asyncio.create_task(_watch_parent(stop, parent_pid))
+        watcher = asyncio.create_task(_watch_liveness(stop, parent_pid, engine_client))
         runner = web.AppRunner(create_engine_app(engine_client, state), handler_cancellation=True, access_log=None)
         await runner.setup()
         # The socket appearing is the signal to the front that this engine is ready.
@@ -194,3 +199,5 @@ async def serve_engine(socket_path: str, args: Any) -> None:
         finally:
             watcher.cancel()
             await runner.cleanup()
+    if engine_client.errored:
+        raise SystemExit(1)
