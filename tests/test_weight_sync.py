@@ -200,6 +200,8 @@ async def test_trainer_that_never_joins_times_out_while_engines_serve(server, mo
 def test_trainer_dying_mid_transfer_restarts_engines_stale_until_next_push(server, model_name, demo_model, tmp_path):
     weights = modified_weights(demo_model, seed=4)
     weights_file = save(weights, tmp_path / "w4.safetensors")
+    # The fleet moves past the checkpoint on disk, which restarted engines load.
+    assert run_trainer(server, weights_file, "v-before-crash").returncode == 0
     trainer = run_trainer(server, weights_file, "v-dies", "--die-after", "3")
     assert trainer.returncode == 9
     # Every engine was receiving: each is restarted, and comes back stale.

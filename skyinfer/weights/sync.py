@@ -132,7 +132,7 @@ class WeightSync:
             failed = [rep for rep in replies if not rep.ok]
             self._session_open, self._engines_started = False, not failed
             if failed:
-                await self._abandon(records, failed)
+                self._abandon(failed)
             self._raise_if_failed("update_weights", replies)
             self.last_update_s = time.monotonic() - started
         if one_shot:
@@ -161,7 +161,7 @@ class WeightSync:
             self._engines_started = False
             failed = [rep for rep in replies if not rep.ok]
             if failed:
-                await self._abandon(records, failed)
+                self._abandon(failed)
             self._raise_if_failed("finish_weight_update", replies)
             self.registry.fleet_weight_version = version
             for record in records:
@@ -171,14 +171,14 @@ class WeightSync:
         log.info("weight version %s on %d engine(s)", version, len(records))
         return {"status": "finished", "weight_version": version, "engines": [rep.as_json() for rep in replies]}
 
-    async def _abandon(self, records: list[EngineRecord], failed: list[EngineReply]) -> None:
+    def _abandon(self, failed: list[EngineReply]) -> None:
         """Engines whose transfer broke hold half-loaded weights: restart them, out of rotation."""
         self._joined.clear()  # the group is broken for everyone
         for reply in failed:
             record = self.registry.records[reply.engine_id]
-            # Restarting takes the registry lock's holder a while; run it beside this call.
-            asyncio.create_task(self._restart(record, f"weight transfer failed: {reply.message}"))
             self.registry.set_state(record, EngineState.RESTARTING)
+            # A restart takes half a minute: it runs beside this call, which reports the failure now.
+            asyncio.create_task(self._restart(record, f"weight transfer failed: {reply.message}"))
 
     @staticmethod
     def _raise_if_failed(step: str, replies: list[EngineReply]) -> None:
