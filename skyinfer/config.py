@@ -25,6 +25,12 @@ class ServeConfig:
     control_timeout_s: float = 300.0
     # Bounds the trainer rendezvous and each transfer step.
     weight_transfer_timeout_s: float = 120.0
+    # A crashed engine is restarted after restart_backoff_s, doubling per
+    # consecutive crash up to restart_backoff_max_s; staying up
+    # restart_backoff_reset_s makes the next crash count as the first.
+    restart_backoff_s: float = 1.0
+    restart_backoff_max_s: float = 60.0
+    restart_backoff_reset_s: float = 120.0
     # Per-call timeout for the front's short calls to an engine (health, status).
     engine_probe_timeout_s: float = 5.0
     # Where engine Unix sockets live; None means a fresh temporary directory.

@@ -34,6 +34,9 @@ class EngineProcess:
         # The end of the engine's output, quoted when it fails to start.
         self.log_tail: collections.deque[str] = collections.deque(maxlen=40)
         self._pump: asyncio.Task | None = None
+        # For the restart backoff: consecutive crashes, and when it last became ready.
+        self.crashes = 0
+        self.ready_since = 0.0
 
     def argv(self) -> list[str]:
         from .devices import platform_engine_args
@@ -178,6 +181,7 @@ class Supervisor:
             await client.close()  # stopped while starting
             return
         record.client = client
+        process.ready_since = time.monotonic()
         record.weight_version = health["weight_version"]
         record.model_dtype = health["model_dtype"]
         fleet = self.registry.fleet_weight_version
@@ -202,6 +206,7 @@ class Supervisor:
             log.exception("engine %d: restart failed", record.engine_id)
             if record.state is not EngineState.DEAD:
                 self.registry.set_state(record, EngineState.DEAD)
+            self._watchers.append(asyncio.create_task(self._revive(process)))
 
     async def _watch_exit(self, process: EngineProcess) -> None:
         """An engine process that exits unasked is dead: stop routing to it at once."""
@@ -214,6 +219,21 @@ class Supervisor:
         ):  # fmt: skip
             log.error("engine %d: process %d exited with code %s", record.engine_id, proc.pid, code)
             self.registry.set_state(record, EngineState.DEAD)
+            self._watchers.append(asyncio.create_task(self._revive(process)))
+
+    async def _revive(self, process: EngineProcess) -> None:
+        """Restart a crashed engine, backing off while it keeps crashing."""
+        record = process.record
+        now = time.monotonic()
+        # An engine that stayed up a while starts its backoff afresh.
+        if now - process.ready_since > self.config.restart_backoff_reset_s:
+            process.crashes = 0
+        delay = min(self.config.restart_backoff_max_s, self.config.restart_backoff_s * 2**process.crashes)
+        process.crashes += 1
+        log.warning("engine %d: restarting in %.1fs (crash %d)", record.engine_id, delay, process.crashes)
+        await asyncio.sleep(delay)
+        if record.state is EngineState.DEAD:
+            await self.restart(record, "it died")
 
     async def stop(self) -> None:
         if self._start_task is not None and not self._start_task.done():

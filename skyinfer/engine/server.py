@@ -83,6 +83,9 @@ def _serving_route(
 
 
 async def _respond(request: web.Request, result: Any) -> web.StreamResponse:
+    if isinstance(result, ErrorResponse) and request.app[ENGINE_CLIENT].errored:
+        # The engine died under this request: a retry elsewhere will do.
+        return error_response(503, f"the engine died while serving this request: {result.error.message}")
     if isinstance(result, ErrorResponse):
         return web.Response(
             status=result.error.code, body=result.model_dump_json(), content_type="application/json"
