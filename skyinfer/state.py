@@ -122,6 +122,9 @@ class EngineRecord:
     weight_version: str | None = None
     # The dtype it serves weights in; pushed tensors must match.
     model_dtype: str | None = None
+    # Whether its workers are in the current trainer's weight-transfer group
+    # (a new process never is).
+    in_transfer_group: bool = False
 
     @contextlib.contextmanager
     def in_flight(self):

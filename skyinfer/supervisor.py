@@ -182,6 +182,7 @@ class Supervisor:
             return
         record.client = client
         process.ready_since = time.monotonic()
+        record.in_transfer_group = False
         record.weight_version = health["weight_version"]
         record.model_dtype = health["model_dtype"]
         fleet = self.registry.fleet_weight_version

@@ -82,3 +82,33 @@ async def test_killed_engine_fails_fast_and_comes_back(crash_server, role):
             assert r.status_code == 200
             served.add(engine_of(r))
         assert served == {0, 1}
+
+
+async def test_restarted_engine_must_rejoin_before_a_push(crash_server, demo_model):
+    from safetensors.torch import load_file
+
+    from skyinfer.trainer import GlooTrainer, WeightSyncError
+
+    tensors = list(load_file(str(demo_model / "model.safetensors")).items())
+    trainer = GlooTrainer(crash_server.url, timeout_s=60)
+    await asyncio.to_thread(trainer.init)
+    async with httpx.AsyncClient(base_url=crash_server.url, timeout=120) as http:
+        victim_pid = (await http.get("/engines")).json()["engines"][1]["pid"]
+        vllm_process(victim_pid, "EngineCore").send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 240
+        while True:
+            engines = (await http.get("/engines")).json()["engines"]
+            if engines[1]["pid"] != victim_pid and [e["state"] for e in engines] == ["ready", "ready"]:
+                break
+            assert time.monotonic() < deadline, engines
+            await asyncio.sleep(0.5)
+        groups = [e["in_transfer_group"] for e in (await http.get("/weight_info")).json()["engines"]]
+        assert groups == [True, False]
+        # The new process is not in the trainer's group: refused up front, nothing restarted.
+        with pytest.raises(WeightSyncError) as refused:
+            await asyncio.to_thread(trainer.push, tensors, "v-stale-group")
+        assert refused.value.status == 409 and "init_weight_transfer" in refused.value.message
+        assert [e["state"] for e in (await http.get("/engines")).json()["engines"]] == ["ready", "ready"]
+        await asyncio.to_thread(trainer.init)
+        await asyncio.to_thread(trainer.push, tensors, "v-rejoined")
+        assert (await http.get("/weight_info")).json()["weight_version"] == "v-rejoined"

@@ -42,7 +42,6 @@ class WeightSync:
         self.timeout_s = timeout_s
         self._restart: Callable[[EngineRecord, str], Awaitable[None]] = restart
         self._spec = CheckpointSpec.read(model)
-        self._joined: set[int] = set()  # engines in the current trainer's group
         self._session_open = False  # /start_weight_update seen, engines not started yet
         self._engines_started = False
         self.last_update_s: float | None = None
@@ -95,7 +94,8 @@ class WeightSync:
                     for i, r in enumerate(records)
                 )
             )
-            self._joined = {rep.engine_id for rep in replies if rep.ok}
+            for record, reply in zip(records, replies):
+                record.in_transfer_group = reply.ok
         self._raise_if_failed("init_weight_transfer", replies)
         return {"status": "joined", "world_size": world_size, "rank_offsets": [layout.rank_offset(i) for i in range(len(records))]}
 
@@ -107,9 +107,15 @@ class WeightSync:
             self._spec.check(meta, dtypes.pop())
         return meta
 
+    def _check_group(self, records: list[EngineRecord]) -> None:
+        missing = [r.engine_id for r in records if not r.in_transfer_group]
+        if missing:
+            raise SyncError(409, f"engines {missing} are not in the trainer's group; POST /init_weight_transfer first")
+
     def start(self, update_info) -> dict:
         if self._session_open or self._engines_started:
             raise SyncError(409, "a weight update is already in progress; POST /finish_weight_update first")
+        self._check_group(self._engines())
         if update_info is not None:
             self.check_metadata(update_info)
         self._session_open = True
@@ -124,9 +130,7 @@ class WeightSync:
         one_shot = not self._session_open and not self._engines_started
         async with self.registry.lock:
             records = self._engines()
-            missing = [r.engine_id for r in records if r.engine_id not in self._joined]
-            if missing:
-                raise SyncError(409, f"engines {missing} are not in the trainer's group; POST /init_weight_transfer first")
+            self._check_group(records)
             started = time.monotonic()
             replies = await asyncio.gather(*(self._receive(r, update_info) for r in records))
             failed = [rep for rep in replies if not rep.ok]
@@ -173,7 +177,8 @@ class WeightSync:
 
     def _abandon(self, failed: list[EngineReply]) -> None:
         """Engines whose transfer broke hold half-loaded weights: restart them, out of rotation."""
-        self._joined.clear()  # the group is broken for everyone
+        for record in self.registry.records:
+            record.in_transfer_group = False  # the group is broken for everyone
         for reply in failed:
             record = self.registry.records[reply.engine_id]
             self.registry.set_state(record, EngineState.RESTARTING)
@@ -193,7 +198,7 @@ class WeightSync:
             "last_update_seconds": self.last_update_s,
             "engines": [
                 {"engine": r.engine_id, "weight_version": r.weight_version, "state": r.state.value,
-                 "in_transfer_group": r.engine_id in self._joined}  # fmt: skip
+                 "in_transfer_group": r.in_transfer_group}  # fmt: skip
                 for r in self.registry.records
             ],
         }
