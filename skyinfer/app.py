@@ -71,7 +71,7 @@ def create_app(config: ServeConfig) -> web.Application:
     app[SUPERVISOR] = supervisor
     app[CONTROL] = ControlPlane(registry, config.control_timeout_s)
     app[WEIGHT_SYNC] = WeightSync(
-        registry, config.workers_per_engine, config.model, config.weight_transfer_timeout_s, supervisor.restart
+        registry, config.workers_per_engine, config.model, config.weight_transfer_timeout_s, supervisor.restart_in_background
     )
 
     async def engines_ctx(_app: web.Application):

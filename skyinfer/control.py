@@ -116,7 +116,7 @@ async def _wake_up(request: web.Request, control: ControlPlane) -> web.Response:
         # A partial wake-up (some tags) leaves the engine asleep.
         next_state=lambda result: EngineState.READY if result["fully_awake"] else None,
     )
-    awake = all(o.ok and o.body.get("fully_awake") for o in outcomes)
+    awake = not any(r.state is EngineState.SLEEPING for r in control.registry.records)
     return aggregate("wake_up", outcomes, {"status": "awake" if awake else "sleeping", "tags": list(p.tags or [])})
 
 

@@ -12,6 +12,8 @@ import os
 
 import attrs
 
+from .engine import GLOO_BACKEND
+
 
 class LayoutError(ValueError):
     """The requested engines do not fit on this machine."""
@@ -126,7 +128,7 @@ def plan_engine_devices(
 
 # Weight-transfer backend per device kind: vLLM's nccl needs GPUs; on CPU,
 # skyinfer's gloo backend (registered by its worker extension).
-WEIGHT_TRANSFER_BACKEND = {"cuda": "nccl", "cpu": "gloo"}
+WEIGHT_TRANSFER_BACKEND = {"cuda": "nccl", "cpu": GLOO_BACKEND}
 
 
 def platform_engine_args(kind: str, user_args: tuple[str, ...]) -> tuple[str, ...]:

@@ -14,6 +14,8 @@ import time
 import aiohttp
 
 from .config import ServeConfig
+from .devices import platform_engine_args
+from .engine import EXTENSION_PATH
 from .state import EngineRecord, EngineRegistry, EngineState
 
 log = logging.getLogger("skyinfer.supervisor")
@@ -39,9 +41,6 @@ class EngineProcess:
         self.ready_since = 0.0
 
     def argv(self) -> list[str]:
-        from .devices import platform_engine_args
-        from .engine import EXTENSION_PATH
-
         c = self.config
         vllm_args = [
             "--model", c.model,
@@ -54,7 +53,7 @@ class EngineProcess:
         ]  # fmt: skip
         own = ["--socket", self.record.socket_path]
         if self.record.devices.kind == "cpu":
-            own += ["--cpus", ",".join(str(c) for c in self.record.devices.ids)]
+            own += ["--cpus", ",".join(str(core) for core in self.record.devices.ids)]
         return [sys.executable, "-m", "skyinfer.engine", *own, "--", *vllm_args]
 
     async def spawn(self) -> None:
@@ -153,7 +152,13 @@ class Supervisor:
         self.config = config
         self.processes = {r.engine_id: EngineProcess(r, config) for r in registry.records}
         self._start_task: asyncio.Task | None = None
-        self._watchers: list[asyncio.Task] = []
+        # Exit watchers and restarts running in the background.
+        self._tasks: set[asyncio.Task] = set()
+
+    def _in_background(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def start(self) -> None:
         """Start every engine in parallel; ``wait_ready`` reports the outcome."""
@@ -165,13 +170,12 @@ class Supervisor:
 
     async def _start_all(self) -> None:
         started = time.monotonic()
-        await asyncio.gather(*(self._start_one(p) for p in self.processes.values()))
+        await asyncio.gather(*(self._launch(p) for p in self.processes.values()))
         log.info("all %d engine(s) ready in %.1fs", len(self.processes), time.monotonic() - started)
 
-    async def _start_one(self, process: EngineProcess) -> None:
-        async with self.registry.lock:
-            await process.spawn()
-        self._watchers.append(asyncio.create_task(self._watch_exit(process)))
+    async def _launch(self, process: EngineProcess) -> None:
+        await process.spawn()
+        self._in_background(self._watch_exit(process))
         await self._become_ready(process)
 
     async def _become_ready(self, process: EngineProcess) -> None:
@@ -199,15 +203,18 @@ class Supervisor:
             await record.client.close()
             record.client = None
         await process.stop(self.config.engine_stop_timeout_s)
-        await process.spawn()
-        self._watchers.append(asyncio.create_task(self._watch_exit(process)))
         try:
-            await self._become_ready(process)
+            await self._launch(process)
         except EngineStartError:
             log.exception("engine %d: restart failed", record.engine_id)
             if record.state is not EngineState.DEAD:
                 self.registry.set_state(record, EngineState.DEAD)
-            self._watchers.append(asyncio.create_task(self._revive(process)))
+            self._in_background(self._revive(process))
+
+    def restart_in_background(self, record: EngineRecord, reason: str) -> None:
+        """Take an engine out of rotation now; replace its process beside the caller."""
+        self.registry.set_state(record, EngineState.RESTARTING)
+        self._in_background(self.restart(record, reason))
 
     async def _watch_exit(self, process: EngineProcess) -> None:
         """An engine process that exits unasked is dead: stop routing to it at once."""
@@ -220,7 +227,7 @@ class Supervisor:
         ):  # fmt: skip
             log.error("engine %d: process %d exited with code %s", record.engine_id, proc.pid, code)
             self.registry.set_state(record, EngineState.DEAD)
-            self._watchers.append(asyncio.create_task(self._revive(process)))
+            self._in_background(self._revive(process))
 
     async def _revive(self, process: EngineProcess) -> None:
         """Restart a crashed engine, backing off while it keeps crashing."""
@@ -237,17 +244,17 @@ class Supervisor:
             await self.restart(record, "it died")
 
     async def stop(self) -> None:
-        if self._start_task is not None and not self._start_task.done():
-            self._start_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, EngineStartError):
-                await self._start_task
+        # No restart may race the shutdown.
+        for task in [self._start_task, *self._tasks]:
+            if task is not None and not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, EngineStartError):
+                    await task
         async with self.registry.lock:
             for record in self.registry.records:
                 if record.state is not EngineState.STOPPED:
                     self.registry.set_state(record, EngineState.STOPPING)
             await asyncio.gather(*(self._stop_one(p) for p in self.processes.values()))
-        for watcher in self._watchers:
-            watcher.cancel()
 
     async def _stop_one(self, process: EngineProcess) -> None:
         record = process.record

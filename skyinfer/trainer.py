@@ -153,6 +153,7 @@ class GlooTrainer:
             joined = pool.submit(self.client.init_weight_transfer_engine, init_info)
             grouped = pool.submit(_gloo_group, self.master_address, port, world_size, timeout)
             joined.result()
+            # The group needs its store alive: this side hosts it for every rank.
             self._store, self._group = grouped.result()
         finally:
             pool.shutdown(wait=False)

@@ -3,3 +3,5 @@
 # Named here (not imported from worker_extension, which imports vLLM) so the
 # front can pass it to engines without importing vLLM itself.
 EXTENSION_PATH = "skyinfer.engine.worker_extension.SkyinferWorkerExtension"
+# The weight-transfer backend skyinfer registers into vLLM on CPU.
+GLOO_BACKEND = "gloo"

@@ -32,7 +32,6 @@ from ..weights.packing import DEFAULT_BUFFER_SIZE_BYTES, TensorMeta, dtype_from_
 
 log = logging.getLogger("skyinfer.gloo_transfer")
 
-BACKEND_NAME = "gloo"
 
 
 @dataclass(kw_only=True)

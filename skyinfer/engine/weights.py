@@ -13,6 +13,7 @@ import time
 from aiohttp import web
 
 from ..errors import error_response, json_response, parse_json_object
+from . import GLOO_BACKEND
 from .appkeys import ENGINE_CLIENT
 
 log = logging.getLogger("skyinfer.engine.weights")
@@ -40,8 +41,12 @@ async def init_weight_transfer(request: web.Request) -> web.Response:
 
     engine = request.app[ENGINE_CLIENT]
     init_info = parse_json_object(await request.read())["init_info"]
+    timeout_s = float(request.query["timeout_s"])
+    if engine.vllm_config.weight_transfer_config.backend == GLOO_BACKEND:
+        # Only skyinfer's gloo backend takes a timeout; vLLM's nccl init info rejects unknown fields.
+        init_info = {"timeout_s": timeout_s, **init_info}
     await engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
-    return await _wait_for_rendezvous(engine, float(request.query["timeout_s"]))
+    return await _wait_for_rendezvous(engine, timeout_s)
 
 
 async def start_weight_update(request: web.Request) -> web.Response:

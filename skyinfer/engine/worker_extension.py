@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-from .gloo_transfer import BACKEND_NAME, GlooWeightTransferEngine
+from . import GLOO_BACKEND
+from .gloo_transfer import GlooWeightTransferEngine
 
-WeightTransferEngineFactory.register_engine(BACKEND_NAME, GlooWeightTransferEngine)
+WeightTransferEngineFactory.register_engine(GLOO_BACKEND, GlooWeightTransferEngine)
 
 
 class SkyinferWorkerExtension:

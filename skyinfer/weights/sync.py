@@ -36,11 +36,18 @@ class SyncError(Exception):
 
 
 class WeightSync:
-    def __init__(self, registry: EngineRegistry, workers_per_engine: int, model: str, timeout_s: float, restart):
+    def __init__(
+        self,
+        registry: EngineRegistry,
+        workers_per_engine: int,
+        model: str,
+        timeout_s: float,
+        restart: Callable[[EngineRecord, str], None],
+    ):
         self.registry = registry
         self.workers_per_engine = workers_per_engine
         self.timeout_s = timeout_s
-        self._restart: Callable[[EngineRecord, str], Awaitable[None]] = restart
+        self._restart = restart
         self._spec = CheckpointSpec.read(model)
         self._session_open = False  # /start_weight_update seen, engines not started yet
         self._engines_started = False
@@ -89,7 +96,7 @@ class WeightSync:
                         "/init_weight_transfer",
                         timeout_s=timeout_s + 30,
                         query={"timeout_s": str(timeout_s)},
-                        body={"init_info": {**init_info, "rank_offset": layout.rank_offset(i), "timeout_s": timeout_s}},
+                        body={"init_info": {**init_info, "rank_offset": layout.rank_offset(i)}},
                     )
                     for i, r in enumerate(records)
                 )
@@ -181,9 +188,8 @@ class WeightSync:
             record.in_transfer_group = False  # the group is broken for everyone
         for reply in failed:
             record = self.registry.records[reply.engine_id]
-            self.registry.set_state(record, EngineState.RESTARTING)
             # A restart takes half a minute: it runs beside this call, which reports the failure now.
-            asyncio.create_task(self._restart(record, f"weight transfer failed: {reply.message}"))
+            self._restart(record, f"weight transfer failed: {reply.message}")
 
     @staticmethod
     def _raise_if_failed(step: str, replies: list[EngineReply]) -> None:
