@@ -37,7 +37,20 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--engine-start-timeout", type=float, default=600.0, help="seconds an engine may take to start")
     p.add_argument("--control-timeout", type=float, default=300.0, help="seconds each engine gets for an admin call (default: 300)")
     p.add_argument("--weight-transfer-timeout", type=float, default=120.0, help="seconds a trainer gets to join, and each transfer step gets to finish (default: 120)")
-    p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds in-flight requests get to finish on shutdown")
+    p.add_argument("--shutdown-grace", type=float, default=30.0,
+                   help="on SIGTERM/Ctrl-C: seconds for in-flight requests to finish and engines to exit (default: 30)")
+    p.add_argument("--health-interval", type=float, default=5.0, help="seconds between liveness probes of each engine (default: 5)")
+    p.add_argument("--health-timeout", type=float, default=10.0,
+                   help="a probe slower than this fails; 3 failures in a row restart the engine (default: 10)")
+    p.add_argument("--max-request-mb", type=float, default=32.0, help="largest request body accepted, MiB (default: 32)")
+    security = p.add_argument_group("security")
+    security.add_argument("--api-key", default=os.environ.get("SKYINFER_API_KEY"),
+                          help="Bearer key for the OpenAI routes (default: $SKYINFER_API_KEY; none: open)")
+    security.add_argument("--admin-key", default=os.environ.get("SKYINFER_ADMIN_KEY"),
+                          help="Bearer key for control, weight and engine routes (default: $SKYINFER_ADMIN_KEY, "
+                               "else the API key)")
+    security.add_argument("--allow-unauthenticated-admin", action="store_true",
+                          help="allow a non-loopback --host without an admin key (only on a network that is yours alone)")
     return p
 
 
@@ -62,17 +75,25 @@ def _config_from_args(ns: argparse.Namespace, engine_args: list[str]):
         engine_start_timeout_s=ns.engine_start_timeout,
         control_timeout_s=ns.control_timeout,
         weight_transfer_timeout_s=ns.weight_transfer_timeout,
+        shutdown_grace_s=ns.shutdown_grace,
+        health_interval_s=ns.health_interval,
+        health_timeout_s=ns.health_timeout,
+        max_request_bytes=int(ns.max_request_mb * 1024 * 1024),
+        api_key=ns.api_key,
+        admin_key=ns.admin_key,
+        allow_unauthenticated_admin=ns.allow_unauthenticated_admin,
     )
 
 
-async def run_service(config, shutdown_grace_s: float) -> int:
+async def run_service(config) -> int:
     from aiohttp import web
 
     from .app import SUPERVISOR, create_app
+    from .draining import IN_FLIGHT
     from .supervisor import EngineStartError
 
     app = create_app(config)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_grace_s)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
     await runner.setup()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -92,10 +113,21 @@ async def run_service(config, shutdown_grace_s: float) -> int:
                 return 1
             log.info("skyinfer ready on http://%s:%d", config.host, config.port)
             await stopped
-        log.info("shutting down")
+        await _drain(runner, app[IN_FLIGHT], config.shutdown_budget_s[0])
         return 0
     finally:
+        # Then the engines stop, within the rest of the grace (the app's cleanup).
         await runner.cleanup()
+
+
+async def _drain(runner, in_flight, drain_s: float) -> None:
+    """Stop accepting, then give in-flight requests their share of the grace."""
+    log.info("shutting down: no new connections; %d request(s) in flight get up to %.0fs", len(in_flight), drain_s)
+    for site in list(runner.sites):
+        await site.stop()
+    # Keep-alive connections take no new request once the current one is answered.
+    runner.server.pre_shutdown()
+    await in_flight.drain(drain_s)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,7 +149,11 @@ def main(argv: list[str] | None = None) -> int:
     import uvloop
 
     # uvloop's transports cut the front's per-chunk cost of relaying streams.
-    return uvloop.run(run_service(_config_from_args(args, extra), args.shutdown_grace))
+    try:
+        config = _config_from_args(args, extra)
+    except ValueError as exc:  # attrs validators and the bind rule
+        parser.error(str(exc))
+    return uvloop.run(run_service(config))
 
 
 if __name__ == "__main__":

@@ -89,6 +89,9 @@ async def _relay(request: web.Request, engine: EngineRecord, body: bytes, header
         if not content_type.startswith("text/event-stream"):
             async with upstream:
                 payload = await upstream.read()
+            if upstream.status >= 400 and not content_type.startswith("application/json"):
+                # An error from below vLLM's handlers (aiohttp's own): still the OpenAI shape.
+                return error_response(upstream.status, payload.decode(errors="replace")[:1000], headers=own_headers)
             return web.Response(status=upstream.status, body=payload, headers={**own_headers, "Content-Type": content_type})
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         log.warning("engine %d: %s %s failed: %r", engine.engine_id, request.method, request.path, exc)

@@ -125,6 +125,8 @@ class EngineRecord:
     # Whether its workers are in the current trainer's weight-transfer group
     # (a new process never is).
     in_transfer_group: bool = False
+    # Process replacements since the service started (crashes, failed transfers).
+    restarts: int = 0
 
     @contextlib.contextmanager
     def in_flight(self):
@@ -144,6 +146,7 @@ class EngineRecord:
             "devices": self.devices.describe(),
             "load": self.load,
             "weight_version": self.weight_version,
+            "restarts": self.restarts,
         }
 
 

@@ -16,9 +16,11 @@ import aiohttp
 from .config import ServeConfig
 from .devices import platform_engine_args
 from .engine import EXTENSION_PATH
-from .state import EngineRecord, EngineRegistry, EngineState
+from .state import LIVE_STATES, EngineRecord, EngineRegistry, EngineState
 
 log = logging.getLogger("skyinfer.supervisor")
+
+START_PROGRESS_EVERY_S = 10.0
 
 
 class EngineStartError(RuntimeError):
@@ -86,8 +88,9 @@ class EngineProcess:
         return self.proc is None or self.proc.returncode is not None
 
     async def wait_ready(self, timeout_s: float) -> tuple[aiohttp.ClientSession, dict]:
-        """Wait until the engine answers on its socket; return a client for it and its health report."""
-        deadline = time.monotonic() + timeout_s
+        """Wait until the engine answers on its socket; return a client for it and what it serves."""
+        started = time.monotonic()
+        next_report = started + START_PROGRESS_EVERY_S
         while True:
             if self.exited:
                 await self._drain_output()
@@ -99,15 +102,28 @@ class EngineProcess:
             if os.path.exists(self.record.socket_path):
                 client = _engine_client(self.record.socket_path)
                 try:
-                    async with client.get("/health", timeout=aiohttp.ClientTimeout(total=self.config.engine_probe_timeout_s)) as resp:
+                    async with client.get("/info", timeout=aiohttp.ClientTimeout(total=self.config.engine_probe_timeout_s)) as resp:
                         if resp.status == 200:
-                            return client, await resp.json()
+                            info = await resp.json()
+                            log.info("engine %d: up in %.1fs", self.record.engine_id, time.monotonic() - started)
+                            return client, info
                 except (aiohttp.ClientError, asyncio.TimeoutError):
                     pass
                 await client.close()
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now - started > timeout_s:
                 raise EngineStartError(f"engine {self.record.engine_id} not ready after {timeout_s:.0f}s")
+            if now >= next_report:
+                next_report += START_PROGRESS_EVERY_S
+                # vLLM's own start-up lines come through prefixed "[engine i]"; this says who is still waiting.
+                log.info("engine %d: still starting (%.0fs)", self.record.engine_id, now - started)
             await asyncio.sleep(0.5)
+
+    def kill(self) -> None:
+        """SIGKILL the engine's whole process group at once (a hung engine ignores SIGTERM)."""
+        if self.proc is not None and self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
 
     async def _drain_output(self) -> None:
         if self._pump is not None:
@@ -180,24 +196,56 @@ class Supervisor:
 
     async def _become_ready(self, process: EngineProcess) -> None:
         record = process.record
-        client, health = await process.wait_ready(self.config.engine_start_timeout_s)
+        client, info = await process.wait_ready(self.config.engine_start_timeout_s)
         if record.state not in (EngineState.STARTING, EngineState.RESTARTING):
             await client.close()  # stopped while starting
             return
         record.client = client
         process.ready_since = time.monotonic()
         record.in_transfer_group = False
-        record.weight_version = health["weight_version"]
-        record.model_dtype = health["model_dtype"]
+        record.weight_version = info["weight_version"]
+        record.model_dtype = info["model_dtype"]
         fleet = self.registry.fleet_weight_version
         # An engine loads the checkpoint from disk: behind a fleet that has had pushes.
         stale = fleet is not None and record.weight_version != fleet
         self.registry.set_state(record, EngineState.STALE if stale else EngineState.READY)
+        self._in_background(self._probe(process))
+
+    async def _probe(self, process: EngineProcess) -> None:
+        """Probe one engine process's health on a timer; a hung engine is dead.
+
+        A killed process is noticed by ``_watch_exit``; this catches the one
+        that is there but no longer answers.
+        """
+        c = self.config
+        record, proc = process.record, process.proc
+        failures = 0
+        while process.proc is proc and proc.returncode is None:
+            await asyncio.sleep(c.health_interval_s)
+            client = record.client
+            if record.state not in LIVE_STATES or client is None:
+                continue
+            try:
+                async with client.get("/health", timeout=aiohttp.ClientTimeout(total=c.health_timeout_s)) as resp:
+                    healthy = resp.status == 200
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                healthy = False
+            failures = 0 if healthy else failures + 1
+            if failures and failures < c.health_failures:
+                log.warning("engine %d: health probe failed (%d of %d)", record.engine_id, failures, c.health_failures)
+            if failures >= c.health_failures and process.proc is proc and record.state in LIVE_STATES:
+                log.error("engine %d: %d health probes failed in a row; killing it", record.engine_id, failures)
+                self.registry.set_state(record, EngineState.DEAD)
+                # Killed at once, so that its in-flight requests fail now rather than hang.
+                process.kill()
+                self._in_background(self._revive(process))
+                return
 
     async def restart(self, record: EngineRecord, reason: str) -> None:
         """Replace an engine's process; it comes back stale if the fleet's weights moved on."""
         process = self.processes[record.engine_id]
         log.warning("engine %d: restarting (%s)", record.engine_id, reason)
+        record.restarts += 1
         self.registry.set_state(record, EngineState.RESTARTING)
         if record.client is not None:
             await record.client.close()
@@ -243,7 +291,8 @@ class Supervisor:
         if record.state is EngineState.DEAD:
             await self.restart(record, "it died")
 
-    async def stop(self) -> None:
+    async def stop(self, timeout_s: float) -> None:
+        """Stop every engine: SIGTERM, then SIGKILL after ``timeout_s``."""
         # No restart may race the shutdown.
         for task in [self._start_task, *self._tasks]:
             if task is not None and not task.done():
@@ -254,12 +303,12 @@ class Supervisor:
             for record in self.registry.records:
                 if record.state is not EngineState.STOPPED:
                     self.registry.set_state(record, EngineState.STOPPING)
-            await asyncio.gather(*(self._stop_one(p) for p in self.processes.values()))
+            await asyncio.gather(*(self._stop_one(p, timeout_s) for p in self.processes.values()))
 
-    async def _stop_one(self, process: EngineProcess) -> None:
+    async def _stop_one(self, process: EngineProcess, timeout_s: float) -> None:
         record = process.record
         if record.client is not None:
             await record.client.close()
             record.client = None
-        await process.stop(self.config.engine_stop_timeout_s)
+        await process.stop(timeout_s)
         self.registry.set_state(record, EngineState.STOPPED)

@@ -9,18 +9,14 @@ import time
 import httpx
 import pytest
 
-from support import engine_of
+from support import engine_of, restore_fleet
 
 
 @pytest.fixture
 async def http(server):
     async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
         yield client
-        # Leave the shared engines serving, whatever the test did.
-        if (await client.get("/is_sleeping")).json()["is_sleeping"]:
-            await client.post("/wake_up")
-        if (await client.get("/is_paused")).json()["is_paused"]:
-            await client.post("/resume")
+        await restore_fleet(client)
 
 
 async def admin(http: httpx.AsyncClient, path: str, expect: int = 200, **kw) -> dict:

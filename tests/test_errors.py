@@ -68,6 +68,50 @@ def test_wrong_types_are_400(server, model_name):
     assert "max_tokens" in err["message"]
 
 
+@pytest.mark.parametrize(
+    "params, param_name",
+    [
+        ({"max_tokens": 10**12}, "max_tokens"),
+        ({"n": 10**6}, "n"),
+        ({"logprobs": 10**6}, "logprobs"),
+        ({"prompt_logprobs": 10**6}, "prompt_logprobs"),
+        ({"seed": 10**30}, "seed"),
+        ({"logit_bias": {"99999999": 5}}, "logit_bias"),
+        ({"stop": ["a", 5]}, "stop"),
+        ({"temperature": 1e308}, "temperature"),
+        ({"top_p": -1e-300}, "top_p"),
+    ],
+)
+def test_absurd_parameters_are_400(server, model_name, params, param_name):
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": model_name, "prompt": "hi", **params}, timeout=30)
+    err = assert_openai_error(r, 400)
+    assert param_name in err["message"] or err["param"] == param_name, err
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/inference/v1/generate", "/tokenize"])
+def test_invalid_utf8_is_400(server, model_name, path):
+    for body in (
+        b'{"model": "%s", "prompt": "caf\xe9 \xff", "max_tokens": 2}' % model_name.encode(),
+        # With a session id the front parses the body itself.
+        b'{"session_id": "s\xc3", "model": "%s", "prompt": "x"}' % model_name.encode(),
+    ):
+        r = httpx.post(f"{server.url}{path}", content=body, headers={"Content-Type": "application/json"}, timeout=30)
+        assert "UTF-8" in assert_openai_error(r, 400)["message"]
+
+
+def test_prompt_over_the_context_length_is_400(server, model_name):
+    too_long = [5] * 5000  # the demo model's context is 4096 tokens
+    cases = [
+        ("/v1/completions", {"model": model_name, "prompt": too_long, "max_tokens": 2}),
+        ("/v1/completions", {"model": model_name, "prompt": "hello " * 5000, "max_tokens": 2}),
+        ("/v1/chat/completions", {"model": model_name, "messages": [{"role": "user", "content": "hello " * 5000}]}),
+        ("/inference/v1/generate", {"token_ids": too_long, "sampling_params": {"max_tokens": 2}}),
+    ]
+    for path, body in cases:
+        err = assert_openai_error(httpx.post(f"{server.url}{path}", json=body, timeout=60), 400)
+        assert "context length" in err["message"] or "4096" in err["message"], err
+
+
 def test_unknown_route_and_method(server):
     assert_openai_error(httpx.get(f"{server.url}/v1/nothing-here", timeout=10), 404)
     assert_openai_error(httpx.get(f"{server.url}/v1/completions", timeout=10), 405)

@@ -1,27 +1,93 @@
-"""Stopping the server leaves no engine process behind."""
+"""SIGTERM: stop accepting, let in-flight requests finish within the grace, leave no process."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
+import time
 
+import httpx
 import psutil
 
 from support import ServerProcess
 
 
-def test_sigterm_stops_every_engine_process(demo_model, tmp_path):
-    srv = ServerProcess(demo_model, engines=1, log_path=tmp_path / "server.log")
+async def admit_held_requests(http: httpx.AsyncClient, body: dict, n: int) -> list[asyncio.Task]:
+    """Start ``n`` requests while the engine is paused, so all are in flight at once."""
+    assert (await http.post("/pause", params={"mode": "keep"})).status_code == 200
+    tasks = [asyncio.create_task(http.post("/v1/completions", json={**body, "prompt": f"held {i}"})) for i in range(n)]
+    deadline = time.monotonic() + 30
+    while (await http.get("/engines")).json()["engines"][0]["unfinished_requests"] != n:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.1)
+    return tasks
+
+
+def process_tree(srv: ServerProcess) -> list[psutil.Process]:
+    tree = psutil.Process(srv.proc.pid).children(recursive=True)
+    engine_pid = srv.engines()[0]["pid"]
+    # The engine child and vLLM's EngineCore beneath it, at least.
+    assert engine_pid in {p.pid for p in tree} and any(p.ppid() == engine_pid for p in tree)
+    return tree
+
+
+def assert_nothing_left(tree: list[psutil.Process]) -> None:
+    _, alive = psutil.wait_procs(tree, timeout=5)
+    assert not alive, f"left behind: {[(p.pid, p.name()) for p in alive]}"
+
+
+async def test_sigterm_lets_in_flight_requests_finish(demo_model, tmp_path):
+    srv = ServerProcess(demo_model, engines=1, log_path=tmp_path / "server.log", extra_args=("--shutdown-grace", "60"))
     try:
         srv.wait_ready()
-        engine_pid = srv.engines()[0]["pid"]
-        tree = psutil.Process(srv.proc.pid).children(recursive=True)
-        pids = {p.pid for p in tree}
-        # The engine child and vLLM's EngineCore beneath it, at least.
-        assert engine_pid in pids
-        assert any(p.ppid() == engine_pid for p in tree)
-        srv.proc.send_signal(signal.SIGTERM)
-        assert srv.proc.wait(60) == 0, srv.log_tail()
-        _, alive = psutil.wait_procs(tree, timeout=10)
-        assert not alive, f"left behind: {[(p.pid, p.name()) for p in alive]}"
+        tree = process_tree(srv)
+        body = {"model": srv.model, "max_tokens": 1500, "ignore_eos": True}
+        async with httpx.AsyncClient(base_url=srv.url, timeout=120) as http:
+            tasks = await admit_held_requests(http, body, 8)
+            assert (await http.post("/resume")).status_code == 200
+            srv.proc.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
+            await asyncio.sleep(0.5)
+            assert not any(t.done() for t in tasks), "the requests finished before the signal landed"
+            # No longer accepting: a new connection is refused while the old ones finish.
+            try:
+                async with httpx.AsyncClient(timeout=5) as fresh:
+                    refused = await fresh.get(f"{srv.url}/health")
+                raise AssertionError(f"a new connection was served during shutdown: {refused.status_code}")
+            except httpx.ConnectError:
+                pass
+            results = await asyncio.gather(*tasks)
+        for r in results:
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 1500
+        assert await asyncio.to_thread(srv.proc.wait, 60) == 0, srv.log_tail()
+        elapsed = time.monotonic() - signalled
+        assert elapsed < 60, f"shutdown took {elapsed:.1f}s"
+        assert_nothing_left(tree)
+    finally:
+        srv.stop()
+
+
+async def test_grace_period_bounds_the_shutdown(demo_model, tmp_path):
+    """Requests that cannot finish (held by a pause) are cut off when the grace runs out."""
+    grace_s = 8
+    srv = ServerProcess(
+        demo_model, engines=1, log_path=tmp_path / "server.log", extra_args=("--shutdown-grace", str(grace_s))
+    )
+    try:
+        srv.wait_ready()
+        tree = process_tree(srv)
+        async with httpx.AsyncClient(base_url=srv.url, timeout=120) as http:
+            tasks = await admit_held_requests(http, {"model": srv.model, "max_tokens": 16}, 4)
+            srv.proc.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
+            code = await asyncio.to_thread(srv.proc.wait, 60)
+            elapsed = time.monotonic() - signalled
+            outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+        assert code == 0, srv.log_tail()
+        # The requests had the in-flight share of the grace; the whole shutdown fits in it.
+        assert grace_s * 0.7 < elapsed < grace_s + 1, f"shutdown took {elapsed:.1f}s with a {grace_s}s grace"
+        assert all(isinstance(o, httpx.HTTPError) or o.status_code >= 500 for o in outcomes), outcomes
+        assert_nothing_left(tree)
     finally:
         srv.stop()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import time
 
@@ -10,12 +11,16 @@ import httpx
 import psutil
 import pytest
 
-from support import ServerProcess, engine_of
+from support import ServerProcess, engine_of, scrape, total
 
 
 @pytest.fixture(scope="module")
 def crash_server(demo_model, tmp_path_factory):
-    srv = ServerProcess(demo_model, engines=2, log_path=tmp_path_factory.mktemp("crash") / "server.log")
+    srv = ServerProcess(
+        demo_model, engines=2, log_path=tmp_path_factory.mktemp("crash") / "server.log",
+        # Probes fast enough for a test; 3 in a row must fail.
+        extra_args=("--health-interval", "1", "--health-timeout", "4"),
+    )  # fmt: skip
     try:
         srv.wait_ready()
         yield srv
@@ -112,3 +117,51 @@ async def test_restarted_engine_must_rejoin_before_a_push(crash_server, demo_mod
         await asyncio.to_thread(trainer.init)
         await asyncio.to_thread(trainer.push, tensors, "v-rejoined")
         assert (await http.get("/weight_info")).json()["weight_version"] == "v-rejoined"
+
+
+async def test_hung_engine_fails_its_probes_and_is_replaced(crash_server):
+    """An engine that is there but does not answer (SIGSTOP) is declared dead by its health probe."""
+    body = {"model": crash_server.model, "prompt": "hang on", "max_tokens": 2000, "ignore_eos": True}
+    async with httpx.AsyncClient(base_url=crash_server.url, timeout=120) as http:
+        await wait_for_states(http, ["ready", "ready"])
+        victim_pid = (await http.get("/engines")).json()["engines"][1]["pid"]
+        restarts_before = total(scrape(crash_server), "skyinfer_engine_restarts", "skyinfer_engine_restarts_total", engine="1")
+        sticky = {}
+        for i in range(8):
+            r = await http.post("/v1/completions", json={**body, "max_tokens": 2}, headers={"X-Session-ID": f"hung-{i}"})
+            sticky.setdefault(engine_of(r), f"hung-{i}")
+        assert set(sticky) == {0, 1}
+        assert (await http.post("/pause", params={"mode": "keep"})).status_code == 200
+        tasks = [asyncio.create_task(http.post("/v1/completions", json=body)) for _ in range(16)]
+        deadline = time.monotonic() + 30
+        while sum(e["unfinished_requests"] or 0 for e in (await http.get("/engines")).json()["engines"]) != 16:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.1)
+        assert (await http.post("/resume")).status_code == 200
+        os.kill(victim_pid, signal.SIGSTOP)
+        hung_at = time.monotonic()
+        # Declared dead after 3 failed probes (1 s apart, 4 s timeout each).
+        while (await http.get("/health")).json()["engines"][1]["state"] == "ready":
+            assert time.monotonic() - hung_at < 30, "the hung engine was never declared dead"
+            await asyncio.sleep(0.2)
+        declared_dead = time.monotonic()
+        results = await asyncio.gather(*(_timed(t) for t in tasks))
+        on_victim = [(r, at) for r, at in results if engine_of(r) == 1]
+        assert len(on_victim) == 8
+        for r, at in on_victim:
+            assert r.status_code == 503, r.text
+            assert at - declared_dead < 5, f"a request on the hung engine failed {at - declared_dead:.1f}s after it was dead"
+        assert all(r.status_code == 200 for r, _ in results if engine_of(r) == 0)
+        # Its sticky session moved to the live engine.
+        r = await http.post("/v1/completions", json={**body, "max_tokens": 2}, headers={"X-Session-ID": sticky[1]})
+        assert r.status_code == 200 and engine_of(r) == 0
+        await wait_for_states(http, ["ready", "ready"])
+        assert (await http.get("/engines")).json()["engines"][1]["pid"] != victim_pid
+        assert not psutil.pid_exists(victim_pid) or psutil.Process(victim_pid).status() == psutil.STATUS_ZOMBIE
+    restarts = total(scrape(crash_server), "skyinfer_engine_restarts", "skyinfer_engine_restarts_total", engine="1")
+    assert restarts == restarts_before + 1
+
+
+async def _timed(task) -> tuple[httpx.Response, float]:
+    r = await task
+    return r, time.monotonic()

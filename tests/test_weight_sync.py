@@ -19,7 +19,9 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from support import engine_of
+from support import engine_of, scrape, total
+
+PUSH_SECONDS = "skyinfer_weight_update_duration_seconds"
 
 TRAINER = Path(__file__).with_name("trainer_process.py")
 PROMPTS = ["The quick brown fox", "Reinforcement learning updates a policy", "def main():"]
@@ -111,6 +113,7 @@ def greedy(server, model_name, session: str) -> list[int]:
 
 async def test_push_under_keep_pause_then_logprobs_match_transformers(server, model_name, demo_model, tmp_path):
     assert httpx.get(f"{server.url}/get_world_size").json()["world_size"] == 2
+    pushes_before = total(scrape(server), PUSH_SECONDS, f"{PUSH_SECONDS}_count")
     weights = modified_weights(demo_model, seed=1)
     weights_file = save(weights, tmp_path / "w1.safetensors")
     async with httpx.AsyncClient(base_url=server.url, timeout=300) as http:
@@ -145,6 +148,12 @@ async def test_push_under_keep_pause_then_logprobs_match_transformers(server, mo
     trainer = run_trainer(server, save(weights2, tmp_path / "w2.safetensors"), "v-two", "--one-call")
     assert trainer.returncode == 0, trainer.stdout + trainer.stderr
     assert_engines_match(server, model_name, demo_model, weights2, "v-two")
+    # Both pushes were timed, and the version is on the metrics too.
+    families = scrape(server)
+    assert total(families, PUSH_SECONDS, f"{PUSH_SECONDS}_count") - pushes_before == 2
+    assert total(families, PUSH_SECONDS, f"{PUSH_SECONDS}_sum") > 0
+    version_info = "skyinfer_engine_weight_version_info"
+    assert {s.labels["engine"] for s in families[version_info] if s.labels["version"] == "v-two"} == {"0", "1"}
 
 
 @pytest.mark.parametrize(
@@ -217,6 +226,11 @@ def test_trainer_dying_mid_transfer_restarts_engines_stale_until_next_push(serve
         assert r.status_code == 503, "a stale or restarting engine served a request"
         time.sleep(1)
     assert "restarting" in seen
+    families = scrape(server)
+    for engine in ("0", "1"):
+        assert total(families, "skyinfer_engine_restarts", "skyinfer_engine_restarts_total", engine=engine) >= 1
+        assert total(families, "skyinfer_engine_state", "skyinfer_engine_state", engine=engine, state="stale") == 1
+    assert total(families, "skyinfer_weight_update_failures", "skyinfer_weight_update_failures_total") >= 1
     r = httpx.post(f"{server.url}/v1/completions", json={"model": model_name, "prompt": "x", "max_tokens": 2}, timeout=30)
     assert r.status_code == 503 and r.json()["error"]["type"] == "ServiceUnavailableError"
 

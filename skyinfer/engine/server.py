@@ -16,6 +16,7 @@ import signal
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
+import prometheus_client
 import pydantic
 from aiohttp import web
 
@@ -65,15 +66,14 @@ def _serving_route(
         try:
             payload = parse_json_object(await request.read())
             parsed = adapter.validate_python(payload)
-        except ValueError as exc:  # pydantic.ValidationError is a ValueError
-            if isinstance(exc, pydantic.ValidationError):
-                message, param = _validation_message(exc)
-                return error_response(400, message, param)
-            return error_response(400, str(exc))
-        try:
             result = await call(request.app[SERVING_STATE])(parsed, VllmRequestView(request))
+        except pydantic.ValidationError as exc:
+            message, param = _validation_message(exc)
+            return error_response(400, message, param)
         except Exception as exc:
-            # vLLM's own mapping: its validation errors are 400, not-found 404, the rest 500.
+            # vLLM's own mapping: its validation errors (raised by its model
+            # validators too, not only by the serving call) are 400, not-found
+            # 404, the rest 500.
             result = create_error_response(exc)
             if result.error.code >= 500:
                 log.exception("%s failed", request.path)
@@ -114,20 +114,31 @@ async def _models(request: web.Request) -> web.Response:
 
 
 async def _health(request: web.Request) -> web.Response:
+    """Liveness, answered without a round trip to the EngineCore: the front
+    probes it on a timer, and a long weight load must not read as a hang."""
     engine = request.app[ENGINE_CLIENT]
     try:
         await engine.check_health()
     except Exception as exc:  # EngineDeadError and friends
         return error_response(503, f"engine unhealthy: {exc}")
+    return json_response({"pid": os.getpid(), "unfinished_requests": engine.get_num_unfinished_requests()})
+
+
+async def _info(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_CLIENT]
     return json_response(
         {
-            "pid": os.getpid(),
-            "unfinished_requests": engine.get_num_unfinished_requests(),
             "weight_version": await engine.get_weight_version(),
             # The dtype weights are served in: pushed tensors must match it.
             "model_dtype": str(engine.model_config.dtype).removeprefix("torch."),
         }
     )
+
+
+async def _metrics(_request: web.Request) -> web.Response:
+    # vLLM's stat loggers write to prometheus_client's default registry in this process.
+    body = prometheus_client.generate_latest(prometheus_client.REGISTRY)
+    return web.Response(body=body, content_type="text/plain", charset="utf-8")
 
 
 def create_engine_app(engine_client: Any, serving_state: Any) -> web.Application:
@@ -151,6 +162,8 @@ def create_engine_app(engine_client: Any, serving_state: Any) -> web.Application
         app.router.add_post(path, _serving_route(pydantic.TypeAdapter(request_type), call))
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
+    app.router.add_get("/info", _info)
+    app.router.add_get("/metrics", _metrics)
     add_admin_routes(app)
     add_weight_routes(app)
     return app

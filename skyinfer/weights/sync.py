@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 from collections.abc import Awaitable, Callable
 
@@ -21,6 +22,7 @@ from aiohttp import web
 
 from ..errors import error_body, error_response, json_response, parse_json_object
 from ..fanout import EngineReply, call_engine, failure
+from ..metrics import ServiceMetrics
 from ..state import LIVE_STATES, EngineRecord, EngineRegistry, EngineState
 from .checkpoint import CheckpointSpec, UpdateMetadata
 from .layout import LayoutError, RankLayout
@@ -35,6 +37,19 @@ class SyncError(Exception):
         self.engines = engines
 
 
+async def _check_trainer_address(init_info: dict) -> None:
+    """A trainer address that cannot work is a 400 now, not a rendezvous timeout later."""
+    address, port = init_info.get("master_address"), init_info.get("master_port")
+    if not isinstance(address, str) or not address:
+        raise SyncError(400, "init_info master_address must be the trainer's host name or IP address")
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise SyncError(400, f"init_info master_port must be a TCP port (1-65535); got {port!r}")
+    try:
+        await asyncio.get_running_loop().getaddrinfo(address, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError, ValueError) as exc:
+        raise SyncError(400, f"init_info master_address {address!r} does not resolve: {exc}") from None
+
+
 class WeightSync:
     def __init__(
         self,
@@ -43,8 +58,12 @@ class WeightSync:
         model: str,
         timeout_s: float,
         restart: Callable[[EngineRecord, str], None],
+        metrics: ServiceMetrics,
     ):
         self.registry = registry
+        self.metrics = metrics
+        # When the push now in progress began (its first transfer call).
+        self._push_started: float | None = None
         self.workers_per_engine = workers_per_engine
         self.timeout_s = timeout_s
         self._restart = restart
@@ -84,11 +103,14 @@ class WeightSync:
             layout = RankLayout.build(base, world_size, (self.workers_per_engine,) * len(self.registry.records))
         except LayoutError as exc:
             raise SyncError(400, str(exc)) from None
+        timeout_s = init_info.get("timeout_s", self.timeout_s)
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s <= 3600:
+            raise SyncError(400, f"init_info timeout_s must be seconds in (0, 3600]; got {timeout_s!r}")
+        await _check_trainer_address(init_info)
         if self._session_open or self._engines_started:
             raise SyncError(409, "a weight update is in progress; POST /finish_weight_update first")
         async with self.registry.lock:
             records = self._engines()
-            timeout_s = float(init_info.get("timeout_s", self.timeout_s))
             replies = await asyncio.gather(
                 *(
                     call_engine(
@@ -126,6 +148,7 @@ class WeightSync:
         if update_info is not None:
             self.check_metadata(update_info)
         self._session_open = True
+        self._push_started = time.monotonic()
         return {"status": "started"}
 
     async def update(self, update_info, weight_version: str | None) -> dict:
@@ -139,6 +162,8 @@ class WeightSync:
             records = self._engines()
             self._check_group(records)
             started = time.monotonic()
+            if self._push_started is None:
+                self._push_started = started
             replies = await asyncio.gather(*(self._receive(r, update_info) for r in records))
             failed = [rep for rep in replies if not rep.ok]
             self._session_open, self._engines_started = False, not failed
@@ -175,6 +200,9 @@ class WeightSync:
                 self._abandon(failed)
             self._raise_if_failed("finish_weight_update", replies)
             self.registry.fleet_weight_version = version
+            if self._push_started is not None:
+                self.metrics.push_seconds.observe(time.monotonic() - self._push_started)
+                self._push_started = None
             for record in records:
                 record.weight_version = version
                 if record.state is EngineState.STALE:
@@ -184,6 +212,8 @@ class WeightSync:
 
     def _abandon(self, failed: list[EngineReply]) -> None:
         """Engines whose transfer broke hold half-loaded weights: restart them, out of rotation."""
+        self.metrics.push_failures.inc()
+        self._push_started = None
         for record in self.registry.records:
             record.in_transfer_group = False  # the group is broken for everyone
         for reply in failed:

@@ -1,0 +1,152 @@
+"""``GET /metrics``: the front's own metrics plus every engine's vLLM metrics.
+
+The front counts requests by route, engine and status and times them; the
+engine states, restarts and weight versions are read off the registry at
+scrape time, so there is one source of truth for them. Each engine's own
+metrics (vLLM's, from its process) are fetched live and re-labelled with
+``engine="<id>"``, the label vLLM itself uses for an engine index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import aiohttp
+import prometheus_client
+from aiohttp import web
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+from .proxy import ENGINE_HEADER, REGISTRY
+from .state import LIVE_STATES, EngineRegistry, EngineState
+
+log = logging.getLogger("skyinfer.metrics")
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_PUSH_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+# nginx's code for a client that went away before the answer.
+CLIENT_CLOSED = 499
+
+
+class _EngineCollector:
+    """Engine state as the registry holds it, read at scrape time."""
+
+    def __init__(self, registry: EngineRegistry):
+        self.registry = registry
+
+    def collect(self):
+        state = GaugeMetricFamily("skyinfer_engine_state", "1 for the state each engine is in", labels=["engine", "state"])
+        paused = GaugeMetricFamily("skyinfer_engine_paused", "1 if the engine is paused (or sleeping)", labels=["engine"])
+        sleeping = GaugeMetricFamily("skyinfer_engine_sleeping", "1 if the engine is sleeping", labels=["engine"])
+        in_flight = GaugeMetricFamily("skyinfer_engine_in_flight", "requests the front has in flight on it", labels=["engine"])
+        restarts = CounterMetricFamily("skyinfer_engine_restarts", "engine process replacements", labels=["engine"])
+        version = GaugeMetricFamily(
+            "skyinfer_engine_weight_version_info", "the weight version each engine serves", labels=["engine", "version"]
+        )
+        for r in self.registry.records:
+            engine = str(r.engine_id)
+            for s in EngineState:
+                state.add_metric([engine, s.value], float(r.state is s))
+            paused.add_metric([engine], float(r.state in (EngineState.PAUSED, EngineState.SLEEPING)))
+            sleeping.add_metric([engine], float(r.state is EngineState.SLEEPING))
+            in_flight.add_metric([engine], r.load)
+            restarts.add_metric([engine], r.restarts)
+            version.add_metric([engine, r.weight_version or ""], 1)
+        return [state, paused, sleeping, in_flight, restarts, version]
+
+
+class ServiceMetrics:
+    def __init__(self, registry: EngineRegistry):
+        self.prom = prometheus_client.CollectorRegistry()
+        self.requests = prometheus_client.Counter(
+            "skyinfer_requests", "HTTP requests answered", ["route", "engine", "status"], registry=self.prom
+        )
+        self.latency = prometheus_client.Histogram(
+            "skyinfer_request_duration_seconds", "time to the end of the answer (streams included)", ["route"],
+            buckets=_LATENCY_BUCKETS, registry=self.prom,
+        )  # fmt: skip
+        self.push_seconds = prometheus_client.Histogram(
+            "skyinfer_weight_update_duration_seconds", "completed weight pushes, first transfer call to finish",
+            buckets=_PUSH_BUCKETS, registry=self.prom,
+        )  # fmt: skip
+        self.push_failures = prometheus_client.Counter(
+            "skyinfer_weight_update_failures", "weight pushes that failed on some engine", registry=self.prom
+        )
+        self.prom.register(_EngineCollector(registry))
+
+    def middleware(self):
+        @web.middleware
+        async def count(request: web.Request, handler):
+            started = time.perf_counter()
+            status, engine = 500, ""
+            try:
+                response = await handler(request)
+                status, engine = response.status, response.headers.get(ENGINE_HEADER, "")
+                return response
+            except web.HTTPException as exc:
+                status = exc.status
+                raise
+            except asyncio.CancelledError:
+                status = CLIENT_CLOSED
+                raise
+            finally:
+                resource = request.match_info.route.resource
+                # Unknown paths share one label: a scanner must not grow the series without bound.
+                route = resource.canonical if resource is not None else "unmatched"
+                self.requests.labels(route, engine, str(status)).inc()
+                self.latency.labels(route).observe(time.perf_counter() - started)
+
+        return count
+
+
+METRICS = web.AppKey("metrics", ServiceMetrics)
+
+
+class _Families:
+    def __init__(self, families: list[Metric]):
+        self.families = families
+
+    def collect(self):
+        return self.families
+
+
+def relabel_engine_metrics(texts: dict[int, str]) -> list[Metric]:
+    """Merge engines' exposition texts into one family per metric, labelled by engine."""
+    merged: dict[str, Metric] = {}
+    for engine_id, text in texts.items():
+        for family in text_string_to_metric_families(text):
+            target = merged.get(family.name)
+            if target is None:
+                target = merged[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
+            for s in family.samples:
+                target.add_sample(s.name, {**s.labels, "engine": str(engine_id)}, s.value, s.timestamp, s.exemplar)
+    return list(merged.values())
+
+
+async def _engine_metrics(engine_id: int, client: aiohttp.ClientSession, timeout_s: float) -> tuple[int, str | None]:
+    try:
+        async with client.get("/metrics", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            return engine_id, (await resp.text()) if resp.status == 200 else None
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        log.warning("engine %d: metrics unavailable: %r", engine_id, exc)
+        return engine_id, None
+
+
+def _render(metrics: ServiceMetrics, engine_texts: dict[int, str]) -> bytes:
+    return prometheus_client.generate_latest(metrics.prom) + prometheus_client.generate_latest(
+        _Families(relabel_engine_metrics(engine_texts))
+    )
+
+
+def metrics_view(probe_timeout_s: float):
+    async def view(request: web.Request) -> web.Response:
+        records = [r for r in request.app[REGISTRY].records if r.state in LIVE_STATES and r.client is not None]
+        fetched = await asyncio.gather(*(_engine_metrics(r.engine_id, r.client, probe_timeout_s) for r in records))
+        texts = {engine_id: text for engine_id, text in fetched if text is not None}
+        # Parsing and rendering a few hundred samples per engine: off the event loop.
+        body = await asyncio.to_thread(_render, request.app[METRICS], texts)
+        return web.Response(body=body, headers={"Content-Type": prometheus_client.CONTENT_TYPE_LATEST})
+
+    return view

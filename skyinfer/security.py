@@ -1,0 +1,83 @@
+"""Who may call what.
+
+The API key guards the data plane (what an agent or a rollout worker
+calls); the admin key guards everything that changes the service: control,
+weight transfer, engine status. Without an admin key the admin routes take
+the API key, so setting only ``--api-key`` never leaves them open. Health,
+readiness and metrics stay open for probes and scrapers.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+
+from aiohttp import web
+
+from .errors import error_response
+from .proxy import DATA_PLANE_GET, DATA_PLANE_POST
+
+PUBLIC_PATHS = frozenset({"/health", "/ready", "/metrics"})
+DATA_PLANE_PATHS = frozenset(DATA_PLANE_POST + DATA_PLANE_GET)
+
+
+class InsecureBindError(ValueError):
+    pass
+
+
+def check_bind(host: str, admin_key: str | None, allow_unauthenticated_admin: bool) -> None:
+    """Refuse to expose unauthenticated admin routes beyond this machine."""
+    if admin_key or allow_unauthenticated_admin or is_loopback(host):
+        return
+    raise InsecureBindError(
+        f"refusing to listen on {host!r} without an admin key: anyone who reaches it could pause the "
+        "engines or replace their weights. Set --admin-key (or SKYINFER_ADMIN_KEY), bind 127.0.0.1, or "
+        "pass --allow-unauthenticated-admin if the network is yours alone."
+    )
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost may resolve anywhere
+
+
+def _bearer(request: web.Request) -> bytes | None:
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    return token.strip().encode() if scheme.lower() == "bearer" and token.strip() else None
+
+
+class AccessPolicy:
+    def __init__(self, api_key: str | None, admin_key: str | None):
+        self._data_key = api_key.encode() if api_key else None
+        admin = admin_key or api_key
+        self._admin_key = admin.encode() if admin else None
+
+    def key_for(self, path: str) -> bytes | None:
+        if path in PUBLIC_PATHS:
+            return None
+        return self._data_key if path in DATA_PLANE_PATHS else self._admin_key
+
+    def middleware(self):
+        @web.middleware
+        async def require_key(request: web.Request, handler):
+            resource = request.match_info.route.resource
+            # Unknown routes fall through to a plain 404.
+            key = self.key_for(resource.canonical) if resource is not None else None
+            if key is not None:
+                given = _bearer(request)
+                # compare_digest: the time taken does not tell how much of the key matched.
+                if given is None or not hmac.compare_digest(given, key):
+                    which = "API" if key is self._data_key else "admin"
+                    message = (
+                        f"missing {which} key: send 'Authorization: Bearer <key>'"
+                        if given is None
+                        else f"invalid {which} key"
+                    )
+                    return error_response(401, message, headers={"WWW-Authenticate": "Bearer"})
+            return await handler(request)
+
+        return require_key

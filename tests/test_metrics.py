@@ -1,0 +1,45 @@
+"""``/metrics`` parses as Prometheus text and moves with traffic."""
+
+from __future__ import annotations
+
+import httpx
+
+from support import scrape, total
+
+
+def test_metrics_parse_and_count_traffic(server, model_name):
+    before = scrape(server)
+    body = {"model": model_name, "prompt": "count me", "max_tokens": 5, "ignore_eos": True}
+    served_by = set()
+    for i in range(6):
+        r = httpx.post(f"{server.url}/v1/completions", json=body, headers={"X-Session-ID": f"metrics-{i}"}, timeout=60)
+        assert r.status_code == 200
+        served_by.add(r.headers["X-Skyinfer-Engine"])
+    assert httpx.post(f"{server.url}/v1/completions", json={"model": model_name, "prompt": 1}, timeout=60).status_code == 400
+    assert httpx.get(f"{server.url}/no/such/route", timeout=10).status_code == 404
+    after = scrape(server)
+
+    def moved(family, sample, **labels) -> float:
+        return total(after, family, sample, **labels) - total(before, family, sample, **labels)
+
+    # The front's own counters, by route, engine and status.
+    assert moved("skyinfer_requests", "skyinfer_requests_total", route="/v1/completions", status="200") == 6
+    for engine in served_by:
+        assert moved("skyinfer_requests", "skyinfer_requests_total", route="/v1/completions", status="200", engine=engine) >= 1
+    assert moved("skyinfer_requests", "skyinfer_requests_total", route="/v1/completions", status="400") == 1
+    assert moved("skyinfer_requests", "skyinfer_requests_total", route="unmatched", status="404") == 1
+    latency = "skyinfer_request_duration_seconds"
+    assert moved(latency, f"{latency}_count", route="/v1/completions") == 7
+    assert moved(latency, f"{latency}_sum", route="/v1/completions") > 0
+    # Engine state, read off the registry.
+    for engine in ("0", "1"):
+        assert total(after, "skyinfer_engine_state", "skyinfer_engine_state", engine=engine, state="ready") == 1
+        assert total(after, "skyinfer_engine_state", "skyinfer_engine_state", engine=engine, state="dead") == 0
+        assert total(after, "skyinfer_engine_paused", "skyinfer_engine_paused", engine=engine) == 0
+    assert "skyinfer_engine_restarts" in after and "skyinfer_engine_weight_version_info" in after
+    assert "skyinfer_weight_update_duration_seconds" in after
+    # Each engine's own vLLM metrics, labelled by engine: both engines finished requests.
+    engines = {s.labels["engine"] for s in after["vllm:request_success"]}
+    assert engines == {"0", "1"}
+    assert sum(moved("vllm:request_success", "vllm:request_success_total", engine=e) for e in engines) == 6
+    assert sum(moved("vllm:generation_tokens", "vllm:generation_tokens_total", engine=e) for e in engines) == 30
