@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import os
+import resource
 import signal
 import sys
 from pathlib import Path
@@ -92,6 +93,7 @@ async def run_service(config) -> int:
     from .draining import IN_FLIGHT
     from .supervisor import EngineStartError
 
+    _raise_open_files_limit()
     app = create_app(config)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
     await runner.setup()
@@ -100,7 +102,8 @@ async def run_service(config) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
-        await web.TCPSite(runner, config.host, config.port).start()
+        # Thousands of rollout clients may connect at once.
+        await web.TCPSite(runner, config.host, config.port, backlog=4096).start()
         log.info("listening on http://%s:%d; starting %d engine(s)", config.host, config.port, config.engines)
         ready = asyncio.ensure_future(app[SUPERVISOR].wait_ready())
         stopped = asyncio.ensure_future(stop.wait())
@@ -120,6 +123,13 @@ async def run_service(config) -> int:
         await runner.cleanup()
 
 
+def _raise_open_files_limit() -> None:
+    """Each request in flight holds two sockets (client and engine side): allow as many as the system does."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 async def _drain(runner, in_flight, drain_s: float) -> None:
     """Stop accepting, then give in-flight requests their share of the grace."""
     log.info("shutting down: no new connections; %d request(s) in flight get up to %.0fs", len(in_flight), drain_s)
@@ -130,29 +140,97 @@ async def _drain(runner, in_flight, drain_s: float) -> None:
     await in_flight.drain(drain_s)
 
 
+_EXAMPLES = """\
+examples:
+  skyinfer serve                                   the built-in demo model, 1 engine, on 127.0.0.1:8000
+  skyinfer serve --model Qwen/Qwen3-8B --engines 4 -tp 2 --max-model-len 8192
+  skyinfer status http://127.0.0.1:8000            a table of the engines
+  skyinfer demo-model ./demo                       write the tiny demo checkpoint
+
+Each command has its own --help (skyinfer serve --help).
+"""
+
+
+def _status_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "status",
+        help="show a running server's engines: state, devices, weight version, load",
+        description="Print one row per engine of the skyinfer server at URL (GET /engines).",
+    )
+    p.add_argument("url", nargs="?", default="http://127.0.0.1:8000", help="server address (default: http://127.0.0.1:8000)")
+    p.add_argument("--admin-key", default=os.environ.get("SKYINFER_ADMIN_KEY"),
+                   help="the server's admin key, if it has one (default: $SKYINFER_ADMIN_KEY)")
+    p.add_argument("--json", action="store_true", help="print the raw JSON instead of a table")
+    return p
+
+
+def _status(args) -> int:
+    import json
+
+    from .client import Client, SkyinferError
+
+    with Client(args.url, admin_key=args.admin_key, retries=0, timeout_s=30) as client:
+        try:
+            engines = client.engines()
+            fleet = client.weight_info()["weight_version"]
+        except SkyinferError as exc:
+            print(f"skyinfer status: {args.url}: {exc.message}", file=sys.stderr)
+            return 1
+    if args.json:
+        print(json.dumps({"weight_version": fleet, "engines": engines}, indent=2))
+        return 0
+    print(format_engine_table(engines, fleet))
+    return 0 if all(e["state"] == "ready" for e in engines) else 3
+
+
+def format_engine_table(engines: list[dict], fleet_version: str | None) -> str:
+    header = ("ENGINE", "STATE", "DEVICES", "WEIGHTS", "IN FLIGHT", "UNFINISHED", "RESTARTS", "PID")
+    rows = [header]
+    for e in engines:
+        devices = e["devices"]
+        rows.append((
+            str(e["id"]), e["state"], f"{devices['kind']}:{','.join(map(str, devices['ids']))}",
+            str(e["weight_version"]), str(e["load"]), str(e.get("unfinished_requests", "")),
+            str(e.get("restarts", 0)), str(e["pid"]),
+        ))  # fmt: skip
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines.append(f"fleet weight version: {fleet_version or 'as loaded'}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="skyinfer", description="vLLM inference service for RL post-training")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(
+        prog="skyinfer",
+        description="Serve vLLM engines for RL post-training: one OpenAI-compatible endpoint, "
+        "sticky sessions, pause/resume/sleep, and weight transfer from a trainer.",
+        epilog=_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,status,demo-model}")
     _serve_parser(sub)
+    _status_parser(sub)
     demo = sub.add_parser("demo-model", help="write the tiny built-in demo model (Qwen2, BPE tokenizer) to DIR")
     demo.add_argument("dir", help="output directory")
 
     args, extra = parser.parse_known_args(argv)
+    if args.command != "serve" and extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command == "status":
+        return _status(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "demo-model":
-        if extra:
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
         from .demo_model import build_demo_model
 
         print(build_demo_model(args.dir))
         return 0
     import uvloop
 
-    # uvloop's transports cut the front's per-chunk cost of relaying streams.
     try:
         config = _config_from_args(args, extra)
     except ValueError as exc:  # attrs validators and the bind rule
         parser.error(str(exc))
+    # uvloop's transports cut the front's per-chunk cost of relaying streams.
     return uvloop.run(run_service(config))
 
 

@@ -146,6 +146,7 @@ class EngineRecord:
             "devices": self.devices.describe(),
             "load": self.load,
             "weight_version": self.weight_version,
+            "model_dtype": self.model_dtype,
             "restarts": self.restarts,
         }
 

@@ -1,6 +1,6 @@
 """The trainer's side of weight sync: join skyinfer's transfer group, push named tensors.
 
-Needs only torch and the standard library, never vLLM::
+Needs torch and skyinfer's HTTP client, never vLLM::
 
     from skyinfer.trainer import GlooTrainer
 
@@ -11,78 +11,24 @@ Needs only torch and the standard library, never vLLM::
 ``push`` runs the broadcast while the HTTP call that makes the engines
 receive is in flight (both are halves of one collective). Three HTTP calls
 per push, however many tensors: start (checks the metadata before any byte
-moves), update, finish. ``SkyinferClient`` also satisfies vLLM's
-``VLLMWeightSyncClient`` protocol, so vLLM's own trainer-side engines
-(nccl, ipc, on GPUs) can drive skyinfer unchanged.
+moves), update, finish. The HTTP side is ``skyinfer.client.Client``, which
+also satisfies vLLM's ``VLLMWeightSyncClient`` protocol, so vLLM's own
+trainer-side engines (nccl, ipc, on GPUs) can drive skyinfer unchanged.
 """
 
 from __future__ import annotations
 
-import json
 import socket
 import threading
-import urllib.error
-import urllib.request
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from .client import Client, SkyinferError
 from .weights.packing import DEFAULT_BUFFER_SIZE_BYTES, TensorMeta, dtype_name, pack, plan_chunks
-
-
-class WeightSyncError(RuntimeError):
-    def __init__(self, status: int, message: str):
-        super().__init__(f"{status}: {message}")
-        self.status = status
-        self.message = message
-
-
-class SkyinferClient:
-    """Blocking HTTP calls to skyinfer's weight routes (vLLM's ``VLLMWeightSyncClient`` protocol)."""
-
-    def __init__(self, base_url: str, timeout_s: float = 600.0):
-        self.base_url = base_url.rstrip("/")
-        self.timeout_s = timeout_s
-
-    def _call(self, method: str, path: str, body: dict | None = None) -> dict:
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(
-            self.base_url + path, data=data, method=method, headers={"Content-Type": "application/json"}
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                return json.loads(response.read() or b"{}")
-        except urllib.error.HTTPError as exc:
-            raw = exc.read()
-            try:
-                message = json.loads(raw)["error"]["message"]
-            except (ValueError, KeyError, TypeError):
-                message = raw.decode(errors="replace")
-            raise WeightSyncError(exc.code, message) from None
-
-    def get_world_size(self) -> int:
-        return self._call("GET", "/get_world_size")["world_size"]
-
-    def init_weight_transfer_engine(self, init_info: dict) -> None:
-        self._call("POST", "/init_weight_transfer", {"init_info": init_info})
-
-    def start_weight_update(self, update_info: dict | None = None) -> None:
-        self._call("POST", "/start_weight_update", None if update_info is None else {"update_info": update_info})
-
-    def update_weights(self, update_info: dict, weight_version: str | None = None) -> None:
-        body = {"update_info": update_info}
-        if weight_version is not None:
-            body["weight_version"] = weight_version
-        self._call("POST", "/update_weights", body)
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._call("POST", "/finish_weight_update", {"weight_version": weight_version})
-
-    def weight_info(self) -> dict:
-        return self._call("GET", "/weight_info")
 
 
 def _free_port(host: str) -> int:
@@ -109,7 +55,8 @@ class GlooTrainer:
 
     def __init__(
         self,
-        base_url: str,
+        # One skyinfer server, or one per node: the group then spans every node's engines.
+        base_url: str | Sequence[str],
         master_address: str = "127.0.0.1",
         master_port: int | None = None,
         timeout_s: float = 120.0,
@@ -119,8 +66,10 @@ class GlooTrainer:
         buffer_size_bytes: int = DEFAULT_BUFFER_SIZE_BYTES,
         rank_offset: int = 1,
         world_size: int | None = None,
+        admin_key: str | None = None,
+        client: Client | None = None,
     ):
-        self.client = SkyinferClient(base_url, timeout_s=timeout_s + 60)
+        self.client = client or Client(base_url, admin_key=admin_key, timeout_s=timeout_s + 60)
         self.master_address = master_address
         self.master_port = master_port
         self.timeout_s = timeout_s
@@ -212,4 +161,4 @@ def _raise_if_refused(receiving: Future) -> None:
     receiving.add_done_callback(lambda _f: done.set())
     if done.wait(_REFUSAL_GRACE_S):
         receiving.result()  # raises the refusal
-        raise WeightSyncError(500, "the server finished an update before any byte was sent")
+        raise SkyinferError(500, "the server finished an update before any byte was sent")

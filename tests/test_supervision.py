@@ -41,6 +41,11 @@ async def wait_for_states(http, states: list[str], timeout_s: float = 240) -> No
         await asyncio.sleep(0.5)
 
 
+async def _timed(task) -> tuple[httpx.Response, float]:
+    r = await task
+    return r, time.monotonic()
+
+
 @pytest.mark.parametrize("role", ["EngineCore", "Worker"])
 async def test_killed_engine_fails_fast_and_comes_back(crash_server, role):
     body = {"model": crash_server.model, "prompt": "under load", "max_tokens": 2000, "ignore_eos": True}
@@ -89,36 +94,6 @@ async def test_killed_engine_fails_fast_and_comes_back(crash_server, role):
         assert served == {0, 1}
 
 
-async def test_restarted_engine_must_rejoin_before_a_push(crash_server, demo_model):
-    from safetensors.torch import load_file
-
-    from skyinfer.trainer import GlooTrainer, WeightSyncError
-
-    tensors = list(load_file(str(demo_model / "model.safetensors")).items())
-    trainer = GlooTrainer(crash_server.url, timeout_s=60)
-    await asyncio.to_thread(trainer.init)
-    async with httpx.AsyncClient(base_url=crash_server.url, timeout=120) as http:
-        victim_pid = (await http.get("/engines")).json()["engines"][1]["pid"]
-        vllm_process(victim_pid, "EngineCore").send_signal(signal.SIGKILL)
-        deadline = time.monotonic() + 240
-        while True:
-            engines = (await http.get("/engines")).json()["engines"]
-            if engines[1]["pid"] != victim_pid and [e["state"] for e in engines] == ["ready", "ready"]:
-                break
-            assert time.monotonic() < deadline, engines
-            await asyncio.sleep(0.5)
-        groups = [e["in_transfer_group"] for e in (await http.get("/weight_info")).json()["engines"]]
-        assert groups == [True, False]
-        # The new process is not in the trainer's group: refused up front, nothing restarted.
-        with pytest.raises(WeightSyncError) as refused:
-            await asyncio.to_thread(trainer.push, tensors, "v-stale-group")
-        assert refused.value.status == 409 and "init_weight_transfer" in refused.value.message
-        assert [e["state"] for e in (await http.get("/engines")).json()["engines"]] == ["ready", "ready"]
-        await asyncio.to_thread(trainer.init)
-        await asyncio.to_thread(trainer.push, tensors, "v-rejoined")
-        assert (await http.get("/weight_info")).json()["weight_version"] == "v-rejoined"
-
-
 async def test_hung_engine_fails_its_probes_and_is_replaced(crash_server):
     """An engine that is there but does not answer (SIGSTOP) is declared dead by its health probe."""
     body = {"model": crash_server.model, "prompt": "hang on", "max_tokens": 2000, "ignore_eos": True}
@@ -162,6 +137,34 @@ async def test_hung_engine_fails_its_probes_and_is_replaced(crash_server):
     assert restarts == restarts_before + 1
 
 
-async def _timed(task) -> tuple[httpx.Response, float]:
-    r = await task
-    return r, time.monotonic()
+# Last in this module: its push moves the fleet's weight version past the checkpoint on
+# disk, so an engine restarted after it comes back stale.
+async def test_restarted_engine_must_rejoin_before_a_push(crash_server, demo_model):
+    from safetensors.torch import load_file
+
+    from skyinfer.client import SkyinferError
+    from skyinfer.trainer import GlooTrainer
+
+    tensors = list(load_file(str(demo_model / "model.safetensors")).items())
+    trainer = GlooTrainer(crash_server.url, timeout_s=60)
+    await asyncio.to_thread(trainer.init)
+    async with httpx.AsyncClient(base_url=crash_server.url, timeout=120) as http:
+        victim_pid = (await http.get("/engines")).json()["engines"][1]["pid"]
+        vllm_process(victim_pid, "EngineCore").send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 240
+        while True:
+            engines = (await http.get("/engines")).json()["engines"]
+            if engines[1]["pid"] != victim_pid and [e["state"] for e in engines] == ["ready", "ready"]:
+                break
+            assert time.monotonic() < deadline, engines
+            await asyncio.sleep(0.5)
+        groups = [e["in_transfer_group"] for e in (await http.get("/weight_info")).json()["engines"]]
+        assert groups == [True, False]
+        # The new process is not in the trainer's group: refused up front, nothing restarted.
+        with pytest.raises(SkyinferError) as refused:
+            await asyncio.to_thread(trainer.push, tensors, "v-stale-group")
+        assert refused.value.status == 409 and "init_weight_transfer" in refused.value.message
+        assert [e["state"] for e in (await http.get("/engines")).json()["engines"]] == ["ready", "ready"]
+        await asyncio.to_thread(trainer.init)
+        await asyncio.to_thread(trainer.push, tensors, "v-rejoined")
+        assert (await http.get("/weight_info")).json()["weight_version"] == "v-rejoined"

@@ -168,9 +168,9 @@ def test_rank_layout_offsets_and_world_size():
         RankLayout.build(0, 6, (2, 2, 1))
 
 
-def test_skyinfer_client_satisfies_vllm_weight_sync_protocol():
+def test_client_satisfies_vllm_weight_sync_protocol():
     from vllm.distributed.weight_transfer.base import VLLMWeightSyncClient
 
-    from skyinfer.trainer import SkyinferClient
+    from skyinfer.client import Client
 
-    assert isinstance(SkyinferClient("http://127.0.0.1:1"), VLLMWeightSyncClient)
+    assert isinstance(Client("http://127.0.0.1:1"), VLLMWeightSyncClient)

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from support import engine_of, scrape, total
@@ -50,9 +50,12 @@ def save(weights: dict[str, torch.Tensor], path: Path) -> Path:
     return path
 
 
-def run_trainer(server, weights_file: Path, version: str, *extra: str, timeout_s: float = 180) -> subprocess.CompletedProcess:
+def run_trainer(
+    server, weights_file: Path, version: str, *extra: str, timeout_s: float = 180, url: str | None = None
+) -> subprocess.CompletedProcess:
+    """The trainer as a separate process; ``url`` may list several nodes, comma-separated."""
     return subprocess.run(
-        [sys.executable, str(TRAINER), server.url, str(weights_file), version, *extra],
+        [sys.executable, str(TRAINER), url or server.url, str(weights_file), version, *extra],
         capture_output=True,
         text=True,
         timeout=timeout_s,
@@ -71,12 +74,13 @@ def reference_logprobs(demo_model: Path, weights: dict[str, torch.Tensor], promp
 
 
 def sessions_per_engine(server, model_name) -> dict[int, str]:
+    engines = len(server.engines())
     found: dict[int, str] = {}
     for i in range(20):
         r = httpx.post(f"{server.url}/v1/completions", json={"model": model_name, "prompt": "x", "max_tokens": 1},
                        headers={"X-Session-ID": f"ws-{i}"}, timeout=60)  # fmt: skip
         found.setdefault(engine_of(r), f"ws-{i}")
-    assert set(found) == {0, 1}
+    assert set(found) == set(range(engines))
     return found
 
 
@@ -109,6 +113,26 @@ def greedy(server, model_name, session: str) -> list[int]:
         timeout=60,
     )
     return r.json()["choices"][0]["token_ids"]
+
+
+def test_weight_transfer_methods_drive_a_push(server, demo_model):
+    """The sync client's weight calls, as vLLM's trainer-side code would make them (via GlooTrainer)."""
+    from skyinfer.client import Client
+    from skyinfer.trainer import GlooTrainer
+
+    # The checkpoint's own weights, in the served dtype: the engines' output does not change.
+    tensors = [(n, t.float()) for n, t in load_file(str(demo_model / "model.safetensors")).items()]
+    with Client(server.url) as client:
+        before = client.generate([5, 6, 7], {"max_tokens": 4, "temperature": 0, "ignore_eos": True})
+        trainer = GlooTrainer(server.url, timeout_s=60, client=client)
+        trainer.init()
+        trainer.push(tensors, "client-push")
+        assert client.weight_info()["weight_version"] == "client-push"
+        trainer.push(tensors, "client-push-2", one_call=True)
+        after = client.generate([5, 6, 7], {"max_tokens": 4, "temperature": 0, "ignore_eos": True})
+        assert client.weight_info()["weight_version"] == "client-push-2"
+    assert after["choices"][0]["token_ids"] == before["choices"][0]["token_ids"]
+    assert after["choices"][0]["weight_versions"] == [{"version": "client-push-2", "start": 0, "end": 4}]
 
 
 async def test_push_under_keep_pause_then_logprobs_match_transformers(server, model_name, demo_model, tmp_path):

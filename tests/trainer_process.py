@@ -12,12 +12,13 @@ import sys
 
 from safetensors.torch import load_file
 
-from skyinfer.trainer import GlooTrainer, WeightSyncError
+from skyinfer.client import SkyinferError
+from skyinfer.trainer import GlooTrainer
 
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("url")
+    p.add_argument("url", help="a skyinfer server, or several (one per node) separated by commas")
     p.add_argument("weights")
     p.add_argument("version")
     p.add_argument("--one-call", action="store_true")
@@ -25,7 +26,8 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=60)
     args = p.parse_args()
     tensors = load_file(args.weights)
-    trainer = GlooTrainer(args.url, timeout_s=args.timeout, packed=args.die_after is None)
+    urls = args.url.split(",")
+    trainer = GlooTrainer(urls if len(urls) > 1 else urls[0], timeout_s=args.timeout, packed=args.die_after is None)
     trainer.init()
     if args.die_after is not None:
         sent = 0
@@ -41,7 +43,7 @@ def main() -> int:
         trainer._send = send_then_die
     try:
         trainer.push(tensors.items(), version=args.version, one_call=args.one_call)
-    except WeightSyncError as exc:
+    except SkyinferError as exc:
         print(f"refused {exc.status}: {exc.message}", flush=True)
         return 3
     assert "vllm" not in sys.modules, "the trainer must not need vLLM"

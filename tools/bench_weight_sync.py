@@ -31,19 +31,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchlib import free_port, start_skyinfer, stop  # noqa: E402
 
 from skyinfer.demo_model import build_demo_model  # noqa: E402
-from skyinfer.trainer import GlooTrainer, SkyinferClient  # noqa: E402
+from skyinfer.client import AsyncClient, Client  # noqa: E402
+from skyinfer.trainer import GlooTrainer  # noqa: E402
 from skyinfer.weights.packing import DEFAULT_BUFFER_SIZE_BYTES, TensorMeta, pack, plan_chunks  # noqa: E402
 
 BENCH_MODEL = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=12, num_attention_heads=16,
                    num_key_value_heads=4, head_dim=64)  # fmt: skip
 
 
-class CountingClient(SkyinferClient):
+class CountingClient(AsyncClient):
     calls = 0
 
-    def _call(self, method, path, body=None):
+    async def _request(self, method, path, **kw):
         CountingClient.calls += 1
-        return super()._call(method, path, body)
+        return await super()._request(method, path, **kw)
 
 
 def weights_of(model_dir: Path) -> list[tuple[str, torch.Tensor]]:
@@ -86,8 +87,10 @@ def raw_gloo(tensors, pushes: int, buffer_size: int) -> list[float]:
 
 
 def skyinfer_pushes(url: str, tensors, pushes: int, buffer_size: int, packed: bool) -> tuple[list[float], list[int]]:
-    trainer = GlooTrainer(url, timeout_s=300, buffer_size_bytes=buffer_size, packed=packed)
-    trainer.client = CountingClient(url, timeout_s=600)
+    trainer = GlooTrainer(
+        url, timeout_s=300, buffer_size_bytes=buffer_size, packed=packed,
+        client=Client.wrapping(CountingClient(url, timeout_s=600)),
+    )  # fmt: skip
     trainer.init()
     times, calls = [], []
     for i in range(pushes):

@@ -1,0 +1,69 @@
+"""The examples run to completion against a real server, and what they claim holds."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from support import ServerProcess
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+@pytest.fixture(scope="module")
+def demo_server(demo_model, tmp_path_factory):
+    """Two engines on the demo model as `skyinfer serve` runs it (bf16)."""
+    srv = ServerProcess(demo_model, engines=2, log_path=tmp_path_factory.mktemp("examples") / "server.log")
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+def run_example(name: str, *args: str, timeout_s: float = 600) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True, timeout=timeout_s)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+def test_agent_keeps_exact_tokens_on_one_engine(demo_server, tmp_path):
+    out = tmp_path / "episode.json"
+    run_example("agent.py", "--url", demo_server.url, "--turns", "4", "--out", str(out))
+    episode = json.loads(out.read_text())
+    turns = episode["turns"]
+    assert len(turns) == 4 and len({t["engine"] for t in turns}) == 1
+    with httpx.Client(base_url=demo_server.url, timeout=60) as http:
+        model = http.get("/v1/models").json()["data"][0]["id"]
+        for t in turns:
+            # The prompt ids are the engine's own rendering of the conversation so far.
+            tokenized = http.post("/tokenize", json={"model": model, "messages": t["messages"], "add_generation_prompt": True})
+            assert tokenized.json()["tokens"] == t["prompt_token_ids"]
+            # The sampled ids are the reply itself.
+            text = http.post("/detokenize", json={"model": model, "tokens": t["completion_token_ids"]}).json()["prompt"]
+            assert text == t["content"]
+            assert len(t["completion_token_ids"]) == len(t["completion_logprobs"]) == 16
+            assert all(lp <= 0 for lp in t["completion_logprobs"])
+    # Later prompts extend earlier ones (what the engine's prefix cache reuses).
+    first = turns[0]["prompt_token_ids"]
+    assert all(t["prompt_token_ids"][: len(first)] == first for t in turns[1:])
+
+
+def test_rl_loop_pushes_new_weights_each_iteration(demo_server):
+    done = run_example("rl_loop.py", "--url", demo_server.url, "--iterations", "3")
+    lines = done.stdout.strip().splitlines()
+    timing_lines = [line for line in lines if line.startswith("iter ")]
+    assert len(timing_lines) == 3 and all("push" in line and "ms" in line for line in timing_lines)
+    summary = json.loads(lines[-1])
+    # Rollouts of iteration k ran on the weights of step k (the example asserts this per rollout).
+    assert summary["versions_seen"] == [["default"], ["step-1"], ["step-2"]]
+    assert summary["final_version"] == "step-3"
+    info = httpx.get(f"{demo_server.url}/weight_info", timeout=30).json()
+    assert info["weight_version"] == "step-3"
+    assert [e["weight_version"] for e in info["engines"]] == ["step-3", "step-3"]
+    assert all(it["loss"] == it["loss"] for it in summary["iterations"])  # no NaN from the optimizer step

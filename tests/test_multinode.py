@@ -1,0 +1,162 @@
+"""Two skyinfer nodes (separate servers on localhost) behind a real vllm-router, one weight group."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from test_weight_sync import assert_engines_match, modified_weights, run_trainer, save
+
+from skyinfer.client import MultiNodeClient, SkyinferError
+from support import ServerProcess, free_port, scrape, total
+
+ROUTER = shutil.which("vllm-router", path=str(Path(sys.executable).parent))
+
+
+class RouterProcess:
+    """``vllm-router`` with session affinity on X-Session-ID, as the README gives it."""
+
+    def __init__(self, worker_urls: list[str], log_path: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = open(log_path, "wb")
+        self.log_path = log_path
+        self.proc = subprocess.Popen(
+            [ROUTER, "--host", "127.0.0.1", "--port", str(self.port), "--worker-urls", *worker_urls,
+             "--policy", "consistent_hash"],
+            stdout=self._log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+
+    def wait_ready(self, timeout_s: float = 120) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log_path.read_text()[-3000:]
+            try:
+                if httpx.get(f"{self.url}/v1/models", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(self.log_path.read_text()[-3000:])
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def nodes(demo_model, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("nodes")
+    servers = [
+        ServerProcess(demo_model, engines=1, log_path=logs / f"node{k}.log", extra_args=("--dtype", "float32"))
+        for k in range(2)
+    ]
+    try:
+        for srv in servers:
+            srv.wait_ready()
+        yield servers
+    finally:
+        for srv in servers:
+            srv.stop()
+
+
+@pytest.fixture(scope="module")
+def router(nodes, tmp_path_factory):
+    assert ROUTER, "vllm-router is not installed (pip install -e .[test])"
+    proc = RouterProcess([n.url for n in nodes], tmp_path_factory.mktemp("router") / "router.log")
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
+
+
+def completions_per_node(nodes) -> list[float]:
+    return [
+        total(scrape(n), "skyinfer_requests", "skyinfer_requests_total", route="/v1/chat/completions", status="200")
+        for n in nodes
+    ]
+
+
+def test_router_serves_openai_clients_with_session_affinity(nodes, router):
+    client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    assert model == nodes[0].model
+    chat = [{"role": "user", "content": "through the router"}]
+    out = client.chat.completions.create(model=model, messages=chat, max_tokens=4, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 4
+    # 20 requests of one session land on one node; other sessions reach the other node too.
+    used = set()
+    for session in ("affinity-a", "affinity-b", "affinity-c", "affinity-d", "affinity-e", "affinity-f"):
+        before = completions_per_node(nodes)
+        for _ in range(20):
+            client.chat.completions.create(model=model, messages=chat, max_tokens=2, extra_headers={"X-Session-ID": session})
+        moved = [a - b for a, b in zip(completions_per_node(nodes), before)]
+        assert sorted(moved) == [0, 20], f"session {session} spread over nodes: {moved}"
+        used.add(moved.index(20))
+    assert used == {0, 1}
+
+
+def test_one_trainer_push_updates_both_nodes(nodes, demo_model, tmp_path):
+    client = MultiNodeClient([n.url for n in nodes])
+    assert httpx.get(f"{nodes[0].url}/get_world_size").json()["world_size"] == 1
+    weights = modified_weights(demo_model, seed=7)
+    # One trainer process, one gloo group of world size 3: the trainer and one worker per node.
+    trainer = run_trainer(nodes[0], save(weights, tmp_path / "w.safetensors"), "multi-node-1",
+                          url=",".join(n.url for n in nodes))  # fmt: skip
+    assert trainer.returncode == 0, trainer.stdout + trainer.stderr
+    for node in nodes:
+        info = httpx.get(f"{node.url}/weight_info", timeout=30).json()
+        assert info["weight_version"] == "multi-node-1"
+        assert_engines_match(node, node.model, demo_model, weights, "multi-node-1")
+    info = asyncio.run(_weight_info(client))
+    assert info["weight_version"] == "multi-node-1" and len(info["nodes"]) == 2
+
+
+async def _weight_info(client: MultiNodeClient) -> dict:
+    async with client:
+        return await client.weight_info()
+
+
+async def test_a_stopped_node_is_reported_and_the_other_keeps_serving(nodes, router):
+    client = MultiNodeClient([n.url for n in nodes], router_url=router.url, retries=0)
+    async with client:
+        assert (await client.pause(mode="keep"))["status"] == "paused"
+        assert (await client.resume())["status"] == "resumed"
+        nodes[1].stop()
+        with pytest.raises(SkyinferError) as failed:
+            await client.pause(mode="keep")
+        assert nodes[1].url in failed.value.message and nodes[0].url not in failed.value.message
+        assert [n["status"] for n in failed.value.body["nodes"]] == [200, 503]
+        # The live node did pause; resuming reports the dead one again, and resumes the live one.
+        with pytest.raises(SkyinferError):
+            await client.resume()
+        assert not await client.nodes[0].is_paused()
+        with pytest.raises(SkyinferError):
+            await client.engines()
+        # The router takes the dead node out; every session is then served by the live one.
+        deadline = time.monotonic() + 90
+        ok_in_a_row = 0
+        while ok_in_a_row < 10:
+            assert time.monotonic() < deadline, "the router kept sending requests to the stopped node"
+            try:
+                await client.complete("still there?", max_tokens=2, session_id=f"after-stop-{ok_in_a_row}")
+                ok_in_a_row += 1
+            except SkyinferError:
+                ok_in_a_row = 0
+                await asyncio.sleep(1)
+        for i in range(20):
+            out = await client.complete("still there?", max_tokens=2, session_id=f"after-stop-many-{i}")
+            assert out["usage"]["completion_tokens"] == 2
