@@ -28,6 +28,7 @@ Errors raise ``SkyinferError`` with the server's status and message.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import functools
 import hashlib
 import inspect
@@ -144,6 +145,11 @@ class AsyncClient:
                 # The connection was never made: nothing reached the server.
                 error = SkyinferError(503, f"cannot connect to {self.base_url}: {exc}")
                 retry = True
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                # The request may have reached the server: re-sent only if that is harmless.
+                status = 504 if isinstance(exc, asyncio.TimeoutError) else 503
+                error = SkyinferError(status, f"{method} {path} on {self.base_url} failed: {exc!r}")
+                retry = retry_unavailable
             else:
                 retry = retry_unavailable and error.status == 503
             if not retry or attempt >= self.retries:
@@ -521,6 +527,8 @@ class Client:
             if self._loop is None:
                 self._loop = asyncio.new_event_loop()
                 threading.Thread(target=self._loop.run_forever, name="skyinfer-client", daemon=True).start()
+                # Connections closed before the interpreter tears the loop down.
+                atexit.register(_close_at_exit, weakref.ref(self))
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def close(self) -> None:
@@ -546,3 +554,9 @@ class Client:
             return self._run(bound(*args, **kwargs))
 
         return call
+
+
+def _close_at_exit(ref: weakref.ref) -> None:
+    client = ref()
+    if client is not None:
+        client.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -25,7 +26,13 @@ class ServerProcess:
     """A `skyinfer serve` subprocess, as a user would start it."""
 
     def __init__(
-        self, model: Path, engines: int, log_path: Path, extra_args: tuple[str, ...] = (), admin_key: str | None = None
+        self,
+        model: Path,
+        engines: int,
+        log_path: Path,
+        extra_args: tuple[str, ...] = (),
+        admin_key: str | None = None,
+        cpus: set[int] | None = None,
     ):
         self.port = free_port()
         # What the tests' own status calls send; the server gets its keys through extra_args.
@@ -39,6 +46,8 @@ class ServerProcess:
              "--port", str(self.port), *extra_args],
             stdout=self._log,
             stderr=subprocess.STDOUT,
+            # Like `taskset -c`: the server plans its engines on the cores it may use.
+            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
         )  # fmt: skip
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:

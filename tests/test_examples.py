@@ -44,9 +44,11 @@ def test_agent_keeps_exact_tokens_on_one_engine(demo_server, tmp_path):
             # The prompt ids are the engine's own rendering of the conversation so far.
             tokenized = http.post("/tokenize", json={"model": model, "messages": t["messages"], "add_generation_prompt": True})
             assert tokenized.json()["tokens"] == t["prompt_token_ids"]
-            # The sampled ids are the reply itself.
+            # The sampled ids are the reply itself. The text may lack the last bytes of a
+            # character the ids end inside of (vLLM holds them back): one more reason
+            # the trainer wants ids.
             text = http.post("/detokenize", json={"model": model, "tokens": t["completion_token_ids"]}).json()["prompt"]
-            assert text == t["content"]
+            assert text.startswith(t["content"]) and set(text[len(t["content"]) :]) <= {"\ufffd"}, (text, t["content"])
             assert len(t["completion_token_ids"]) == len(t["completion_logprobs"]) == 16
             assert all(lp <= 0 for lp in t["completion_logprobs"])
     # Later prompts extend earlier ones (what the engine's prefix cache reuses).
