@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from support import ServerProcess
+from support import ServerProcess, running
 
 from skyinfer.demo_model import build_demo_model
 
@@ -26,11 +26,8 @@ def server(demo_model, tmp_path_factory):
     srv = ServerProcess(
         demo_model, engines=2, log_path=tmp_path_factory.mktemp("logs") / "server.log", extra_args=("--dtype", "float32")
     )
-    try:
-        srv.wait_ready()
+    with running(srv):
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -22,49 +24,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class ServerProcess:
-    """A `skyinfer serve` subprocess, as a user would start it."""
+class ChildProcess:
+    """A service started as a subprocess (port picked here, output to a log file)."""
 
-    def __init__(
-        self,
-        model: Path,
-        engines: int,
-        log_path: Path,
-        extra_args: tuple[str, ...] = (),
-        admin_key: str | None = None,
-        cpus: set[int] | None = None,
-    ):
-        self.port = free_port()
-        # What the tests' own status calls send; the server gets its keys through extra_args.
-        self.admin_headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.model = str(model)
+    # Answers 200 once the service can take requests.
+    ready_path = "/ready"
+
+    def __init__(self, argv: list[str], log_path: Path, port: int, preexec_fn=None):
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
         self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "skyinfer", "serve", "--model", self.model, "--engines", str(engines),
-             "--port", str(self.port), *extra_args],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            # Like `taskset -c`: the server plans its engines on the cores it may use.
-            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
-        )  # fmt: skip
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=preexec_fn)
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+                raise RuntimeError(f"{self.proc.args[0]} exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
-                if httpx.get(f"{self.url}/ready", timeout=5).status_code == 200:
+                if httpx.get(f"{self.url}{self.ready_path}", timeout=5).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(1)
-        raise TimeoutError(f"server not ready after {timeout_s}s:\n{self.log_tail()}")
-
-    def engines(self) -> list[dict]:
-        return httpx.get(f"{self.url}/engines", headers=self.admin_headers, timeout=10).json()["engines"]
+        raise TimeoutError(f"not ready after {timeout_s}s:\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 60) -> str:
         self._log.flush()
@@ -80,6 +64,41 @@ class ServerProcess:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
+
+
+class ServerProcess(ChildProcess):
+    """A `skyinfer serve` subprocess, as a user would start it."""
+
+    def __init__(
+        self,
+        model: Path,
+        engines: int,
+        log_path: Path,
+        extra_args: tuple[str, ...] = (),
+        admin_key: str | None = None,
+        cpus: set[int] | None = None,
+    ):
+        port = free_port()
+        self.model = str(model)
+        # What the tests' own status calls send; the server gets its keys through extra_args.
+        self.admin_headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
+        argv = [sys.executable, "-m", "skyinfer", "serve", "--model", self.model, "--engines", str(engines),
+                "--port", str(port), *extra_args]  # fmt: skip
+        # Like `taskset -c`: the server plans its engines on the cores it may use.
+        super().__init__(argv, log_path, port, preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
+
+    def engines(self) -> list[dict]:
+        return httpx.get(f"{self.url}/engines", headers=self.admin_headers, timeout=10).json()["engines"]
+
+
+@contextlib.contextmanager
+def running(child: ChildProcess):
+    """For fixtures: the child, ready; stopped afterwards however the tests went."""
+    try:
+        child.wait_ready()
+        yield child
+    finally:
+        child.stop()
 
 
 def engine_of(response) -> int:
@@ -105,3 +124,26 @@ def total(families: dict, family: str, sample: str, **labels) -> float:
     return sum(
         s.value for s in families.get(family, []) if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items())
     )
+
+
+async def total_unfinished(http: httpx.AsyncClient) -> int:
+    return sum(e["unfinished_requests"] or 0 for e in (await http.get("/engines")).json()["engines"])
+
+
+async def wait_unfinished(http: httpx.AsyncClient, n: int, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (got := await total_unfinished(http)) != n:
+        assert time.monotonic() < deadline, f"expected {n} unfinished requests, have {got}"
+        await asyncio.sleep(0.05)
+
+
+async def admit_while_paused(http: httpx.AsyncClient, coros) -> list[asyncio.Task]:
+    """Start requests while the engines are paused (keep), so all are in flight at once.
+
+    The demo model decodes a batch so fast that requests started on a running
+    engine may finish before anyone can pause them. Returns with engines paused.
+    """
+    assert (await http.post("/pause", params={"mode": "keep"})).status_code == 200
+    tasks = [asyncio.create_task(c) for c in coros]
+    await wait_unfinished(http, len(tasks))
+    return tasks

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import httpx
 import pytest
 
-from support import engine_of, restore_fleet
+from support import admit_while_paused, engine_of, restore_fleet, total_unfinished, wait_unfinished
 
 
 @pytest.fixture
@@ -31,29 +30,6 @@ async def complete(http, model: str, prompt: str, max_tokens: int, session: str 
     r = await http.post("/v1/completions", json=body, headers={"X-Session-ID": session} if session else {})
     assert r.status_code == 200, r.text
     return r
-
-
-async def total_unfinished(http) -> int:
-    return sum(e["unfinished_requests"] for e in (await http.get("/engines")).json()["engines"])
-
-
-async def wait_unfinished(http, n: int, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while (got := await total_unfinished(http)) != n:
-        assert time.monotonic() < deadline, f"expected {n} unfinished requests, have {got}"
-        await asyncio.sleep(0.05)
-
-
-async def admit_while_paused(http, coros) -> list[asyncio.Task]:
-    """Start requests while the engines are paused (keep), so all are in flight at once.
-
-    The demo model decodes a batch so fast that requests started on a running
-    engine may finish before anyone can pause them. Returns with engines paused.
-    """
-    await admin(http, "/pause", params={"mode": "keep"})
-    tasks = [asyncio.create_task(c) for c in coros]
-    await wait_unfinished(http, len(tasks))
-    return tasks
 
 
 async def sessions_on_each_engine(http, model: str) -> dict[int, str]:

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from support import ServerProcess
+from support import ServerProcess, running
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -19,11 +19,8 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 def demo_server(demo_model, tmp_path_factory):
     """Two engines on the demo model as `skyinfer serve` runs it (bf16)."""
     srv = ServerProcess(demo_model, engines=2, log_path=tmp_path_factory.mktemp("examples") / "server.log")
-    try:
-        srv.wait_ready()
+    with running(srv):
         yield srv
-    finally:
-        srv.stop()
 
 
 def run_example(name: str, *args: str, timeout_s: float = 600) -> subprocess.CompletedProcess:

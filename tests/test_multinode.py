@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -15,45 +14,21 @@ import pytest
 from test_weight_sync import assert_engines_match, modified_weights, run_trainer, save
 
 from skyinfer.client import MultiNodeClient, SkyinferError
-from support import ServerProcess, free_port, scrape, total
+from support import ChildProcess, ServerProcess, free_port, running, scrape, total
 
 ROUTER = shutil.which("vllm-router", path=str(Path(sys.executable).parent))
 
 
-class RouterProcess:
+class RouterProcess(ChildProcess):
     """``vllm-router`` with session affinity on X-Session-ID, as the README gives it."""
 
+    ready_path = "/v1/models"
+
     def __init__(self, worker_urls: list[str], log_path: Path):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._log = open(log_path, "wb")
-        self.log_path = log_path
-        self.proc = subprocess.Popen(
-            [ROUTER, "--host", "127.0.0.1", "--port", str(self.port), "--worker-urls", *worker_urls,
-             "--policy", "consistent_hash"],
-            stdout=self._log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-
-    def wait_ready(self, timeout_s: float = 120) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log_path.read_text()[-3000:]
-            try:
-                if httpx.get(f"{self.url}/v1/models", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(self.log_path.read_text()[-3000:])
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self._log.close()
+        port = free_port()
+        argv = [ROUTER, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *worker_urls,
+                "--policy", "consistent_hash"]  # fmt: skip
+        super().__init__(argv, log_path, port)
 
 
 @pytest.fixture(scope="module")
@@ -65,24 +40,15 @@ def nodes(demo_model, tmp_path_factory):
         ServerProcess(demo_model, engines=1, log_path=logs / f"node{k}.log", extra_args=("--dtype", "float32"), cpus={k})
         for k in range(2)
     ]
-    try:
-        for srv in servers:
-            srv.wait_ready()
+    with running(servers[0]), running(servers[1]):
         yield servers
-    finally:
-        for srv in servers:
-            srv.stop()
 
 
 @pytest.fixture(scope="module")
 def router(nodes, tmp_path_factory):
     assert ROUTER, "vllm-router is not installed (pip install -e .[test])"
-    proc = RouterProcess([n.url for n in nodes], tmp_path_factory.mktemp("router") / "router.log")
-    try:
-        proc.wait_ready()
+    with running(RouterProcess([n.url for n in nodes], tmp_path_factory.mktemp("router") / "router.log")) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 def completions_per_node(nodes) -> list[float]:

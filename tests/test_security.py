@@ -8,7 +8,7 @@ import sys
 import httpx
 import openai
 import pytest
-from support import ServerProcess
+from support import ServerProcess, running
 from test_errors import assert_openai_error
 
 from skyinfer.app import create_app
@@ -41,11 +41,8 @@ def keyed_server(demo_model, tmp_path_factory):
         demo_model, engines=1, log_path=tmp_path_factory.mktemp("keyed") / "server.log",
         extra_args=("--api-key", API_KEY, "--admin-key", ADMIN_KEY, "--max-request-mb", "1"), admin_key=ADMIN_KEY,
     )  # fmt: skip
-    try:
-        srv.wait_ready()
+    with running(srv):
         yield srv
-    finally:
-        srv.stop()
 
 
 def app_routes(model, socket_dir) -> set[tuple[str, str]]:

@@ -9,18 +9,7 @@ import time
 import httpx
 import psutil
 
-from support import ServerProcess
-
-
-async def admit_held_requests(http: httpx.AsyncClient, body: dict, n: int) -> list[asyncio.Task]:
-    """Start ``n`` requests while the engine is paused, so all are in flight at once."""
-    assert (await http.post("/pause", params={"mode": "keep"})).status_code == 200
-    tasks = [asyncio.create_task(http.post("/v1/completions", json={**body, "prompt": f"held {i}"})) for i in range(n)]
-    deadline = time.monotonic() + 30
-    while (await http.get("/engines")).json()["engines"][0]["unfinished_requests"] != n:
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.1)
-    return tasks
+from support import ServerProcess, admit_while_paused
 
 
 def process_tree(srv: ServerProcess) -> list[psutil.Process]:
@@ -41,9 +30,9 @@ async def test_sigterm_lets_in_flight_requests_finish(demo_model, tmp_path):
     try:
         srv.wait_ready()
         tree = process_tree(srv)
-        body = {"model": srv.model, "max_tokens": 1500, "ignore_eos": True}
+        body = {"model": srv.model, "prompt": "finish me", "max_tokens": 1500, "ignore_eos": True}
         async with httpx.AsyncClient(base_url=srv.url, timeout=120) as http:
-            tasks = await admit_held_requests(http, body, 8)
+            tasks = await admit_while_paused(http, (http.post("/v1/completions", json=body) for _ in range(8)))
             assert (await http.post("/resume")).status_code == 200
             srv.proc.send_signal(signal.SIGTERM)
             signalled = time.monotonic()
@@ -78,7 +67,8 @@ async def test_grace_period_bounds_the_shutdown(demo_model, tmp_path):
         srv.wait_ready()
         tree = process_tree(srv)
         async with httpx.AsyncClient(base_url=srv.url, timeout=120) as http:
-            tasks = await admit_held_requests(http, {"model": srv.model, "max_tokens": 16}, 4)
+            held = {"model": srv.model, "prompt": "held", "max_tokens": 16}
+            tasks = await admit_while_paused(http, (http.post("/v1/completions", json=held) for _ in range(4)))
             srv.proc.send_signal(signal.SIGTERM)
             signalled = time.monotonic()
             code = await asyncio.to_thread(srv.proc.wait, 60)

@@ -11,7 +11,7 @@ import httpx
 import psutil
 import pytest
 
-from support import ServerProcess, engine_of, scrape, total
+from support import ServerProcess, admit_while_paused, engine_of, running, scrape, total
 
 
 @pytest.fixture(scope="module")
@@ -21,11 +21,8 @@ def crash_server(demo_model, tmp_path_factory):
         # Probes fast enough for a test; 3 in a row must fail.
         extra_args=("--health-interval", "1", "--health-timeout", "4"),
     )  # fmt: skip
-    try:
-        srv.wait_ready()
+    with running(srv):
         yield srv
-    finally:
-        srv.stop()
 
 
 def vllm_process(engine_pid: int, role: str) -> psutil.Process:
@@ -53,24 +50,15 @@ async def test_killed_engine_fails_fast_and_comes_back(crash_server, role):
         await wait_for_states(http, ["ready", "ready"])
         victim_pid = (await http.get("/engines")).json()["engines"][1]["pid"]
         # 32 requests admitted while paused, so all are in flight when the kill lands.
-        assert (await http.post("/pause", params={"mode": "keep"})).status_code == 200
-        tasks = [asyncio.create_task(http.post("/v1/completions", json=body)) for _ in range(32)]
-        deadline = time.monotonic() + 30
-        while sum(e["unfinished_requests"] or 0 for e in (await http.get("/engines")).json()["engines"]) != 32:
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.1)
+        tasks = await admit_while_paused(http, (http.post("/v1/completions", json=body) for _ in range(32)))
         assert (await http.post("/resume")).status_code == 200
         vllm_process(victim_pid, role).send_signal(signal.SIGKILL)
         killed_at = time.monotonic()
 
-        async def timed(task):
-            r = await task
-            return r, time.monotonic() - killed_at
-
-        results = await asyncio.gather(*(timed(t) for t in tasks))
+        results = await asyncio.gather(*(_timed(t) for t in tasks))
         by_engine = {0: [], 1: []}
-        for r, after in results:
-            by_engine[engine_of(r)].append((r, after))
+        for r, at in results:
+            by_engine[engine_of(r)].append((r, at - killed_at))
         assert len(by_engine[0]) == len(by_engine[1]) == 16
         for r, _ in by_engine[0]:
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2000
@@ -106,12 +94,7 @@ async def test_hung_engine_fails_its_probes_and_is_replaced(crash_server):
             r = await http.post("/v1/completions", json={**body, "max_tokens": 2}, headers={"X-Session-ID": f"hung-{i}"})
             sticky.setdefault(engine_of(r), f"hung-{i}")
         assert set(sticky) == {0, 1}
-        assert (await http.post("/pause", params={"mode": "keep"})).status_code == 200
-        tasks = [asyncio.create_task(http.post("/v1/completions", json=body)) for _ in range(16)]
-        deadline = time.monotonic() + 30
-        while sum(e["unfinished_requests"] or 0 for e in (await http.get("/engines")).json()["engines"]) != 16:
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.1)
+        tasks = await admit_while_paused(http, (http.post("/v1/completions", json=body) for _ in range(16)))
         assert (await http.post("/resume")).status_code == 200
         os.kill(victim_pid, signal.SIGSTOP)
         hung_at = time.monotonic()

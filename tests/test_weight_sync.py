@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from support import engine_of, scrape, total
+from support import admit_while_paused, engine_of, scrape, total
 
 PUSH_SECONDS = "skyinfer_weight_update_duration_seconds"
 
@@ -141,13 +141,10 @@ async def test_push_under_keep_pause_then_logprobs_match_transformers(server, mo
     weights = modified_weights(demo_model, seed=1)
     weights_file = save(weights, tmp_path / "w1.safetensors")
     async with httpx.AsyncClient(base_url=server.url, timeout=300) as http:
-        assert (await http.post("/pause", params={"mode": "keep"})).status_code == 200
         body = {"model": model_name, "max_tokens": 64, "ignore_eos": True, "return_token_ids": True}
-        tasks = [asyncio.create_task(http.post("/v1/completions", json={**body, "prompt": f"in flight {i}"})) for i in range(8)]
-        deadline = time.monotonic() + 30
-        while sum(e["unfinished_requests"] for e in (await http.get("/engines")).json()["engines"]) != 8:
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.1)
+        tasks = await admit_while_paused(
+            http, (http.post("/v1/completions", json={**body, "prompt": f"in flight {i}"}) for i in range(8))
+        )
         trainer = await asyncio.to_thread(run_trainer, server, weights_file, "v-one")
         assert trainer.returncode == 0, trainer.stdout + trainer.stderr
         assert not any(t.done() for t in tasks)
