@@ -1,0 +1,93 @@
+"""``Client``: the async clients' methods, blocking, for scripts that are not async."""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import functools
+import inspect
+import threading
+import weakref
+from collections.abc import Coroutine, Sequence
+from typing import Any
+
+from .multinode import MultiNodeClient
+from .node import AsyncClient
+
+
+class Client:
+    """The ``AsyncClient`` (or, given several URLs, ``MultiNodeClient``) methods, blocking.
+
+    Calls run on a private event loop in a background thread, so the client
+    may be used from several threads at once (a trainer broadcasting while
+    ``update_weights`` waits, say).
+    """
+
+    def __init__(self, base_url: str | Sequence[str], *, router_url: str | None = None, **settings):
+        if isinstance(base_url, str) and router_url is None:
+            self._async: AsyncClient | MultiNodeClient = AsyncClient(base_url, **settings)
+        else:
+            urls = [base_url] if isinstance(base_url, str) else list(base_url)
+            self._async = MultiNodeClient(urls, router_url=router_url, **settings)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def wrapping(cls, async_client: AsyncClient | MultiNodeClient) -> Client:
+        client = cls(async_client.base_url)
+        client._async = async_client
+        return client
+
+    def __getstate__(self) -> dict:
+        return {"_async": self._async}
+
+    def __setstate__(self, state: dict) -> None:
+        self._async = state["_async"]
+        self._loop = None
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"Client({self._async!r})"
+
+    @property
+    def base_url(self) -> str:
+        return self._async.base_url
+
+    def _run(self, coro: Coroutine) -> Any:
+        with self._lock:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+                threading.Thread(target=self._loop.run_forever, name="skyinfer-client", daemon=True).start()
+                # Connections closed before the interpreter tears the loop down.
+                atexit.register(_close_at_exit, weakref.ref(self))
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def close(self) -> None:
+        if self._loop is not None:
+            self._run(self._async.aclose())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._loop = None
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __getattr__(self, name: str):
+        method = getattr(type(self._async), name, None)
+        if name.startswith("_") or not inspect.iscoroutinefunction(method):
+            raise AttributeError(name)
+        bound = getattr(self._async, name)
+
+        @functools.wraps(method)
+        def call(*args, **kwargs):
+            return self._run(bound(*args, **kwargs))
+
+        return call
+
+
+def _close_at_exit(ref: weakref.ref) -> None:
+    client = ref()
+    if client is not None:
+        client.close()

@@ -1,0 +1,273 @@
+"""``AsyncClient``: one skyinfer server, every route."""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from typing import Any
+
+import aiohttp
+import orjson
+
+SESSION_HEADER = "X-Session-ID"
+# Shorter than the server's keep-alive (aiohttp's default 75 s).
+KEEPALIVE_S = 30.0
+
+
+class SkyinferError(RuntimeError):
+    def __init__(self, status: int, message: str, body: Any = None):
+        super().__init__(f"{status}: {message}")
+        self.status = status
+        self.message = message
+        self.body = body
+
+
+def _bool(value: bool) -> str:
+    return "true" if value else "false"
+
+
+class AsyncClient:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        admin_key: str | None = None,
+        timeout_s: float = 600.0,
+        retries: int = 3,
+        retry_backoff_s: float = 0.5,
+    ):
+        self.base_url = base_url.rstrip("/")
+        self.api_key = api_key
+        # The server takes the API key on admin routes when it has no admin key.
+        self.admin_key = admin_key or api_key
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.retry_backoff_s = retry_backoff_s
+        self._model: str | None = None
+        self._sessions: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aiohttp.ClientSession] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    # -- pickling: settings travel, connections don't --------------------------
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_sessions"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._sessions = weakref.WeakKeyDictionary()
+
+    def __repr__(self) -> str:
+        return f"AsyncClient({self.base_url!r})"
+
+    def _session(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        session = self._sessions.get(loop)
+        if session is None or session.closed:
+            connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=KEEPALIVE_S)
+            session = aiohttp.ClientSession(
+                connector=connector, timeout=aiohttp.ClientTimeout(total=self.timeout_s), json_serialize=_dumps
+            )
+            self._sessions[loop] = session
+        return session
+
+    async def aclose(self) -> None:
+        """Close this event loop's connections."""
+        session = self._sessions.pop(asyncio.get_running_loop(), None)
+        if session is not None:
+            await session.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    # -- one request -------------------------------------------------------------
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        admin: bool = False,
+        json: Any = None,
+        params: dict | None = None,
+        headers: dict | None = None,
+        retry_unavailable: bool = False,
+        raw: bool = False,
+    ) -> Any:
+        key = self.admin_key if admin else self.api_key
+        headers = {**(headers or {}), **({"Authorization": f"Bearer {key}"} if key else {})}
+        attempt = 0
+        while True:
+            try:
+                async with self._session().request(
+                    method, self.base_url + path, json=json, params=params, headers=headers
+                ) as resp:
+                    body = await resp.read()
+                    if resp.status < 400:
+                        return body.decode() if raw else orjson.loads(body or b"null")
+                    error = _error(resp.status, body)
+            except aiohttp.ClientConnectorError as exc:
+                # The connection was never made: nothing reached the server.
+                error = SkyinferError(503, f"cannot connect to {self.base_url}: {exc}")
+                retry = True
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                # The request may have reached the server: re-sent only if that is harmless.
+                status = 504 if isinstance(exc, asyncio.TimeoutError) else 503
+                error = SkyinferError(status, f"{method} {path} on {self.base_url} failed: {exc!r}")
+                retry = retry_unavailable
+            else:
+                retry = retry_unavailable and error.status == 503
+            if not retry or attempt >= self.retries:
+                raise error
+            await asyncio.sleep(self.retry_backoff_s * 2**attempt)
+            attempt += 1
+
+    async def _data(self, path: str, body: dict, session_id: str | None) -> dict:
+        headers = {SESSION_HEADER: session_id} if session_id else None
+        return await self._request("POST", path, json=body, headers=headers, retry_unavailable=True)
+
+    async def _admin(self, path: str, params: dict | None = None, json: Any = None) -> dict:
+        return await self._request("POST", path, admin=True, params=params, json=json)
+
+    async def _read(self, path: str, admin: bool = True) -> Any:
+        return await self._request("GET", path, admin=admin, retry_unavailable=True)
+
+    async def model(self) -> str:
+        """The served model's name (asked once)."""
+        if self._model is None:
+            self._model = (await self.models())[0]["id"]
+        return self._model
+
+    # -- data plane ---------------------------------------------------------------
+    async def models(self) -> list[dict]:
+        return (await self._read("/v1/models", admin=False))["data"]
+
+    async def generate(
+        self, token_ids: list[int], sampling_params: dict | None = None, *, session_id: str | None = None, **fields
+    ) -> dict:
+        """Token in, token out (``/inference/v1/generate``): ids and, if asked, logprobs per token."""
+        body = {"token_ids": list(token_ids), "sampling_params": sampling_params or {}, **fields}
+        return await self._data("/inference/v1/generate", body, session_id)
+
+    async def chat(self, messages: list[dict], *, model: str | None = None, session_id: str | None = None, **params) -> dict:
+        body = {"model": model or await self.model(), "messages": messages, **params}
+        return await self._data("/v1/chat/completions", body, session_id)
+
+    async def complete(self, prompt: Any, *, model: str | None = None, session_id: str | None = None, **params) -> dict:
+        body = {"model": model or await self.model(), "prompt": prompt, **params}
+        return await self._data("/v1/completions", body, session_id)
+
+    async def tokenize(
+        self, prompt: str | None = None, *, messages: list[dict] | None = None, model: str | None = None, **params
+    ) -> list[int]:
+        body = {"model": model or await self.model(), **params}
+        body.update({"messages": messages} if messages is not None else {"prompt": prompt})
+        return (await self._data("/tokenize", body, None))["tokens"]
+
+    async def detokenize(self, tokens: list[int], *, model: str | None = None) -> str:
+        body = {"model": model or await self.model(), "tokens": list(tokens)}
+        return (await self._data("/detokenize", body, None))["prompt"]
+
+    # -- control plane -------------------------------------------------------------
+    async def pause(self, mode: str = "abort", clear_cache: bool = True) -> dict:
+        return await self._admin("/pause", {"mode": mode, "clear_cache": _bool(clear_cache)})
+
+    async def resume(self) -> dict:
+        return await self._admin("/resume")
+
+    async def is_paused(self) -> bool:
+        return (await self._read("/is_paused"))["is_paused"]
+
+    async def sleep(self, level: int = 1, mode: str = "abort") -> dict:
+        return await self._admin("/sleep", {"level": str(level), "mode": mode})
+
+    async def wake_up(self, tags: list[str] | None = None) -> dict:
+        return await self._admin("/wake_up", [("tags", t) for t in tags] if tags else None)
+
+    async def is_sleeping(self) -> bool:
+        return (await self._read("/is_sleeping"))["is_sleeping"]
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_external: bool = False) -> dict:
+        params = {"reset_running_requests": _bool(reset_running_requests), "reset_external": _bool(reset_external)}
+        return await self._admin("/reset_prefix_cache", params)
+
+    async def abort(self, request_ids: list[str] | None = None) -> dict:
+        """Abort these requests (response ids) on every engine, or every request when None."""
+        return await self._admin("/abort_requests", json={"request_ids": request_ids} if request_ids else None)
+
+    # -- weight transfer (vLLM's VLLMWeightSyncClient names) --------------------------
+    async def get_world_size(self) -> int:
+        return (await self._read("/get_world_size"))["world_size"]
+
+    async def init_weight_transfer_engine(self, init_info: dict) -> dict:
+        return await self._admin("/init_weight_transfer", json={"init_info": init_info})
+
+    async def start_weight_update(self, update_info: dict | None = None) -> dict:
+        return await self._admin("/start_weight_update", json=None if update_info is None else {"update_info": update_info})
+
+    async def update_weights(self, update_info: dict, weight_version: str | None = None) -> dict:
+        body = {"update_info": update_info, **({"weight_version": weight_version} if weight_version is not None else {})}
+        return await self._admin("/update_weights", json=body)
+
+    async def finish_weight_update(self, weight_version: str | None = None) -> dict:
+        return await self._admin("/finish_weight_update", json={"weight_version": weight_version})
+
+    async def weight_info(self) -> dict:
+        return await self._read("/weight_info")
+
+    # -- status ----------------------------------------------------------------------
+    async def engines(self) -> list[dict]:
+        return (await self._read("/engines"))["engines"]
+
+    async def health(self) -> dict:
+        """The body of ``/health`` (it lists every engine), whatever the status."""
+        try:
+            return await self._request("GET", "/health")
+        except SkyinferError as exc:
+            if exc.status == 503 and isinstance(exc.body, dict) and "engines" in exc.body:
+                return exc.body
+            raise
+
+    async def ready(self) -> bool:
+        try:
+            await self._request("GET", "/ready")
+            return True
+        except SkyinferError as exc:
+            if exc.status == 503:
+                return False
+            raise
+
+    async def wait_ready(self, timeout_s: float = 600.0, poll_s: float = 0.5) -> None:
+        """Wait until every engine is ready (after start-up, a restart, or a resume)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            try:
+                if await self.ready():
+                    return
+            except SkyinferError as exc:
+                if exc.status != 503:  # not up yet: cannot connect
+                    raise
+            if loop.time() > deadline:
+                raise TimeoutError(f"{self.base_url} not ready after {timeout_s:.0f}s")
+            await asyncio.sleep(poll_s)
+
+    async def metrics(self) -> str:
+        return await self._request("GET", "/metrics", raw=True)
+
+
+def _dumps(value: Any) -> str:
+    return orjson.dumps(value).decode()
+
+
+def _error(status: int, body: bytes) -> SkyinferError:
+    try:
+        payload = orjson.loads(body)
+        message = payload["error"]["message"]
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        payload, message = None, body.decode(errors="replace")[:1000] or f"HTTP {status}"
+    return SkyinferError(status, message, payload)
+
+
