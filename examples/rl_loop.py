@@ -94,7 +94,7 @@ async def run(args) -> dict:
         assert it == 0 or seen == {version}, f"iteration {it}: rollouts on {seen}, expected {version}"
         t1 = time.perf_counter()
         mean_reward, loss = await asyncio.to_thread(train_step, policy, optimizer, prompt_ids, samples, vocab_size)
-        t2 = time.perf_counter()
+        trained = time.perf_counter()
 
         stragglers = [
             asyncio.create_task(client.generate(prompt_ids[0], {"max_tokens": args.straggler_tokens, "ignore_eos": True},
@@ -102,6 +102,7 @@ async def run(args) -> dict:
             for i in range(2)
         ]
         await asyncio.sleep(0.1)  # let them start
+        t2 = time.perf_counter()
         await client.pause(mode="keep")  # in-flight requests are held, not dropped
         t3 = time.perf_counter()
         new_version = f"step-{it + 1}"
@@ -116,7 +117,7 @@ async def run(args) -> dict:
             assert len(choice["token_ids"]) == args.straggler_tokens, "a held request lost tokens"
             assert choice["weight_versions"][-1]["version"] == new_version
         version = new_version
-        timings = {"rollout": t1 - t0, "train": t2 - t1, "pause": t3 - t2, "push": t4 - t3, "resume": t5 - t4}
+        timings = {"rollout": t1 - t0, "train": trained - t1, "pause": t3 - t2, "push": t4 - t3, "resume": t5 - t4}
         print(f"iter {it}: reward {mean_reward:.3f} loss {loss:+.4f} | "
               + " ".join(f"{k} {v * 1000:.0f}ms" for k, v in timings.items()), flush=True)  # fmt: skip
         summary["iterations"].append({"reward": mean_reward, "loss": loss, "seconds": timings})
@@ -125,6 +126,7 @@ async def run(args) -> dict:
     final = await rollouts(client, prompt_ids, 1, args.max_tokens, args.iterations)
     assert set().union(*(s["versions"] for s in final)) == {version}
     summary["final_version"] = version
+    trainer.close()
     await client.aclose()
     return summary
 

@@ -108,6 +108,10 @@ class GlooTrainer:
             pool.shutdown(wait=False)
         self.world_size = world_size
 
+    def close(self) -> None:
+        """Close the HTTP connections; the group ends with this object."""
+        self.client.close()
+
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str, one_call: bool = False) -> None:
         """Send the tensors to every engine; afterwards they serve ``version``.
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import atexit
 import functools
 import inspect
 import threading
@@ -57,15 +56,16 @@ class Client:
         with self._lock:
             if self._loop is None:
                 self._loop = asyncio.new_event_loop()
-                threading.Thread(target=self._loop.run_forever, name="skyinfer-client", daemon=True).start()
-                # Connections closed before the interpreter tears the loop down.
-                atexit.register(_close_at_exit, weakref.ref(self))
+                thread = threading.Thread(target=self._loop.run_forever, name="skyinfer-client", daemon=True)
+                thread.start()
+                # Connections are closed and the thread ends when the client is
+                # closed, garbage-collected, or the interpreter exits.
+                self._finalizer = weakref.finalize(self, _shut_down, self._loop, thread, self._async)
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def close(self) -> None:
         if self._loop is not None:
-            self._run(self._async.aclose())
-            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._finalizer()
             self._loop = None
 
     def __enter__(self) -> Client:
@@ -87,7 +87,8 @@ class Client:
         return call
 
 
-def _close_at_exit(ref: weakref.ref) -> None:
-    client = ref()
-    if client is not None:
-        client.close()
+def _shut_down(loop: asyncio.AbstractEventLoop, thread: threading.Thread, client: AsyncClient | MultiNodeClient) -> None:
+    closing = asyncio.run_coroutine_threadsafe(client.aclose(), loop)
+    if threading.current_thread() is not thread:  # never wait on the loop from inside it
+        closing.result(timeout=10)
+    loop.call_soon_threadsafe(loop.stop)
