@@ -27,27 +27,27 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
         ),
         allow_abbrev=False,
     )
-    p.add_argument("--model", help=f"model directory or name (default: the built-in demo model, built in {DEFAULT_DEMO_DIR})")
-    p.add_argument("--engines", type=int, default=1, help="number of engine processes (default: 1)")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs (or CPU workers) per engine for tensor parallelism")
-    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="pipeline stages per engine")
+    p.add_argument("--model", metavar="PATH", help=f"model directory or name (default: the built-in demo model, built in {DEFAULT_DEMO_DIR})")
+    p.add_argument("--engines", type=int, metavar="N", default=1, help="number of engine processes (default: 1)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, metavar="TP", default=1, help="GPUs (or CPU workers) per engine for tensor parallelism")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, metavar="PP", default=1, help="pipeline stages per engine")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="auto: cuda if nvidia-ml-py sees GPUs, else cpu")
-    p.add_argument("--cpu-kvcache-gib", type=int, default=1, help="KV cache per engine on CPU, GiB (default: 1)")
-    p.add_argument("--engine-start-timeout", type=float, default=600.0, help="seconds an engine may take to start")
-    p.add_argument("--control-timeout", type=float, default=300.0, help="seconds each engine gets for an admin call (default: 300)")
-    p.add_argument("--weight-transfer-timeout", type=float, default=120.0, help="seconds a trainer gets to join, and each transfer step gets to finish (default: 120)")
-    p.add_argument("--shutdown-grace", type=float, default=30.0,
+    p.add_argument("--cpu-kvcache-gib", type=int, metavar="GIB", default=1, help="KV cache per engine on CPU, GiB (default: 1)")
+    p.add_argument("--engine-start-timeout", type=float, metavar="SECONDS", default=600.0, help="seconds an engine may take to start")
+    p.add_argument("--control-timeout", type=float, metavar="SECONDS", default=300.0, help="seconds each engine gets for an admin call (default: 300)")
+    p.add_argument("--weight-transfer-timeout", type=float, metavar="SECONDS", default=120.0, help="seconds a trainer gets to join, and each transfer step gets to finish (default: 120)")
+    p.add_argument("--shutdown-grace", type=float, metavar="SECONDS", default=30.0,
                    help="on SIGTERM/Ctrl-C: seconds for in-flight requests to finish and engines to exit (default: 30)")
-    p.add_argument("--health-interval", type=float, default=5.0, help="seconds between liveness probes of each engine (default: 5)")
-    p.add_argument("--health-timeout", type=float, default=10.0,
+    p.add_argument("--health-interval", type=float, metavar="SECONDS", default=5.0, help="seconds between liveness probes of each engine (default: 5)")
+    p.add_argument("--health-timeout", type=float, metavar="SECONDS", default=10.0,
                    help="a probe slower than this fails; 3 failures in a row restart the engine (default: 10)")
-    p.add_argument("--max-request-mb", type=float, default=32.0, help="largest request body accepted, MiB (default: 32)")
+    p.add_argument("--max-request-mb", type=float, metavar="MIB", default=32.0, help="largest request body accepted, MiB (default: 32)")
     security = p.add_argument_group("security")
-    security.add_argument("--api-key", default=os.environ.get("SKYINFER_API_KEY"),
+    security.add_argument("--api-key", metavar="KEY", default=os.environ.get("SKYINFER_API_KEY"),
                           help="Bearer key for the OpenAI routes (default: $SKYINFER_API_KEY; none: open)")
-    security.add_argument("--admin-key", default=os.environ.get("SKYINFER_ADMIN_KEY"),
+    security.add_argument("--admin-key", metavar="KEY", default=os.environ.get("SKYINFER_ADMIN_KEY"),
                           help="Bearer key for control, weight and engine routes (default: $SKYINFER_ADMIN_KEY, "
                                "else the API key)")
     security.add_argument("--allow-unauthenticated-admin", action="store_true",

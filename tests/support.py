@@ -15,6 +15,9 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from skyinfer.app import create_app
+from skyinfer.config import ServeConfig
+
 START_TIMEOUT_S = 300
 
 
@@ -147,3 +150,9 @@ async def admit_while_paused(http: httpx.AsyncClient, coros) -> list[asyncio.Tas
     tasks = [asyncio.create_task(c) for c in coros]
     await wait_unfinished(http, len(tasks))
     return tasks
+
+
+def app_routes(model, socket_dir) -> set[tuple[str, str]]:
+    """Every (method, path) the front serves, read off the app itself (no engine starts)."""
+    app = create_app(ServeConfig(model=str(model), device="cpu", socket_dir=str(socket_dir)))
+    return {(r.method, r.resource.canonical) for r in app.router.routes() if r.method in ("GET", "POST")}

@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from support import engine_of, restore_fleet
+from support import app_routes, engine_of, restore_fleet
 
 BODIES_PER_ROUTE = 500
 CONCURRENCY = 16
@@ -198,7 +198,9 @@ def greedy(server, model: str, session: str) -> tuple[int, list[str]]:
     return engine_of(r), r.json()["choices"][0]["logprobs"]["tokens"]
 
 
-async def test_fuzzed_bodies_get_4xx_and_change_nothing(server, model_name):
+async def test_fuzzed_bodies_get_4xx_and_change_nothing(server, model_name, demo_model, tmp_path):
+    # Every route the app has is fuzzed: a new route needs seeds here.
+    assert set(seeds(model_name)) | set(CONTROL_SEEDS) == app_routes(demo_model, tmp_path)
     sessions = [f"fuzz-check-{i}" for i in range(4)]
     before = {s: greedy(server, model_name, s) for s in sessions}
     assert {engine for engine, _ in before.values()} == {0, 1}

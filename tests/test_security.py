@@ -8,11 +8,9 @@ import sys
 import httpx
 import openai
 import pytest
-from support import ServerProcess, running
+from support import ServerProcess, app_routes, running
 from test_errors import assert_openai_error
 
-from skyinfer.app import create_app
-from skyinfer.config import ServeConfig
 from skyinfer.security import is_loopback
 
 API_KEY = "sk-data-test-0123456789"
@@ -43,12 +41,6 @@ def keyed_server(demo_model, tmp_path_factory):
     )  # fmt: skip
     with running(srv):
         yield srv
-
-
-def app_routes(model, socket_dir) -> set[tuple[str, str]]:
-    """Every (method, path) the front serves, read off the app itself (no engine starts)."""
-    app = create_app(ServeConfig(model=str(model), device="cpu", socket_dir=str(socket_dir)))
-    return {(r.method, r.resource.canonical) for r in app.router.routes() if r.method in ("GET", "POST")}
 
 
 def test_every_protected_route_refuses_wrong_or_missing_keys(keyed_server, demo_model, tmp_path):

@@ -21,11 +21,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(cmd: list[str], env: dict, log_name: str) -> subprocess.Popen:
+def _spawn(cmd: list[str], env: dict, log_name: str, cores: set[int] | None = None) -> subprocess.Popen:
     log_path = Path(tempfile.gettempdir()) / log_name
     print(f"  log: {log_path}", file=sys.stderr)
+    # Like `taskset -c`: a skyinfer server plans its engines on the cores it may use.
+    pin = (lambda: os.sched_setaffinity(0, cores)) if cores else None
     with open(log_path, "wb") as log:
-        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(
+            cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=pin
+        )
 
 
 def start_reference(
@@ -38,11 +42,17 @@ def start_reference(
 
 
 def start_skyinfer(
-    model: str, port: int, engine_args: list[str], env: dict, engines: int = 1, log_name: str = "bench-skyinfer.log"
+    model: str,
+    port: int,
+    engine_args: list[str],
+    env: dict,
+    engines: int = 1,
+    log_name: str = "bench-skyinfer.log",
+    cores: set[int] | None = None,
 ) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "skyinfer", "serve", "--model", model, "--port", str(port),
            "--engines", str(engines), *engine_args]  # fmt: skip
-    return _spawn(cmd, env, log_name)
+    return _spawn(cmd, env, log_name, cores)
 
 
 def stop(proc: subprocess.Popen) -> None:
