@@ -24,10 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import aiohttp
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchlib import free_port, spawn_logged, start_skyinfer, stop, wait_healthy  # noqa: E402
+from benchlib import free_port, spawn_logged, start_skyinfer, stop, wait_servers  # noqa: E402
 
 from skyinfer.client import MultiNodeClient  # noqa: E402
 from skyinfer.demo_model import build_demo_model  # noqa: E402
@@ -75,29 +73,6 @@ async def bench(node_urls: list[str], router_url: str, args) -> dict[str, list[d
     return results
 
 
-async def wait_router(url: str, proc, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    async with aiohttp.ClientSession() as session:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError("vllm-router exited")
-            try:
-                async with session.get(f"{url}/v1/models") as r:
-                    if r.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.5)
-    raise TimeoutError(url)
-
-
-async def start_and_wait(node_urls, nodes, router_url, router) -> None:
-    async with aiohttp.ClientSession() as session:
-        for url, proc in zip(node_urls, nodes):
-            await wait_healthy(session, url, proc)
-    await wait_router(router_url, router)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--concurrency", type=int, default=64)
@@ -123,7 +98,8 @@ def main() -> None:
     router = spawn_logged([router_bin, "--host", "127.0.0.1", "--port", str(router_port), "--worker-urls", *node_urls,
                      "--policy", "consistent_hash"], dict(os.environ), "bench-router.log")  # fmt: skip
     try:
-        asyncio.run(start_and_wait(node_urls, nodes, router_url, router))
+        asyncio.run(wait_servers(list(zip(node_urls, nodes))))
+        asyncio.run(wait_servers([(router_url, router)], path="/v1/models"))
         results = asyncio.run(bench(node_urls, router_url, args))
     finally:
         for proc in [router, *nodes]:

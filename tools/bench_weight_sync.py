@@ -22,6 +22,7 @@ its own (as separate machines would be), joined into one group through
 from __future__ import annotations
 
 import argparse
+import asyncio
 import multiprocessing as mp
 import os
 import statistics
@@ -35,7 +36,7 @@ import httpx
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchlib import free_port, start_skyinfer, stop  # noqa: E402
+from benchlib import free_port, start_skyinfer, stop, wait_servers  # noqa: E402
 
 from skyinfer.demo_model import build_demo_model  # noqa: E402
 from skyinfer.trainer import GlooTrainer  # noqa: E402
@@ -119,19 +120,6 @@ def skyinfer_pushes(urls: list[str], tensors, pushes: int, buffer_size: int, pac
     return times, calls
 
 
-def wait_healthy(url: str, proc) -> None:
-    deadline = time.monotonic() + 600
-    while True:
-        try:
-            if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline or proc.poll() is not None:
-            raise SystemExit(f"skyinfer at {url} did not start")
-        time.sleep(1)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pushes", type=int, default=3)
@@ -154,8 +142,7 @@ def main() -> None:
     ]  # fmt: skip
     urls = [f"http://127.0.0.1:{port}" for port in ports]
     try:
-        for url, proc in zip(urls, procs):
-            wait_healthy(url, proc)
+        asyncio.run(wait_servers(list(zip(urls, procs)), path="/ready"))
         sky, calls = skyinfer_pushes(urls, tensors, args.pushes, buffer_size, packed=False)
         # Packed: the tensors go in a few buffers, cut by vLLM's rule; same HTTP calls.
         packed, packed_calls = skyinfer_pushes(urls, tensors, 1, buffer_size, packed=True)

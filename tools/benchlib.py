@@ -65,16 +65,26 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-async def wait_healthy(session: aiohttp.ClientSession, url: str, proc: subprocess.Popen, timeout_s: float = 300) -> None:
+async def wait_healthy(
+    session: aiohttp.ClientSession, url: str, proc: subprocess.Popen, timeout_s: float = 300, path: str = "/health"
+) -> None:
+    """Wait until ``url + path`` answers 200; fail at once if ``proc`` exits."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
+            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}")
         try:
-            async with session.get(f"{url}/health") as r:
+            async with session.get(f"{url}{path}") as r:
                 if r.status == 200:
                     return
         except aiohttp.ClientError:
             pass
         await asyncio.sleep(1)
     raise TimeoutError(url)
+
+
+async def wait_servers(servers: list[tuple[str, subprocess.Popen]], path: str = "/health") -> None:
+    """``wait_healthy`` for each (url, process), from code that is not async itself: ``asyncio.run(...)``."""
+    async with aiohttp.ClientSession() as session:
+        for url, proc in servers:
+            await wait_healthy(session, url, proc, timeout_s=600, path=path)

@@ -31,12 +31,6 @@ class Client:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()
 
-    @classmethod
-    def wrapping(cls, async_client: AsyncClient | MultiNodeClient) -> Client:
-        client = cls(async_client.base_url)
-        client._async = async_client
-        return client
-
     def __getstate__(self) -> dict:
         return {"_async": self._async}
 
