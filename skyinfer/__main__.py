@@ -43,6 +43,10 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--health-interval", type=float, metavar="SECONDS", default=5.0, help="seconds between liveness probes of each engine (default: 5)")
     p.add_argument("--health-timeout", type=float, metavar="SECONDS", default=10.0,
                    help="a probe slower than this fails; 3 failures in a row restart the engine (default: 10)")
+    p.add_argument("--engine-connections", type=int, metavar="N", default=4096,
+                   help="requests sent to one engine at once; more wait in the front for a connection (default: 4096)")
+    p.add_argument("--engine-queue-limit", type=int, metavar="N", default=0,
+                   help="requests that may wait per engine before new ones get 503 with Retry-After (default: 0, no cap)")
     p.add_argument("--max-request-mb", type=float, metavar="MIB", default=32.0, help="largest request body accepted, MiB (default: 32)")
     security = p.add_argument_group("security")
     security.add_argument("--api-key", metavar="KEY", default=os.environ.get("SKYINFER_API_KEY"),
@@ -80,6 +84,8 @@ def _config_from_args(ns: argparse.Namespace, engine_args: list[str]):
         health_interval_s=ns.health_interval,
         health_timeout_s=ns.health_timeout,
         max_request_bytes=int(ns.max_request_mb * 1024 * 1024),
+        engine_connections=ns.engine_connections,
+        engine_queue_limit=ns.engine_queue_limit,
         api_key=ns.api_key,
         admin_key=ns.admin_key,
         allow_unauthenticated_admin=ns.allow_unauthenticated_admin,
@@ -91,11 +97,12 @@ async def run_service(config) -> int:
 
     from .app import SUPERVISOR, create_app
     from .draining import IN_FLIGHT
+    from .errors import OpenAIErrorsAppRunner
     from .supervisor import EngineStartError
 
     _raise_open_files_limit()
     app = create_app(config)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+    runner = OpenAIErrorsAppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
     await runner.setup()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

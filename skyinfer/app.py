@@ -28,7 +28,10 @@ def build_registry(config: ServeConfig, socket_dir: str) -> EngineRegistry:
     kind = detect_device_kind() if config.device == "auto" else config.device
     plans = plan_engine_devices(kind, config.engines, config.workers_per_engine, config.cpu_kvcache_gib)
     records = [
-        EngineRecord(engine_id=i, devices=plan, socket_path=os.path.join(socket_dir, f"engine-{i}.sock"))
+        EngineRecord(
+            engine_id=i, devices=plan, socket_path=os.path.join(socket_dir, f"engine-{i}.sock"),
+            connection_limit=config.engine_connections, queue_limit=config.engine_queue_limit,
+        )  # fmt: skip
         for i, plan in enumerate(plans)
     ]
     return EngineRegistry(records, config.max_sessions)

@@ -55,6 +55,12 @@ class ServeConfig:
     shutdown_grace_s: float = attrs.field(default=30.0, validator=attrs.validators.gt(0))
     # Sticky sessions remembered at once; the oldest are forgotten first.
     max_sessions: int = 100_000
+    # Requests the front sends one engine at once (each holds a connection);
+    # more wait in the front, in arrival order, for one to finish.
+    engine_connections: int = attrs.field(default=4096, validator=attrs.validators.ge(1))
+    # Requests that may wait so per engine before a new one is answered 503
+    # with Retry-After; 0: no cap (load queues, it never fails).
+    engine_queue_limit: int = attrs.field(default=0, validator=attrs.validators.ge(0))
 
     def __attrs_post_init__(self) -> None:
         check_bind(self.host, self.admin_key, self.allow_unauthenticated_admin)

@@ -11,6 +11,7 @@ from http import HTTPStatus
 
 import orjson
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 
 _TYPE_BY_STATUS = {
     400: "BadRequestError",
@@ -77,3 +78,31 @@ def _passthrough_headers(exc: web.HTTPException) -> dict[str, str]:
     # 405 must keep its Allow header.
     allow = exc.headers.get("Allow")
     return {"Allow": allow} if allow else {}
+
+
+class _OpenAIErrorsRequestHandler(RequestHandler):
+    """aiohttp's per-connection handler, answering what its HTTP parser refuses
+    (too many or too long headers, a bad request line or header value) in the
+    OpenAI shape; those requests never reach the app's middlewares."""
+
+    def handle_error(self, request, status: int = 500, exc: BaseException | None = None, message: str | None = None):
+        # aiohttp's own: logs, and raises if part of an answer was already sent.
+        super().handle_error(request, status, exc, message)
+        text = message if message and status != 500 else HTTPStatus(status).phrase
+        response = error_response(status, text)
+        response.force_close()
+        return response
+
+
+class _OpenAIErrorsServer(web.Server):
+    def __call__(self) -> RequestHandler:
+        return _OpenAIErrorsRequestHandler(self, loop=self._loop, **self._kwargs)
+
+
+class OpenAIErrorsAppRunner(web.AppRunner):
+    """``web.AppRunner`` whose connections answer even HTTP parser errors in the OpenAI shape."""
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = _OpenAIErrorsServer
+        return server

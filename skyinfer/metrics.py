@@ -40,7 +40,11 @@ class _EngineCollector:
         state = GaugeMetricFamily("skyinfer_engine_state", "1 for the state each engine is in", labels=["engine", "state"])
         paused = GaugeMetricFamily("skyinfer_engine_paused", "1 if the engine is paused (or sleeping)", labels=["engine"])
         sleeping = GaugeMetricFamily("skyinfer_engine_sleeping", "1 if the engine is sleeping", labels=["engine"])
-        in_flight = GaugeMetricFamily("skyinfer_engine_in_flight", "requests the front has in flight on it", labels=["engine"])
+        in_flight = GaugeMetricFamily("skyinfer_engine_in_flight", "requests the front holds for it: sent, or queued", labels=["engine"])
+        queued = GaugeMetricFamily("skyinfer_engine_queued", "requests waiting in the front for a connection to it", labels=["engine"])
+        refused = CounterMetricFamily(
+            "skyinfer_engine_queue_refusals", "requests answered 503 because its queue was full", labels=["engine"]
+        )
         restarts = CounterMetricFamily("skyinfer_engine_restarts", "engine process replacements", labels=["engine"])
         version = GaugeMetricFamily(
             "skyinfer_engine_weight_version_info", "the weight version each engine serves", labels=["engine", "version"]
@@ -52,9 +56,11 @@ class _EngineCollector:
             paused.add_metric([engine], float(r.state in (EngineState.PAUSED, EngineState.SLEEPING)))
             sleeping.add_metric([engine], float(r.state is EngineState.SLEEPING))
             in_flight.add_metric([engine], r.load)
+            queued.add_metric([engine], r.queued)
+            refused.add_metric([engine], r.refused)
             restarts.add_metric([engine], r.restarts)
             version.add_metric([engine, r.weight_version or ""], 1)
-        return [state, paused, sleeping, in_flight, restarts, version]
+        return [state, paused, sleeping, in_flight, queued, refused, restarts, version]
 
 
 class ServiceMetrics:

@@ -16,7 +16,7 @@ import orjson
 from aiohttp import web
 
 from .errors import error_body, error_response, parse_json_object
-from .state import EngineRecord, EngineRegistry, NoEngineAvailable
+from .state import SERVING_STATES, EngineBusy, EngineRecord, EngineRegistry, NoEngineAvailable
 
 log = logging.getLogger("skyinfer.proxy")
 
@@ -56,6 +56,18 @@ def _session_from_body(body: bytes) -> tuple[bytes, str | None]:
     return orjson.dumps(payload), None if session_id is None else str(session_id)
 
 
+# Waits before re-sending a request whose connection to an engine could not be
+# opened (its socket's backlog full, or it is going away): nothing was sent, so
+# sending again is safe. About 1.5 s in all.
+CONNECT_RETRY_DELAYS_S = (0.05, 0.1, 0.2, 0.4, 0.8)
+# What a refused request is told to wait before trying again.
+BUSY_RETRY_AFTER_S = 1
+
+
+class _NotConnected(Exception):
+    """No connection to the engine could be opened; nothing of the request was sent."""
+
+
 async def forward(request: web.Request) -> web.StreamResponse:
     body = await request.read()
     session_id = request.headers.get(SESSION_HEADER)
@@ -64,15 +76,27 @@ async def forward(request: web.Request) -> web.StreamResponse:
     except ValueError as exc:
         return error_response(400, str(exc))
     session_id = session_id or body_session
-    try:
-        engine = request.app[REGISTRY].pick(session_id)
-    except NoEngineAvailable as exc:
-        return error_response(503, str(exc))
     headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
     if session_id:
         headers[SESSION_HEADER] = session_id
-    with engine.in_flight():
-        return await _relay(request, engine, body, headers)
+    registry = request.app[REGISTRY]
+    for delay_s in (*CONNECT_RETRY_DELAYS_S, None):
+        try:
+            # Picked afresh each time: a session stays on its engine while that
+            # one serves; a request without a session may go to another.
+            engine = registry.pick(session_id)
+            async with engine.in_flight():
+                return await _relay(request, engine, body, headers)
+        except NoEngineAvailable as exc:
+            return error_response(503, str(exc))
+        except EngineBusy as exc:
+            return error_response(503, str(exc), headers={"Retry-After": str(BUSY_RETRY_AFTER_S), **_own_headers(engine)})
+        except _NotConnected as exc:
+            if delay_s is None:
+                return error_response(503, f"engine {engine.engine_id} could not be reached: {exc}", headers=_own_headers(engine))
+            log.info("engine %d: %s; trying again in %.2fs", engine.engine_id, exc, delay_s)
+            await asyncio.sleep(delay_s)
+    raise AssertionError("unreachable: the last attempt returns")
 
 
 def _own_headers(engine: EngineRecord) -> dict[str, str]:
@@ -80,25 +104,37 @@ def _own_headers(engine: EngineRecord) -> dict[str, str]:
 
 
 async def _relay(request: web.Request, engine: EngineRecord, body: bytes, headers: dict) -> web.StreamResponse:
-    assert engine.client is not None
+    client = engine.client
+    # The engine may have gone down while the request waited for a connection.
+    if client is None or client.closed or engine.state not in SERVING_STATES:
+        raise _NotConnected(f"it is {engine.state.value}")
     try:
-        upstream = await engine.client.request(request.method, request.rel_url, data=body or None, headers=headers)
-        content_type = upstream.headers.get("Content-Type", "application/json")
-        # Read once the engine answers: the version a kept request finished with.
-        own_headers = _own_headers(engine)
-        if not content_type.startswith("text/event-stream"):
-            async with upstream:
-                payload = await upstream.read()
-            if upstream.status >= 400 and not content_type.startswith("application/json"):
-                # An error from below vLLM's handlers (aiohttp's own): still the OpenAI shape.
-                return error_response(upstream.status, payload.decode(errors="replace")[:1000], headers=own_headers)
-            return web.Response(status=upstream.status, body=payload, headers={**own_headers, "Content-Type": content_type})
+        upstream = await client.request(request.method, request.rel_url, data=body or None, headers=headers)
+    except aiohttp.ClientConnectorError as exc:
+        raise _NotConnected(repr(exc.os_error)) from None
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-        log.warning("engine %d: %s %s failed: %r", engine.engine_id, request.method, request.path, exc)
-        message = f"engine {engine.engine_id} failed while serving the request: {exc!r}"
-        return error_response(503, message, headers=_own_headers(engine))
-    async with upstream:
-        return await _relay_stream(request, engine, upstream, {**own_headers, "Content-Type": content_type})
+        return _engine_failed(request, engine, exc)
+    # Read once the engine answers: the version a kept request finished with.
+    own_headers = _own_headers(engine)
+    content_type = upstream.headers.get("Content-Type", "application/json")
+    if content_type.startswith("text/event-stream"):
+        async with upstream:
+            return await _relay_stream(request, engine, upstream, {**own_headers, "Content-Type": content_type})
+    try:
+        async with upstream:
+            payload = await upstream.read()
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        return _engine_failed(request, engine, exc)
+    if upstream.status >= 400 and not content_type.startswith("application/json"):
+        # An error from below vLLM's handlers (aiohttp's own): still the OpenAI shape.
+        return error_response(upstream.status, payload.decode(errors="replace")[:1000], headers=own_headers)
+    return web.Response(status=upstream.status, body=payload, headers={**own_headers, "Content-Type": content_type})
+
+
+def _engine_failed(request: web.Request, engine: EngineRecord, exc: BaseException) -> web.Response:
+    log.warning("engine %d: %s %s failed: %r", engine.engine_id, request.method, request.path, exc)
+    message = f"engine {engine.engine_id} failed while serving the request: {exc!r}"
+    return error_response(503, message, headers=_own_headers(engine))
 
 
 async def _relay_stream(

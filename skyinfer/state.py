@@ -107,15 +107,27 @@ class NoEngineAvailable(RuntimeError):
     pass
 
 
+class EngineBusy(RuntimeError):
+    """The engine's queue of waiting requests is full; the caller may retry later."""
+
+
 @attrs.define(eq=False)
 class EngineRecord:
     engine_id: int
     devices: EngineDevices
     socket_path: str
+    # Requests sent to the engine at once (one connection each); more wait in the front.
+    connection_limit: int = 4096
+    # Requests that may wait for a connection before new ones are refused; 0: no cap.
+    queue_limit: int = 0
     state: EngineState = EngineState.STARTING
     pid: int | None = None
-    # Requests the front has in flight on this engine.
+    # Requests the front holds for this engine: sent to it, or waiting to be.
     load: int = 0
+    # Of those, the ones waiting for a connection.
+    queued: int = 0
+    # Requests refused because the queue was full.
+    refused: int = 0
     # HTTP client over this engine's Unix socket; set once it is ready.
     client: aiohttp.ClientSession | None = None
     # The weights it serves, as the engine reports them ("default": as loaded).
@@ -127,12 +139,28 @@ class EngineRecord:
     in_transfer_group: bool = False
     # Process replacements since the service started (crashes, failed transfers).
     restarts: int = 0
+    _connections: asyncio.Semaphore = attrs.field(init=False)
 
-    @contextlib.contextmanager
-    def in_flight(self):
+    def __attrs_post_init__(self) -> None:
+        self._connections = asyncio.Semaphore(self.connection_limit)
+
+    @contextlib.asynccontextmanager
+    async def in_flight(self):
+        """Hold one of the engine's connections for a request, waiting in arrival order for one."""
+        if self.queue_limit and self._connections.locked() and self.queued >= self.queue_limit:
+            self.refused += 1
+            raise EngineBusy(f"engine {self.engine_id} has {self.queued} requests waiting; retry later")
         self.load += 1
+        self.queued += 1
         try:
-            yield
+            try:
+                await self._connections.acquire()
+            finally:
+                self.queued -= 1
+            try:
+                yield
+            finally:
+                self._connections.release()
         finally:
             self.load -= 1
 
@@ -145,6 +173,7 @@ class EngineRecord:
             "pid": self.pid,
             "devices": self.devices.describe(),
             "load": self.load,
+            "queued": self.queued,
             "weight_version": self.weight_version,
             "model_dtype": self.model_dtype,
             "restarts": self.restarts,

@@ -42,7 +42,7 @@ class EngineProcess:
         self.crashes = 0
         self.ready_since = 0.0
 
-    def argv(self) -> list[str]:
+    def argv(self, lifeline_fd: int) -> list[str]:
         c = self.config
         vllm_args = [
             "--model", c.model,
@@ -53,22 +53,25 @@ class EngineProcess:
             *platform_engine_args(self.record.devices.kind, c.engine_args),
             *c.engine_args,
         ]  # fmt: skip
-        own = ["--socket", self.record.socket_path]
+        own = ["--socket", self.record.socket_path, "--lifeline-fd", str(lifeline_fd)]
         if self.record.devices.kind == "cpu":
             own += ["--cpus", ",".join(str(core) for core in self.record.devices.ids)]
         return [sys.executable, "-m", "skyinfer.engine", *own, "--", *vllm_args]
 
-    async def spawn(self) -> None:
+    async def spawn(self, lifeline_fd: int) -> None:
+        """Start the engine; it dies with whoever holds the write end of ``lifeline_fd``'s pipe."""
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.record.socket_path)
         env = {**os.environ, **self.record.devices.env, "PYTHONUNBUFFERED": "1"}
         self.proc = await asyncio.create_subprocess_exec(
-            *self.argv(),
+            *self.argv(lifeline_fd),
             env=env,
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
+            # A group of its own: stopping it, or its lifeline running out, takes vLLM's processes too.
             start_new_session=True,
+            pass_fds=(lifeline_fd,),
         )
         self.record.pid = self.proc.pid
         self._pump = asyncio.create_task(self._pump_output())
@@ -167,6 +170,9 @@ class Supervisor:
         self.registry = registry
         self.config = config
         self.processes = {r.engine_id: EngineProcess(r, config) for r in registry.records}
+        # Engines hold the read end; only this process holds the write end, so
+        # when it dies, however it dies, they die with it (engine/lifeline.py).
+        self._lifeline: tuple[int, int] | None = None
         self._start_task: asyncio.Task | None = None
         # Exit watchers and restarts running in the background.
         self._tasks: set[asyncio.Task] = set()
@@ -178,6 +184,7 @@ class Supervisor:
 
     def start(self) -> None:
         """Start every engine in parallel; ``wait_ready`` reports the outcome."""
+        self._lifeline = os.pipe()
         self._start_task = asyncio.create_task(self._start_all())
 
     async def wait_ready(self) -> None:
@@ -190,7 +197,8 @@ class Supervisor:
         log.info("all %d engine(s) ready in %.1fs", len(self.processes), time.monotonic() - started)
 
     async def _launch(self, process: EngineProcess) -> None:
-        await process.spawn()
+        assert self._lifeline is not None
+        await process.spawn(self._lifeline[0])
         self._in_background(self._watch_exit(process))
         await self._become_ready(process)
 
@@ -304,6 +312,10 @@ class Supervisor:
                 if record.state is not EngineState.STOPPED:
                     self.registry.set_state(record, EngineState.STOPPING)
             await asyncio.gather(*(self._stop_one(p, timeout_s) for p in self.processes.values()))
+        if self._lifeline is not None:
+            for fd in self._lifeline:
+                os.close(fd)
+            self._lifeline = None
 
     async def _stop_one(self, process: EngineProcess, timeout_s: float) -> None:
         record = process.record

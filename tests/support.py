@@ -80,8 +80,9 @@ class ServerProcess(ChildProcess):
         extra_args: tuple[str, ...] = (),
         admin_key: str | None = None,
         cpus: set[int] | None = None,
+        port: int | None = None,
     ):
-        port = free_port()
+        port = port or free_port()
         self.model = str(model)
         # What the tests' own status calls send; the server gets its keys through extra_args.
         self.admin_headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}

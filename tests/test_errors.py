@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import socket
+
 import httpx
 import openai
+import orjson
 import pytest
 
 
@@ -130,3 +133,37 @@ def test_server_keeps_serving_after_bad_input(server, model_name):
         )
         assert r.status_code == 200
         assert r.json()["usage"]["completion_tokens"] == 4
+
+
+def _raw_exchange(server, request: bytes) -> tuple[int, dict]:
+    """Send bytes as they are (no client would let us send these) and parse the answer."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+        s.sendall(request)
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    status_line, *header_lines = head.decode().split("\r\n")
+    headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in header_lines)}
+    assert headers["content-type"].startswith("application/json"), answer[:300]
+    return int(status_line.split()[1]), orjson.loads(body[: int(headers["content-length"])])
+
+
+@pytest.mark.parametrize(
+    "request_bytes, says",
+    [
+        (b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-H%d: v\r\n" % i for i in range(500)) + b"\r\n", "headers"),
+        (b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 100_000 + b"\r\n\r\n", "bytes"),
+        (b"NOT A REQUEST LINE\r\n\r\n", "method"),
+        (b"GET /health HTTP/1.1\r\nHost: x\r\nX-Bad: a\rb\r\n\r\n", "header"),
+    ],
+    ids=["500-headers", "100kB-header", "bad-request-line", "bare-CR"],
+)
+def test_http_parser_refusals_are_openai_errors(server, model_name, request_bytes, says):
+    status, body = _raw_exchange(server, request_bytes)
+    assert 400 <= status < 500
+    err = body["error"]
+    assert err["code"] == status and err["type"] and says in err["message"].lower(), err
+    # The server keeps serving.
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    assert client.completions.create(model=model_name, prompt="still here", max_tokens=2).usage.completion_tokens == 2

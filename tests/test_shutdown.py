@@ -9,7 +9,7 @@ import time
 import httpx
 import psutil
 
-from support import ServerProcess, admit_while_paused
+from support import ServerProcess, admit_while_paused, running
 
 
 def process_tree(srv: ServerProcess) -> list[psutil.Process]:
@@ -81,3 +81,31 @@ async def test_grace_period_bounds_the_shutdown(demo_model, tmp_path):
         assert_nothing_left(tree)
     finally:
         srv.stop()
+
+
+async def test_sigkilled_front_takes_every_process_with_it(demo_model, tmp_path):
+    """However the front dies, nothing it started lives on to hold devices, and the port serves again."""
+    srv = ServerProcess(demo_model, engines=2, log_path=tmp_path / "server.log")
+    try:
+        srv.wait_ready()
+        tree = process_tree(srv)
+        engine_pids = {e["pid"] for e in srv.engines()}
+        # Both engines, and vLLM's processes beneath each.
+        assert engine_pids <= {p.pid for p in tree} and {p.ppid() for p in tree} >= engine_pids
+        body = {"model": srv.model, "prompt": "cut off", "max_tokens": 1500, "ignore_eos": True}
+        async with httpx.AsyncClient(base_url=srv.url, timeout=60) as http:
+            tasks = await admit_while_paused(http, (http.post("/v1/completions", json=body) for _ in range(8)))
+            assert (await http.post("/resume")).status_code == 200
+            srv.proc.kill()
+            killed_at = time.monotonic()
+            outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+        assert all(isinstance(o, httpx.TransportError) for o in outcomes), outcomes
+        _, alive = psutil.wait_procs(tree, timeout=10)
+        assert not alive, f"alive 10 s after the front was killed: {[(p.pid, p.name()) for p in alive]}"
+        print(f"every process gone {time.monotonic() - killed_at:.1f}s after SIGKILL of the front")
+    finally:
+        srv.stop()
+    again = ServerProcess(demo_model, engines=1, log_path=tmp_path / "again.log", port=srv.port)
+    with running(again):
+        r = httpx.post(f"{again.url}/v1/completions", json={**body, "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4

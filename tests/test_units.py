@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import json
 import os
@@ -174,3 +175,47 @@ def test_client_satisfies_vllm_weight_sync_protocol():
     from skyinfer.client import Client
 
     assert isinstance(Client("http://127.0.0.1:1"), VLLMWeightSyncClient)
+
+
+async def test_engine_connections_queue_in_arrival_order_and_refuse_past_the_cap():
+    import prometheus_client
+
+    from skyinfer.devices import EngineDevices
+    from skyinfer.metrics import ServiceMetrics
+    from skyinfer.state import EngineBusy, EngineRecord, EngineRegistry
+
+    record = EngineRecord(
+        0, EngineDevices("cpu", ((0,),), {}), "/nonexistent.sock", connection_limit=2, queue_limit=2
+    )
+    registry = EngineRegistry([record], max_sessions=10)
+    sent, release = [], asyncio.Event()
+
+    async def request(i: int) -> None:
+        async with record.in_flight():
+            sent.append(i)
+            await release.wait()
+
+    tasks = []
+    for i in range(4):
+        tasks.append(asyncio.create_task(request(i)))
+        await asyncio.sleep(0.01)
+    assert sent == [0, 1] and record.load == 4 and record.queued == 2
+    with pytest.raises(EngineBusy):
+        async with record.in_flight():
+            pass
+    assert record.refused == 1 and record.load == 4
+    text = prometheus_client.generate_latest(ServiceMetrics(registry).prom).decode()
+    assert 'skyinfer_engine_queued{engine="0"} 2.0' in text
+    assert 'skyinfer_engine_queue_refusals_total{engine="0"} 1.0' in text
+    release.set()
+    await asyncio.gather(*tasks)
+    assert sent == [0, 1, 2, 3] and record.load == record.queued == 0
+    # Without a cap, any number waits.
+    record.queue_limit = 0
+    release.clear()
+    tasks = [asyncio.create_task(request(i)) for i in range(4, 40)]
+    await asyncio.sleep(0.05)
+    assert record.queued == 34
+    release.set()
+    await asyncio.gather(*tasks)
+    assert sent == list(range(40))

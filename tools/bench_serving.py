@@ -3,8 +3,10 @@
 
 Both servers run the same model with the same engine arguments, the same
 cores and the same KV cache size. Both are up at once but only one is under
-load at a time: each round measures every route on vLLM, then on skyinfer,
-so slow drifts of this shared machine hit both alike. Each route gets the
+load at a time: each round measures every route on both, vLLM first in even
+rounds and skyinfer first in odd ones, so slow drifts of this shared machine
+and whatever the first run warms up hit both alike. Ratios are the median of
+the per-round ratios. Each route gets the
 same closed-loop load:
 ``--concurrency`` clients, each sending its next request as soon as the last
 finished, ``--requests`` requests in all, ``--max-tokens`` tokens each
@@ -15,7 +17,8 @@ the token route answers in one piece, as RL rollouts use it.
 
 prints, per route, requests/s, output tokens/s and latency percentiles for
 both servers, and skyinfer / vllm ratios (throughput ratio > 1 is better,
-latency ratio < 1 is better).
+latency ratio < 1 is better), and how many requests failed on each side
+(any answer but 200, or a dropped connection: no client retries).
 """
 
 from __future__ import annotations
@@ -52,13 +55,17 @@ def request_body(route: str, model: str, i: int, max_tokens: int, prompt_ids: li
     return {"model": model, "token_ids": prompt_ids + [i % 1000 + 10], "sampling_params": sampling}
 
 
+class RequestFailed(Exception):
+    pass
+
+
 async def one_request(session, url, route, body) -> tuple[float, float | None]:
     """Latency and, for streams, time to the first token."""
     started = time.perf_counter()
     first = None
     async with session.post(f"{url}{route}", data=orjson.dumps(body), headers={"Content-Type": "application/json"}) as r:
         if r.status != 200:
-            raise RuntimeError(f"{route}: {r.status} {await r.text()}")
+            raise RequestFailed(f"{route}: {r.status} {(await r.text())[:200]}")
         if body.get("stream"):
             async for _ in r.content.iter_any():
                 if first is None:
@@ -70,12 +77,16 @@ async def one_request(session, url, route, body) -> tuple[float, float | None]:
 
 async def run_load(session, url, route, model, args, prompt_ids) -> dict:
     queue = list(range(args.requests))
-    latencies, ttfts = [], []
+    latencies, ttfts, failures = [], [], []
 
     async def client():
         while queue:
             i = queue.pop()
-            latency, ttft = await one_request(session, url, route, request_body(route, model, i, args.max_tokens, prompt_ids))
+            try:
+                latency, ttft = await one_request(session, url, route, request_body(route, model, i, args.max_tokens, prompt_ids))
+            except (RequestFailed, aiohttp.ClientError) as exc:
+                failures.append(exc)
+                continue
             latencies.append(latency)
             if ttft is not None:
                 ttfts.append(ttft)
@@ -85,10 +96,13 @@ async def run_load(session, url, route, model, args, prompt_ids) -> dict:
     started = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(args.concurrency)))
     wall = time.perf_counter() - started
+    if failures:
+        print(f"  {len(failures)} failed, e.g. {failures[0]!r}", file=sys.stderr)
     latencies.sort()
     return {
-        "req_per_s": args.requests / wall,
-        "tok_per_s": args.requests * args.max_tokens / wall,
+        "failed": len(failures),
+        "req_per_s": len(latencies) / wall,
+        "tok_per_s": len(latencies) * args.max_tokens / wall,
         "p50_ms": 1000 * statistics.median(latencies),
         "p99_ms": 1000 * latencies[int(0.99 * (len(latencies) - 1))],
         "ttft_p50_ms": 1000 * statistics.median(ttfts) if ttfts else None,
@@ -103,7 +117,7 @@ class Server:
         self.proc = start(model, self.port, engine_args, env)
 
 
-async def bench(servers: list[Server], model: str, args) -> dict[str, dict[str, dict]]:
+async def bench(servers: list[Server], model: str, args) -> dict[str, dict[str, list[dict]]]:
     connector = aiohttp.TCPConnector(limit=0)
     rounds: dict[str, dict[str, list[dict]]] = {s.name: {r: [] for r in ROUTES} for s in servers}
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
@@ -113,31 +127,34 @@ async def bench(servers: list[Server], model: str, args) -> dict[str, dict[str, 
             prompt_ids = (await r.json())["tokens"]
         for i in range(args.rounds):
             for route in ROUTES:
-                for server in servers:
+                for server in servers if i % 2 == 0 else servers[::-1]:
                     result = await run_load(session, server.url, route, model, args, prompt_ids)
                     rounds[server.name][route].append(result)
                     print(f"  round {i} {server.name:9s} {route:24s} {result['tok_per_s']:8.0f} tok/s", file=sys.stderr)
-    # Median round per figure damps this noisy machine.
-    return {
-        name: {
-            route: {k: statistics.median([r[k] for r in rs]) if rs[0][k] is not None else None for k in rs[0]}
-            for route, rs in by_route.items()
-        }
-        for name, by_route in rounds.items()
-    }
+    return rounds
 
 
-def report(ref: dict, sky: dict, args) -> str:
+def _median(values: list) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def report(ref: dict[str, list[dict]], sky: dict[str, list[dict]], args) -> str:
+    """Each side's median round per figure, the median of the per-round ratios, and all failures."""
     lines = [
-        f"concurrency {args.concurrency}, {args.requests} requests x {args.max_tokens} tokens, median of {args.rounds} round(s)",
+        f"concurrency {args.concurrency}, {args.requests} requests x {args.max_tokens} tokens, {args.rounds} round(s), "
+        "medians; ratio = median of per-round skyinfer / vllm",
         f"{'route':24s} {'metric':12s} {'vllm serve':>11s} {'skyinfer':>11s} {'ratio':>7s}",
     ]
     for route in ROUTES:
         for key in ("req_per_s", "tok_per_s", "p50_ms", "p99_ms", "ttft_p50_ms"):
-            a, b = ref[route][key], sky[route][key]
-            if a is None:
+            a, b = _median([r[key] for r in ref[route]]), _median([r[key] for r in sky[route]])
+            if a is None or b is None:
                 continue
-            lines.append(f"{route:24s} {key:12s} {a:11.1f} {b:11.1f} {b / a:7.3f}")
+            ratio = _median([y[key] / x[key] for x, y in zip(ref[route], sky[route]) if x[key] and y[key] is not None])
+            lines.append(f"{route:24s} {key:12s} {a:11.1f} {b:11.1f} {ratio:7.3f}")
+        failed = (sum(r["failed"] for r in ref[route]), sum(r["failed"] for r in sky[route]))
+        lines.append(f"{route:24s} {'failed':12s} {failed[0]:11d} {failed[1]:11d}")
     return "\n".join(lines)
 
 

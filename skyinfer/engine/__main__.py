@@ -29,9 +29,15 @@ def main(argv: list[str] | None = None) -> None:
     own = argparse.ArgumentParser(prog="python -m skyinfer.engine")
     own.add_argument("--socket", required=True, help="Unix socket to serve on once the engine is ready")
     own.add_argument("--cpus", help="comma-separated cores this engine (and every process it starts) may run on")
+    own.add_argument("--lifeline-fd", type=int, help="read end of the front's lifeline pipe: the process group dies at its end")
     split = argv.index("--") if "--" in argv else len(argv)
     own_argv, vllm_argv = argv[:split], argv[split + 1 :]
     ns = own.parse_args(own_argv)
+    if ns.lifeline_fd is not None:
+        # First: the front may die during vLLM's long start-up too.
+        from .lifeline import die_with_front
+
+        die_with_front(ns.lifeline_fd)
     if ns.cpus:
         # Inherited by vLLM's EngineCore and workers: a busy engine cannot
         # starve another engine's control path of CPU.

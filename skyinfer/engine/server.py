@@ -169,13 +169,8 @@ def create_engine_app(engine_client: Any, serving_state: Any) -> web.Application
     return app
 
 
-async def _watch_liveness(stop: asyncio.Event, parent_pid: int, engine_client: Any) -> None:
+async def _watch_engine_core(stop: asyncio.Event, engine_client: Any) -> None:
     while not stop.is_set():
-        # If the front dies without stopping us, nobody else will: go down with it.
-        if os.getppid() != parent_pid:
-            log.warning("front process %d is gone; shutting down", parent_pid)
-            stop.set()
-            return
         # A dead EngineCore never recovers; exiting tells the front at once.
         if engine_client.errored:
             log.error("the engine died (%s); exiting", engine_client.dead_error)
@@ -194,7 +189,6 @@ async def serve_engine(socket_path: str, args: Any) -> None:
 
     # vLLM's start-up blocks the event loop; a signal must still stop it.
     signal.signal(signal.SIGTERM, interrupt_start_up)
-    parent_pid = os.getppid()
     async with build_async_engine_client(args) as engine_client:
         supported_tasks = await engine_client.get_supported_tasks()
         state = State()
@@ -203,11 +197,12 @@ async def serve_engine(socket_path: str, args: Any) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        watcher = asyncio.create_task(_watch_liveness(stop, parent_pid, engine_client))
+        watcher = asyncio.create_task(_watch_engine_core(stop, engine_client))
         runner = web.AppRunner(create_engine_app(engine_client, state), handler_cancellation=True, access_log=None)
         await runner.setup()
         # The socket appearing is the signal to the front that this engine is ready.
-        site = web.UnixSite(runner, socket_path)
+        # As deep as the front's own listener: a burst of connects must queue, not fail with EAGAIN.
+        site = web.UnixSite(runner, socket_path, backlog=4096)
         await site.start()
         log.info("engine ready on %s", socket_path)
         try:
