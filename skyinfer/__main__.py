@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
-import resource
-import signal
 import sys
 from pathlib import Path
 
@@ -17,6 +14,8 @@ log = logging.getLogger("skyinfer")
 
 
 def _serve_parser(sub) -> argparse.ArgumentParser:
+    from .config import cli_fields
+
     p = sub.add_parser(
         "serve",
         help="start the service: N vLLM engines behind one OpenAI-compatible endpoint",
@@ -28,123 +27,37 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     p.add_argument("--model", metavar="PATH", help=f"model directory or name (default: the built-in demo model, built in {DEFAULT_DEMO_DIR})")
-    p.add_argument("--engines", type=int, metavar="N", default=1, help="number of engine processes (default: 1)")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, metavar="TP", default=1, help="GPUs (or CPU workers) per engine for tensor parallelism")
-    p.add_argument("--pipeline-parallel-size", "-pp", type=int, metavar="PP", default=1, help="pipeline stages per engine")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
-    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="auto: cuda if nvidia-ml-py sees GPUs, else cpu")
-    p.add_argument("--cpu-kvcache-gib", type=int, metavar="GIB", default=1, help="KV cache per engine on CPU, GiB (default: 1)")
-    p.add_argument("--engine-start-timeout", type=float, metavar="SECONDS", default=600.0, help="seconds an engine may take to start")
-    p.add_argument("--control-timeout", type=float, metavar="SECONDS", default=300.0, help="seconds each engine gets for an admin call (default: 300)")
-    p.add_argument("--weight-transfer-timeout", type=float, metavar="SECONDS", default=120.0, help="seconds a trainer gets to join, and each transfer step gets to finish (default: 120)")
-    p.add_argument("--shutdown-grace", type=float, metavar="SECONDS", default=30.0,
-                   help="on SIGTERM/Ctrl-C: seconds for in-flight requests to finish and engines to exit (default: 30)")
-    p.add_argument("--health-interval", type=float, metavar="SECONDS", default=5.0, help="seconds between liveness probes of each engine (default: 5)")
-    p.add_argument("--health-timeout", type=float, metavar="SECONDS", default=10.0,
-                   help="a probe slower than this fails; 3 failures in a row restart the engine (default: 10)")
-    p.add_argument("--engine-connections", type=int, metavar="N", default=4096,
-                   help="requests sent to one engine at once; more wait in the front for a connection (default: 4096)")
-    p.add_argument("--engine-queue-limit", type=int, metavar="N", default=0,
-                   help="requests that may wait per engine before new ones get 503 with Retry-After (default: 0, no cap)")
-    p.add_argument("--max-request-mb", type=float, metavar="MIB", default=32.0, help="largest request body accepted, MiB (default: 32)")
-    security = p.add_argument_group("security")
-    security.add_argument("--api-key", metavar="KEY", default=os.environ.get("SKYINFER_API_KEY"),
-                          help="Bearer key for the OpenAI routes (default: $SKYINFER_API_KEY; none: open)")
-    security.add_argument("--admin-key", metavar="KEY", default=os.environ.get("SKYINFER_ADMIN_KEY"),
-                          help="Bearer key for control, weight and engine routes (default: $SKYINFER_ADMIN_KEY, "
-                               "else the API key)")
-    security.add_argument("--allow-unauthenticated-admin", action="store_true",
-                          help="allow a non-loopback --host without an admin key (only on a network that is yours alone)")
+    groups = {None: p}
+    for field, option in cli_fields():
+        if option.group not in groups:
+            groups[option.group] = p.add_argument_group(option.group)
+        group, flags = groups[option.group], (option.flag(field.name), *option.aliases)
+        if field.type == "bool":
+            group.add_argument(*flags, dest=field.name, action="store_true", help=option.help)
+            continue
+        default = os.environ.get(option.env) if option.env else field.default
+        shown = f"${option.env}" if option.env else field.default
+        group.add_argument(
+            *flags, dest=field.name, default=default, type=_ARG_TYPES[field.type], choices=option.choices,
+            metavar=option.metavar, help=f"{option.help} (default: {shown})",
+        )  # fmt: skip
     return p
 
 
+# ServeConfig's annotations, as strings (postponed evaluation), to argument types.
+_ARG_TYPES = {"int": int, "float": float, "str": str, "str | None": str}
+
+
 def _config_from_args(ns: argparse.Namespace, engine_args: list[str]):
-    from .config import ServeConfig
+    from .config import ServeConfig, cli_fields
     from .demo_model import ensure_demo_model
 
     model = ns.model
     if model is None:
         log.info("no --model given: using the demo model in %s", DEFAULT_DEMO_DIR)
         model = str(ensure_demo_model(DEFAULT_DEMO_DIR))
-    return ServeConfig(
-        model=model,
-        engines=ns.engines,
-        tensor_parallel_size=ns.tensor_parallel_size,
-        pipeline_parallel_size=ns.pipeline_parallel_size,
-        host=ns.host,
-        port=ns.port,
-        engine_args=tuple(engine_args),
-        device=ns.device,
-        cpu_kvcache_gib=ns.cpu_kvcache_gib,
-        engine_start_timeout_s=ns.engine_start_timeout,
-        control_timeout_s=ns.control_timeout,
-        weight_transfer_timeout_s=ns.weight_transfer_timeout,
-        shutdown_grace_s=ns.shutdown_grace,
-        health_interval_s=ns.health_interval,
-        health_timeout_s=ns.health_timeout,
-        max_request_bytes=int(ns.max_request_mb * 1024 * 1024),
-        engine_connections=ns.engine_connections,
-        engine_queue_limit=ns.engine_queue_limit,
-        api_key=ns.api_key,
-        admin_key=ns.admin_key,
-        allow_unauthenticated_admin=ns.allow_unauthenticated_admin,
-    )
-
-
-async def run_service(config) -> int:
-    from aiohttp import web
-
-    from .app import SUPERVISOR, create_app
-    from .draining import IN_FLIGHT
-    from .errors import OpenAIErrorsAppRunner
-    from .supervisor import EngineStartError
-
-    _raise_open_files_limit()
-    app = create_app(config)
-    runner = OpenAIErrorsAppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
-    await runner.setup()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        # Thousands of rollout clients may connect at once.
-        await web.TCPSite(runner, config.host, config.port, backlog=4096).start()
-        log.info("listening on http://%s:%d; starting %d engine(s)", config.host, config.port, config.engines)
-        ready = asyncio.ensure_future(app[SUPERVISOR].wait_ready())
-        stopped = asyncio.ensure_future(stop.wait())
-        await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        if ready.done():
-            try:
-                ready.result()
-            except EngineStartError as exc:
-                log.error("%s", exc)
-                return 1
-            log.info("skyinfer ready on http://%s:%d", config.host, config.port)
-            await stopped
-        await _drain(runner, app[IN_FLIGHT], config.shutdown_budget_s[0])
-        return 0
-    finally:
-        # Then the engines stop, within the rest of the grace (the app's cleanup).
-        await runner.cleanup()
-
-
-def _raise_open_files_limit() -> None:
-    """Each request in flight holds two sockets (client and engine side): allow as many as the system does."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-
-
-async def _drain(runner, in_flight, drain_s: float) -> None:
-    """Stop accepting, then give in-flight requests their share of the grace."""
-    log.info("shutting down: no new connections; %d request(s) in flight get up to %.0fs", len(in_flight), drain_s)
-    for site in list(runner.sites):
-        await site.stop()
-    # Keep-alive connections take no new request once the current one is answered.
-    runner.server.pre_shutdown()
-    await in_flight.drain(drain_s)
+    options = {field.name: getattr(ns, field.name) for field, _ in cli_fields()}
+    return ServeConfig(model=model, engine_args=tuple(engine_args), **options)
 
 
 _EXAMPLES = """\
@@ -237,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         config = _config_from_args(args, extra)
     except ValueError as exc:  # attrs validators and the bind rule
         parser.error(str(exc))
+    from .service import run_service
+
     # uvloop's transports cut the front's per-chunk cost of relaying streams.
     return uvloop.run(run_service(config))
 

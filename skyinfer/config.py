@@ -1,4 +1,9 @@
-"""Service configuration: one attrs class holding every default."""
+"""Service configuration: one attrs class holding every default.
+
+Fields that ``skyinfer serve`` exposes carry their command-line help here too
+(``cli=``): the parser is made from this class, so each default is written
+once. The flag is the field's name with dashes, less a ``_s`` (seconds) suffix.
+"""
 
 from __future__ import annotations
 
@@ -6,27 +11,56 @@ import attrs
 
 from .security import check_bind
 
+CLI = "skyinfer.cli"
+
+
+@attrs.frozen
+class CliOption:
+    help: str
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None
+    # Extra spellings of the flag, as vLLM's own (-tp).
+    aliases: tuple[str, ...] = ()
+    # An environment variable that gives the default, for secrets kept out of `ps`.
+    env: str | None = None
+    group: str | None = None
+
+    def flag(self, name: str) -> str:
+        return "--" + name.removesuffix("_s").replace("_", "-")
+
+
+def _option(default, help: str, *, validator=None, **cli) -> attrs.Attribute:
+    return attrs.field(default=default, validator=validator, metadata={CLI: CliOption(help, **cli)})
+
+
+_at_least_one = attrs.validators.ge(1)
+
 
 @attrs.frozen
 class ServeConfig:
     model: str
-    engines: int = attrs.field(default=1, validator=attrs.validators.ge(1))
-    tensor_parallel_size: int = attrs.field(default=1, validator=attrs.validators.ge(1))
-    pipeline_parallel_size: int = attrs.field(default=1, validator=attrs.validators.ge(1))
-    host: str = "127.0.0.1"
-    port: int = 8000
+    engines: int = _option(1, "number of engine processes", metavar="N", validator=_at_least_one)
+    tensor_parallel_size: int = _option(
+        1, "GPUs (or CPU workers) per engine for tensor parallelism", metavar="TP", aliases=("-tp",),
+        validator=_at_least_one,
+    )  # fmt: skip
+    pipeline_parallel_size: int = _option(
+        1, "pipeline stages per engine", metavar="PP", aliases=("-pp",), validator=_at_least_one
+    )
+    host: str = _option("127.0.0.1", "address to bind")
+    port: int = _option(8000, "port to bind")
     # vLLM engine arguments, passed to every engine as `vllm serve` takes them.
     engine_args: tuple[str, ...] = ()
-    # "auto" picks cuda when nvidia-ml-py sees GPUs, else cpu.
-    device: str = "auto"
-    # KV cache per CPU engine (vLLM's VLLM_CPU_KVCACHE_SPACE); unused on GPU.
-    cpu_kvcache_gib: int = 1
-    engine_start_timeout_s: float = 600.0
+    device: str = _option("auto", "auto: cuda if nvidia-ml-py sees GPUs, else cpu", choices=("auto", "cuda", "cpu"))
+    # vLLM's VLLM_CPU_KVCACHE_SPACE; unused on GPU.
+    cpu_kvcache_gib: int = _option(1, "KV cache per engine on CPU, GiB", metavar="GIB")
+    engine_start_timeout_s: float = _option(600.0, "seconds an engine may take to start", metavar="SECONDS")
     engine_stop_timeout_s: float = 30.0
-    # Per-engine timeout of an admin call (pause in "wait" mode waits for requests to drain).
-    control_timeout_s: float = 300.0
-    # Bounds the trainer rendezvous and each transfer step.
-    weight_transfer_timeout_s: float = 120.0
+    # Per engine; pause in "wait" mode waits for requests to drain.
+    control_timeout_s: float = _option(300.0, "seconds each engine gets for an admin call", metavar="SECONDS")
+    weight_transfer_timeout_s: float = _option(
+        120.0, "seconds a trainer gets to join, and each transfer step gets to finish", metavar="SECONDS"
+    )
     # A crashed engine is restarted after restart_backoff_s, doubling per
     # consecutive crash up to restart_backoff_max_s; staying up
     # restart_backoff_reset_s makes the next crash count as the first.
@@ -38,29 +72,47 @@ class ServeConfig:
     # Liveness probe of every running engine: health_failures probes in a row
     # that fail or take over health_timeout_s make the engine dead (killed,
     # restarted). On 2 busy CPU cores a probe can take a second or two.
-    health_interval_s: float = 5.0
-    health_timeout_s: float = 10.0
-    health_failures: int = attrs.field(default=3, validator=attrs.validators.ge(1))
+    health_interval_s: float = _option(5.0, "seconds between liveness probes of each engine", metavar="SECONDS")
+    health_timeout_s: float = _option(
+        10.0, "a probe slower than this fails; enough failures in a row restart the engine", metavar="SECONDS"
+    )
+    health_failures: int = attrs.field(default=3, validator=_at_least_one)
     # Where engine Unix sockets live; None means a fresh temporary directory.
     socket_dir: str | None = None
-    max_request_bytes: int = attrs.field(default=32 * 1024 * 1024, validator=attrs.validators.ge(1024))
-    # Bearer keys: the API key guards the data plane, the admin key control
-    # and weight routes (the API key too when no admin key is set).
-    api_key: str | None = attrs.field(default=None, repr=False)
-    admin_key: str | None = attrs.field(default=None, repr=False)
-    # Listening beyond loopback without an admin key is refused unless this is set.
-    allow_unauthenticated_admin: bool = False
-    # SIGTERM / Ctrl-C: in-flight requests, then the engines' clean exit,
-    # must all fit in this many seconds.
-    shutdown_grace_s: float = attrs.field(default=30.0, validator=attrs.validators.gt(0))
+    max_request_mb: float = _option(
+        32.0, "largest request body accepted, MiB", metavar="MIB", validator=attrs.validators.ge(1 / 1024)
+    )
     # Sticky sessions remembered at once; the oldest are forgotten first.
     max_sessions: int = 100_000
-    # Requests the front sends one engine at once (each holds a connection);
-    # more wait in the front, in arrival order, for one to finish.
-    engine_connections: int = attrs.field(default=4096, validator=attrs.validators.ge(1))
-    # Requests that may wait so per engine before a new one is answered 503
-    # with Retry-After; 0: no cap (load queues, it never fails).
-    engine_queue_limit: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    engine_connections: int = _option(
+        4096, "requests sent to one engine at once; more wait in the front for a connection", metavar="N",
+        validator=_at_least_one,
+    )  # fmt: skip
+    engine_queue_limit: int = _option(
+        0, "requests that may wait per engine before new ones get 503 with Retry-After (0: no cap)", metavar="N",
+        validator=attrs.validators.ge(0),
+    )  # fmt: skip
+    # SIGTERM / Ctrl-C: in-flight requests, then the engines' clean exit, must all fit in it.
+    shutdown_grace_s: float = _option(
+        30.0, "on SIGTERM/Ctrl-C: seconds for in-flight requests to finish and engines to exit", metavar="SECONDS",
+        validator=attrs.validators.gt(0),
+    )  # fmt: skip
+    # The API key guards the data plane, the admin key control and weight
+    # routes (the API key too when no admin key is set).
+    api_key: str | None = attrs.field(
+        default=None, repr=False,
+        metadata={CLI: CliOption("Bearer key for the OpenAI routes (none: open)", metavar="KEY",
+                                 env="SKYINFER_API_KEY", group="security")},
+    )  # fmt: skip
+    admin_key: str | None = attrs.field(
+        default=None, repr=False,
+        metadata={CLI: CliOption("Bearer key for control, weight and engine routes (none: the API key)", metavar="KEY",
+                                 env="SKYINFER_ADMIN_KEY", group="security")},
+    )  # fmt: skip
+    allow_unauthenticated_admin: bool = _option(
+        False, "allow a non-loopback --host without an admin key (only on a network that is yours alone)",
+        group="security",
+    )  # fmt: skip
 
     def __attrs_post_init__(self) -> None:
         check_bind(self.host, self.admin_key, self.allow_unauthenticated_admin)
@@ -70,7 +122,16 @@ class ServeConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
+    def max_request_bytes(self) -> int:
+        return int(self.max_request_mb * 1024 * 1024)
+
+    @property
     def shutdown_budget_s(self) -> tuple[float, float]:
         """The shutdown grace split into (in-flight requests, engines' clean exit); SIGKILL after."""
         engines_s = min(self.engine_stop_timeout_s, self.shutdown_grace_s / 4)
         return self.shutdown_grace_s - engines_s, engines_s
+
+
+def cli_fields() -> list[tuple[attrs.Attribute, CliOption]]:
+    """The fields ``skyinfer serve`` exposes, in declaration order."""
+    return [(f, f.metadata[CLI]) for f in attrs.fields(ServeConfig) if CLI in f.metadata]

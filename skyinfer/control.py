@@ -16,11 +16,11 @@ from typing import Any
 
 from aiohttp import web
 
-from .errors import error_body, error_response, json_response, parse_json_object
-from .fanout import EngineReply, call_engine, failure
+from .errors import error_body, json_response, parse_json_object
+from .engine_calls import EngineReply, call_engine, failure
 from .proxy import REGISTRY
-from .state import LIVE_STATES, EngineRegistry, EngineState, OrderingError, control_targets
-from .wire import AbortParams, PauseParams, ResetPrefixCacheParams, SleepParams, WakeUpParams, WireError, reject_body_params
+from .state import LIVE_STATES, EngineRegistry, EngineState, control_targets
+from .wire import AbortParams, PauseParams, ResetPrefixCacheParams, SleepParams, WakeUpParams, reject_body_params
 
 log = logging.getLogger("skyinfer.control")
 
@@ -76,17 +76,10 @@ Handler = Callable[[web.Request, ControlPlane], Awaitable[web.Response]]
 
 def _control_route(handler: Handler, body_params: tuple[str, ...] = ()) -> Callable[[web.Request], Awaitable[web.Response]]:
     async def route(request: web.Request) -> web.Response:
-        try:
-            raw = await request.read()
-            if raw and body_params:
-                reject_body_params(parse_json_object(raw), body_params, request.path)
-            return await handler(request, request.app[CONTROL])
-        except WireError as exc:
-            return error_response(400, str(exc), exc.param)
-        except ValueError as exc:
-            return error_response(400, str(exc))
-        except OrderingError as exc:
-            return error_response(409, str(exc))
+        raw = await request.read()
+        if raw and body_params:
+            reject_body_params(parse_json_object(raw), body_params, request.path)
+        return await handler(request, request.app[CONTROL])
 
     return route
 

@@ -7,11 +7,14 @@ status to its exception classes and shows ``message``.
 
 from __future__ import annotations
 
+import logging
 from http import HTTPStatus
 
 import orjson
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
+
+log = logging.getLogger("skyinfer.errors")
 
 _TYPE_BY_STATUS = {
     400: "BadRequestError",
@@ -49,29 +52,58 @@ def json_response(payload, status: int = 200, headers: dict[str, str] | None = N
     )
 
 
+class ApiError(Exception):
+    """A refusal the caller must see, raised anywhere under a handler: the
+    middleware answers it with ``status`` in the OpenAI shape, ``details``
+    (each engine's answer, say) beside the error."""
+
+    status = 400
+
+    def __init__(self, message: str, *, status: int | None = None, param: str | None = None, details: dict | None = None):
+        super().__init__(message)
+        if status is not None:
+            self.status = status
+        self.param = param
+        self.details = details or {}
+
+
+class BadRequest(ApiError, ValueError):
+    """Bad input: 400."""
+
+
 def parse_json_object(body: bytes) -> dict:
-    """Parse a request body that must be a JSON object; ValueError says what is wrong."""
+    """Parse a request body that must be a JSON object; BadRequest says what is wrong."""
     if not body:
-        raise ValueError("request body is empty; expected a JSON object")
+        raise BadRequest("request body is empty; expected a JSON object")
     try:
         payload = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
-        raise ValueError(f"request body is not valid JSON: {exc}") from None
+        raise BadRequest(f"request body is not valid JSON: {exc}") from None
     if not isinstance(payload, dict):
-        raise ValueError(f"request body must be a JSON object, not {type(payload).__name__}")
+        raise BadRequest(f"request body must be a JSON object, not {type(payload).__name__}")
     return payload
 
 
 @web.middleware
 async def openai_errors_middleware(request: web.Request, handler):
-    """Turn aiohttp's own HTTP errors (unknown route, body too large, ...) into the OpenAI shape."""
+    """The one place that turns exceptions into answers, in the OpenAI shape:
+    refusals (``ApiError``), aiohttp's own HTTP errors (unknown route, body
+    too large, ...) and any exception nobody foresaw, which is a 500 whose
+    traceback goes to the log."""
     try:
         return await handler(request)
+    except ApiError as exc:
+        return json_response({**error_body(exc.status, str(exc), exc.param), **exc.details}, status=exc.status)
     except web.HTTPException as exc:
         if exc.status < 400 or exc.content_type == "application/json":
             raise
         message = exc.text if exc.text and not exc.text.startswith(f"{exc.status}:") else exc.reason
         return error_response(exc.status, message, headers=_passthrough_headers(exc))
+    except Exception as exc:
+        if isinstance(exc, ConnectionResetError) or request.writer.output_size > 0:
+            raise  # the client is gone, or has part of an answer already: nothing more can be sent
+        log.exception("%s %s failed", request.method, request.path)
+        return error_response(500, f"internal error while serving {request.method} {request.path}: {exc!r}")
 
 
 def _passthrough_headers(exc: web.HTTPException) -> dict[str, str]:

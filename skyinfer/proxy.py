@@ -70,12 +70,8 @@ class _NotConnected(Exception):
 
 async def forward(request: web.Request) -> web.StreamResponse:
     body = await request.read()
-    session_id = request.headers.get(SESSION_HEADER)
-    try:
-        body, body_session = _session_from_body(body)
-    except ValueError as exc:
-        return error_response(400, str(exc))
-    session_id = session_id or body_session
+    body, body_session = _session_from_body(body)
+    session_id = request.headers.get(SESSION_HEADER) or body_session
     headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
     if session_id:
         headers[SESSION_HEADER] = session_id

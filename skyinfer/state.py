@@ -11,6 +11,7 @@ import aiohttp
 import attrs
 
 from .devices import EngineDevices
+from .errors import ApiError
 from .routing import Candidate, SessionRouter
 
 log = logging.getLogger("skyinfer.state")
@@ -78,8 +79,10 @@ _ORDERING_HINTS = {
 }
 
 
-class OrderingError(Exception):
-    pass
+class OrderingError(ApiError):
+    """The call makes no sense in the engines' present state."""
+
+    status = 409
 
 
 def control_targets(operation: str, records: list[EngineRecord]) -> tuple[list[EngineRecord], list[EngineRecord]]:

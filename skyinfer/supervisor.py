@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import os
+import queue
 import signal
 import sys
+import threading
 import time
 
 import aiohttp
@@ -38,7 +41,7 @@ class EngineProcess:
         # The end of the engine's output, quoted when it fails to start.
         self.log_tail: collections.deque[str] = collections.deque(maxlen=40)
         self._pump: asyncio.Task | None = None
-        # For the restart backoff: consecutive crashes, and when it last became ready.
+        # For the restart backoff: consecutive crashes, and when it last became ready (0: not up since).
         self.crashes = 0
         self.ready_since = 0.0
 
@@ -79,12 +82,10 @@ class EngineProcess:
 
     async def _pump_output(self) -> None:
         prefix = f"[engine {self.record.engine_id}] ".encode()
-        out = sys.stderr.buffer
         assert self.proc is not None and self.proc.stdout is not None
         async for line in self.proc.stdout:
             self.log_tail.append(line.decode(errors="replace").rstrip())
-            out.write(prefix + line)
-            out.flush()
+            _STDERR.write(prefix + line)
 
     @property
     def exited(self) -> bool:
@@ -152,6 +153,50 @@ class EngineProcess:
         await self._drain_output()
 
 
+class _StderrWriter:
+    """The front's stderr, written by a thread of its own.
+
+    A write to a pipe or a terminal blocks while its reader lags; the engines'
+    output must never hold up the event loop that serves requests.
+    """
+
+    def __init__(self) -> None:
+        self._lines: queue.SimpleQueue[bytes | threading.Event] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def write(self, line: bytes) -> None:
+        if self._thread is None:
+            with self._lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="skyinfer-engine-output", daemon=True)
+                    self._thread.start()
+        self._lines.put(line)
+
+    def flushed(self, timeout_s: float) -> bool:
+        """Block until every line written so far is out (or ``timeout_s`` passed); run it off the event loop."""
+        if self._thread is None:
+            return True
+        done = threading.Event()
+        self._lines.put(done)
+        return done.wait(timeout_s)
+
+    def _run(self) -> None:
+        out = sys.stderr.buffer
+        while True:
+            item = self._lines.get()
+            if isinstance(item, threading.Event):
+                out.flush()
+                item.set()
+                continue
+            out.write(item)
+            if self._lines.empty():
+                out.flush()
+
+
+_STDERR = _StderrWriter()
+
+
 def _engine_client(socket_path: str) -> aiohttp.ClientSession:
     # No connection cap: the front may hold thousands of requests on one engine.
     connector = aiohttp.UnixConnector(path=socket_path, limit=0)
@@ -177,10 +222,37 @@ class Supervisor:
         # Exit watchers and restarts running in the background.
         self._tasks: set[asyncio.Task] = set()
 
-    def _in_background(self, coro) -> None:
+    def _in_background(self, coro, process: EngineProcess) -> None:
+        """Watch, probe or restart ``process`` beside the caller.
+
+        Nobody awaits these tasks, so a failure nobody foresaw would otherwise
+        vanish and leave the engine in whatever state it had (``restarting``
+        for ever): it is logged, and the engine is declared dead, which
+        revives it.
+        """
         task = asyncio.create_task(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(functools.partial(self._background_done, process))
+
+    def _background_done(self, process: EngineProcess, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if task.cancelled() or task.exception() is None:
+            return
+        log.error(
+            "engine %d: supervision task %s failed", process.record.engine_id, task.get_coro().__qualname__,
+            exc_info=task.exception(),
+        )  # fmt: skip
+        self._declare_dead(process, "its supervision failed")
+
+    def _declare_dead(self, process: EngineProcess, reason: str) -> None:
+        """Out of rotation now, its processes killed (its requests fail at once), revived after a backoff."""
+        record = process.record
+        if record.state in (EngineState.STOPPING, EngineState.STOPPED, EngineState.DEAD):
+            return
+        log.error("engine %d: %s", record.engine_id, reason)
+        self.registry.set_state(record, EngineState.DEAD)
+        process.kill()
+        self._in_background(self._revive(process), process)
 
     def start(self) -> None:
         """Start every engine in parallel; ``wait_ready`` reports the outcome."""
@@ -199,7 +271,7 @@ class Supervisor:
     async def _launch(self, process: EngineProcess) -> None:
         assert self._lifeline is not None
         await process.spawn(self._lifeline[0])
-        self._in_background(self._watch_exit(process))
+        self._in_background(self._watch_exit(process), process)
         await self._become_ready(process)
 
     async def _become_ready(self, process: EngineProcess) -> None:
@@ -217,7 +289,7 @@ class Supervisor:
         # An engine loads the checkpoint from disk: behind a fleet that has had pushes.
         stale = fleet is not None and record.weight_version != fleet
         self.registry.set_state(record, EngineState.STALE if stale else EngineState.READY)
-        self._in_background(self._probe(process))
+        self._in_background(self._probe(process), process)
 
     async def _probe(self, process: EngineProcess) -> None:
         """Probe one engine process's health on a timer; a hung engine is dead.
@@ -242,11 +314,7 @@ class Supervisor:
             if failures and failures < c.health_failures:
                 log.warning("engine %d: health probe failed (%d of %d)", record.engine_id, failures, c.health_failures)
             if failures >= c.health_failures and process.proc is proc and record.state in LIVE_STATES:
-                log.error("engine %d: %d health probes failed in a row; killing it", record.engine_id, failures)
-                self.registry.set_state(record, EngineState.DEAD)
-                # Killed at once, so that its in-flight requests fail now rather than hang.
-                process.kill()
-                self._in_background(self._revive(process))
+                self._declare_dead(process, f"{failures} health probes failed in a row; killing it")
                 return
 
     async def restart(self, record: EngineRecord, reason: str) -> None:
@@ -261,16 +329,14 @@ class Supervisor:
         await process.stop(self.config.engine_stop_timeout_s)
         try:
             await self._launch(process)
-        except EngineStartError:
+        except Exception:  # whatever went wrong, the engine must not stay "restarting"
             log.exception("engine %d: restart failed", record.engine_id)
-            if record.state is not EngineState.DEAD:
-                self.registry.set_state(record, EngineState.DEAD)
-            self._in_background(self._revive(process))
+            self._declare_dead(process, "its restart failed")
 
     def restart_in_background(self, record: EngineRecord, reason: str) -> None:
         """Take an engine out of rotation now; replace its process beside the caller."""
         self.registry.set_state(record, EngineState.RESTARTING)
-        self._in_background(self.restart(record, reason))
+        self._in_background(self.restart(record, reason), self.processes[record.engine_id])
 
     async def _watch_exit(self, process: EngineProcess) -> None:
         """An engine process that exits unasked is dead: stop routing to it at once."""
@@ -281,17 +347,16 @@ class Supervisor:
         if proc is process.proc and record.state not in (
             EngineState.STOPPING, EngineState.STOPPED, EngineState.DEAD, EngineState.RESTARTING
         ):  # fmt: skip
-            log.error("engine %d: process %d exited with code %s", record.engine_id, proc.pid, code)
-            self.registry.set_state(record, EngineState.DEAD)
-            self._in_background(self._revive(process))
+            self._declare_dead(process, f"process {proc.pid} exited with code {code}")
 
     async def _revive(self, process: EngineProcess) -> None:
         """Restart a crashed engine, backing off while it keeps crashing."""
         record = process.record
-        now = time.monotonic()
-        # An engine that stayed up a while starts its backoff afresh.
-        if now - process.ready_since > self.config.restart_backoff_reset_s:
+        # An engine that stayed up a while starts its backoff afresh; one
+        # whose restart failed was never up, so its failures add up.
+        if process.ready_since and time.monotonic() - process.ready_since > self.config.restart_backoff_reset_s:
             process.crashes = 0
+        process.ready_since = 0.0
         delay = min(self.config.restart_backoff_max_s, self.config.restart_backoff_s * 2**process.crashes)
         process.crashes += 1
         log.warning("engine %d: restarting in %.1fs (crash %d)", record.engine_id, delay, process.crashes)
@@ -305,7 +370,8 @@ class Supervisor:
         for task in [self._start_task, *self._tasks]:
             if task is not None and not task.done():
                 task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, EngineStartError):
+                # A failure was reported where it happened; none may stop the shutdown.
+                with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
         async with self.registry.lock:
             for record in self.registry.records:
@@ -316,6 +382,8 @@ class Supervisor:
             for fd in self._lifeline:
                 os.close(fd)
             self._lifeline = None
+        # The engines' last words, before the process exits.
+        await asyncio.to_thread(_STDERR.flushed, 2.0)
 
     async def _stop_one(self, process: EngineProcess, timeout_s: float) -> None:
         record = process.record

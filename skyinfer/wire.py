@@ -13,17 +13,18 @@ from typing import Any
 
 import attrs
 
+from .errors import BadRequest
+
 PAUSE_MODES = ("abort", "wait", "keep")
 SLEEP_LEVELS = (0, 1, 2)
 WAKE_TAGS = ("weights", "kv_cache", "scheduling")
 
 
-class WireError(ValueError):
+class WireError(BadRequest):
     """Bad admin input; the message says what is wrong and how to fix it."""
 
     def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
+        super().__init__(message, param=param)
 
 
 def _one(query: Mapping[str, str], name: str, default: str) -> str:

@@ -42,6 +42,8 @@ async def test_data_plane_methods(server, model_name):
         with pytest.raises(SkyinferError) as missing:
             await client.complete("x", model="no-such-model", max_tokens=1)
         assert missing.value.status == 404 and "no-such-model" in missing.value.message
+        with pytest.raises(ValueError, match="openai SDK"):
+            await client.chat([{"role": "user", "content": "hi"}], stream=True)
         with pytest.raises(SkyinferError) as bad:
             await client.generate([1], {"max_tokens": -3})
         assert bad.value.status == 400 and "max_tokens" in bad.value.message
@@ -59,7 +61,12 @@ async def test_control_and_status_methods(server, model_name):
             assert time.monotonic() < deadline
             await asyncio.sleep(0.1)
         assert (await client.abort(["cmpl-no-such-request"]))["aborted"] == 0
-        assert (await client.abort())["aborted"] == 1
+        # An empty list aborts nothing; "all" must be said.
+        assert (await client.abort([]))["aborted"] == 0
+        with pytest.raises(ValueError):
+            await client.abort()
+        assert not held.done()
+        assert (await client.abort(all_requests=True))["aborted"] == 1
         assert (await held)["choices"][0]["finish_reason"] == "abort"
         assert (await client.resume())["status"] == "resumed"
         with pytest.raises(SkyinferError) as wrong_order:

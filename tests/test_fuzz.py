@@ -224,3 +224,58 @@ async def test_fuzzed_bodies_get_4xx_and_change_nothing(server, model_name, demo
     assert [e["pid"] for e in server.engines()] == pids
     assert httpx.get(f"{server.url}/ready", timeout=10).status_code == 200
     assert {s: greedy(server, model_name, s) for s in sessions} == before
+
+
+# vLLM takes admin parameters as query strings: their names, and values of every wrong kind.
+CONTROL_QUERY_NAMES = {
+    "/pause": ["mode", "clear_cache"],
+    "/resume": [],
+    "/sleep": ["level", "mode"],
+    "/wake_up": ["tags"],
+    "/reset_prefix_cache": ["reset_running_requests", "reset_external"],
+    "/abort_requests": [],
+}
+QUERY_VALUES = [
+    "", "keep", "wait", "abort", "true", "false", "0", "1", "2", "3", "-1", "1e9", "nan", "weights", "kv_cache",
+    "TRUE", "yes", "none", "null", "x" * 5000, "%00", "%ff%fe", "%", "%zz", "é", "💥", "a&b=c", "[1]", "{}",
+]  # fmt: skip
+QUERIES_PER_ROUTE = 60
+
+
+def query_strings(names: list[str], rng: random.Random) -> list[str]:
+    """Raw query strings: real names with odd or repeated values, unknown names, broken escapes."""
+    out = []
+    for _ in range(QUERIES_PER_ROUTE):
+        pairs = []
+        for _ in range(rng.randint(0, 4)):
+            name = rng.choice(names + ["zz_fuzz", "", "mode%00", "tags[]"]) if names else rng.choice(["zz_fuzz", "mode"])
+            value = rng.choice(QUERY_VALUES)
+            pairs.append(name if rng.random() < 0.1 else f"{name}={value}")
+        out.append("&".join(pairs) if rng.random() < 0.9 else "".join(chr(rng.randint(33, 126)) for _ in range(20)))
+    return out
+
+
+async def test_fuzzed_control_query_strings_get_4xx_and_leave_the_fleet_serving(server, model_name):
+    rng = random.Random(20261122)
+    pids = [e["pid"] for e in server.engines()]
+    statuses: dict[int, int] = {}
+    offenders = []
+    async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
+        try:
+            for path, names in CONTROL_QUERY_NAMES.items():
+                for query in query_strings(names, rng):
+                    r = await http.post(f"{path}?{query}")
+                    statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+                    if r.status_code >= 500 or (r.status_code >= 400 and not is_openai_error(r)):
+                        offenders.append((path, query[:100], r.status_code, r.text[:300]))
+        finally:
+            await restore_fleet(http)
+    print("control query strings:", sorted(statuses.items()))
+    assert not offenders, offenders[:10]
+    assert sum(statuses.values()) == QUERIES_PER_ROUTE * len(CONTROL_QUERY_NAMES)
+    # Both kinds of answer: some strings were valid and applied, some refused.
+    assert statuses.get(200, 0) > 20 and statuses.get(400, 0) > 20, statuses
+    assert [e["pid"] for e in server.engines()] == pids
+    assert httpx.get(f"{server.url}/ready", timeout=10).status_code == 200
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": model_name, "prompt": "calm", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200

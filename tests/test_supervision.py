@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import re
 import signal
 import time
 
@@ -118,6 +120,43 @@ async def test_hung_engine_fails_its_probes_and_is_replaced(crash_server):
         assert not psutil.pid_exists(victim_pid) or psutil.Process(victim_pid).status() == psutil.STATUS_ZOMBIE
     restarts = total(scrape(crash_server), "skyinfer_engine_restarts", "skyinfer_engine_restarts_total", engine="1")
     assert restarts == restarts_before + 1
+
+
+async def test_an_unforeseen_error_in_the_restart_path_still_revives_the_engine(crash_server):
+    """The restart itself fails with an error nobody planned for (the engine's socket path is
+    a directory, so spawning raises IsADirectoryError): the engine must not stay "restarting"
+    for ever; it is declared dead again, retried after a longer backoff, and comes back."""
+    async with httpx.AsyncClient(base_url=crash_server.url, timeout=120) as http:
+        await wait_for_states(http, ["ready", "ready"])
+        victim = (await http.get("/engines")).json()["engines"][1]
+        argv = psutil.Process(victim["pid"]).cmdline()
+        socket_path = argv[argv.index("--socket") + 1]
+        log_start = len(crash_server.log_path.read_text(errors="replace"))
+        os.killpg(victim["pid"], signal.SIGKILL)
+        while (await http.get("/engines")).json()["engines"][1]["state"] != "dead":
+            await asyncio.sleep(0.02)
+        # Within the restart backoff (1 s or more): the path the new engine must listen on is taken.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(socket_path)
+        os.mkdir(socket_path)
+        try:
+            deadline = time.monotonic() + 60
+            while (log := crash_server.log_path.read_text(errors="replace")[log_start:]).count("IsADirectoryError") < 1:
+                assert time.monotonic() < deadline, log[-3000:]
+                await asyncio.sleep(0.2)
+            assert (await http.get("/engines")).json()["engines"][1]["state"] in ("dead", "restarting")
+        finally:
+            os.rmdir(socket_path)
+        await wait_for_states(http, ["ready", "ready"])
+        revived = (await http.get("/engines")).json()["engines"][1]
+        assert revived["pid"] != victim["pid"] and revived["restarts"] >= victim["restarts"] + 2
+        # The attempt after the failed one waited twice as long.
+        log = crash_server.log_path.read_text(errors="replace")[log_start:]
+        delays = [float(d) for d in re.findall(r"engine 1: restarting in ([0-9.]+)s", log)]
+        assert len(delays) >= 2 and all(b == 2 * a for a, b in zip(delays, delays[1:])), delays
+        served = {engine_of(await http.post("/v1/completions", json={"model": crash_server.model, "prompt": "back",
+                                                                     "max_tokens": 2})) for _ in range(6)}  # fmt: skip
+        assert served == {0, 1}
 
 
 # Last in this module: its push moves the fleet's weight version past the checkpoint on

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import inspect
 import json
 import os
 import subprocess
@@ -172,9 +173,17 @@ def test_rank_layout_offsets_and_world_size():
 def test_client_satisfies_vllm_weight_sync_protocol():
     from vllm.distributed.weight_transfer.base import VLLMWeightSyncClient
 
-    from skyinfer.client import Client
+    from skyinfer.client import AsyncClient, Client
 
     assert isinstance(Client("http://127.0.0.1:1"), VLLMWeightSyncClient)
+    # As Python 3.12+ checks a protocol: attributes of the class itself, not __getattr__.
+    members = [n for n, v in vars(VLLMWeightSyncClient).items() if not n.startswith("_") and callable(v)]
+    assert len(members) >= 4
+    for name in members:
+        assert callable(inspect.getattr_static(Client, name)), name
+    for name in ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update"):
+        assert inspect.getattr_static(Client, name).__doc__ == getattr(AsyncClient, name).__doc__
+    assert list(inspect.signature(Client.abort).parameters) == ["self", "request_ids", "all_requests"]
 
 
 async def test_engine_connections_queue_in_arrival_order_and_refuse_past_the_cap():
@@ -219,3 +228,26 @@ async def test_engine_connections_queue_in_arrival_order_and_refuse_past_the_cap
     release.set()
     await asyncio.gather(*tasks)
     assert sent == list(range(40))
+
+
+async def test_an_unforeseen_exception_in_a_handler_is_an_openai_500(aiohttp_client, caplog, demo_model, tmp_path):
+    from aiohttp import web
+
+    from skyinfer.app import create_app
+    from skyinfer.config import ServeConfig
+
+    async def broken(_request):
+        return {}["no such key"]
+
+    # The front's own middleware chain (metrics, draining, errors, keys) around a handler with a bug.
+    front = create_app(ServeConfig(model=str(demo_model), device="cpu", socket_dir=str(tmp_path)))
+    app = web.Application(middlewares=list(front.middlewares))
+    app.router.add_get("/broken", broken)
+    client = await aiohttp_client(app)
+    r = await client.get("/broken")
+    assert r.status == 500 and r.content_type == "application/json"
+    err = (await r.json())["error"]
+    assert err["code"] == 500 and err["type"] == "InternalServerError" and "KeyError" in err["message"]
+    assert any(rec.exc_info and rec.exc_info[0] is KeyError for rec in caplog.records)
+    # The server goes on serving.
+    assert (await client.get("/broken")).status == 500

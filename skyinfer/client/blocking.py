@@ -68,17 +68,25 @@ class Client:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def __getattr__(self, name: str):
-        method = getattr(type(self._async), name, None)
-        if name.startswith("_") or not inspect.iscoroutinefunction(method):
-            raise AttributeError(name)
-        bound = getattr(self._async, name)
 
-        @functools.wraps(method)
-        def call(*args, **kwargs):
-            return self._run(bound(*args, **kwargs))
 
-        return call
+def _blocking(name: str, method) -> Any:
+    """``Client.<name>``: the async method of the same name, run on the client's loop."""
+
+    @functools.wraps(method)
+    def call(self: Client, *args, **kwargs):
+        return self._run(getattr(self._async, name)(*args, **kwargs))
+
+    return call
+
+
+# Real methods on the class, made once from the async clients' own (their
+# names, signatures and docstrings): what a runtime-checkable protocol such
+# as vLLM's VLLMWeightSyncClient sees on Python 3.12+, unlike __getattr__.
+for _cls in (MultiNodeClient, AsyncClient):
+    for _name, _method in vars(_cls).items():
+        if not _name.startswith("_") and _name != "aclose" and inspect.iscoroutinefunction(_method):
+            setattr(Client, _name, _blocking(_name, _method))
 
 
 def _shut_down(loop: asyncio.AbstractEventLoop, thread: threading.Thread, client: AsyncClient | MultiNodeClient) -> None:

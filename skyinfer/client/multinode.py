@@ -130,8 +130,8 @@ class MultiNodeClient:
     async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_external: bool = False) -> dict:
         return await self._fanout_report("reset_prefix_cache", reset_running_requests, reset_external)
 
-    async def abort(self, request_ids: list[str] | None = None) -> dict:
-        return await self._fanout_report("abort", request_ids)
+    async def abort(self, request_ids: Sequence[str] | None = None, *, all_requests: bool = False) -> dict:
+        return await self._fanout_report("abort", request_ids, all_requests=all_requests)
 
     async def is_paused(self) -> bool:
         return any(await self._fanout("is_paused"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
@@ -125,6 +126,9 @@ class AsyncClient:
             attempt += 1
 
     async def _data(self, path: str, body: dict, session_id: str | None) -> dict:
+        if body.get("stream"):
+            # The answer would be server-sent events, not one JSON object.
+            raise ValueError(f"{path}: this client answers whole responses; for streams use the openai SDK")
         headers = {SESSION_HEADER: session_id} if session_id else None
         return await self._request("POST", path, json=body, headers=headers, retry_unavailable=True)
 
@@ -193,9 +197,19 @@ class AsyncClient:
         params = {"reset_running_requests": _bool(reset_running_requests), "reset_external": _bool(reset_external)}
         return await self._admin("/reset_prefix_cache", params)
 
-    async def abort(self, request_ids: list[str] | None = None) -> dict:
-        """Abort these requests (response ids) on every engine, or every request when None."""
-        return await self._admin("/abort_requests", json={"request_ids": request_ids} if request_ids else None)
+    async def abort(self, request_ids: Sequence[str] | None = None, *, all_requests: bool = False) -> dict:
+        """Abort these requests (response ids) on every engine; every request in flight only with ``all_requests``.
+
+        An empty list aborts nothing (it asks the server nothing): a list
+        that happens to be empty must never stop every rollout.
+        """
+        if all_requests == (request_ids is not None):
+            raise ValueError("abort: give the request ids, or all_requests=True, not both or neither")
+        if all_requests:
+            return await self._admin("/abort_requests")
+        if not request_ids:
+            return {"status": "aborted", "aborted": 0}
+        return await self._admin("/abort_requests", json={"request_ids": list(request_ids)})
 
     # -- weight transfer (vLLM's VLLMWeightSyncClient names) --------------------------
     async def get_world_size(self) -> int:

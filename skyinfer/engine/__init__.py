@@ -4,4 +4,5 @@
 # front can pass it to engines without importing vLLM itself.
 EXTENSION_PATH = "skyinfer.engine.worker_extension.SkyinferWorkerExtension"
 # The weight-transfer backend skyinfer registers into vLLM on CPU.
-GLOO_BACKEND = "gloo"
+# Named for skyinfer, so that a gloo backend vLLM may ship one day cannot collide with it.
+GLOO_BACKEND = "skyinfer_gloo"

@@ -75,10 +75,6 @@ async def _abort_requests(engine, request: web.Request) -> dict:
     return {"status": "aborted", "aborted": len(ids)}
 
 
-async def _is_paused(engine, request: web.Request) -> dict:
-    return {"is_paused": await engine.is_paused()}
-
-
 def _admin_route(call: Callable[[Any, web.Request], Awaitable[dict]]):
     async def handler(request: web.Request) -> web.Response:
         try:
@@ -104,4 +100,3 @@ def add_admin_routes(app: web.Application) -> None:
         "/abort_requests": _abort_requests,
     }.items():
         app.router.add_post(path, _admin_route(call))
-    app.router.add_get("/is_paused", _admin_route(_is_paused))

@@ -43,8 +43,9 @@ class GlooWeightTransferInitInfo(WeightTransferInitInfo):
     packed: bool = False
     packed_buffer_size_bytes: int = DEFAULT_BUFFER_SIZE_BYTES
     packed_num_buffers: int = 2  # accepted for nccl compatibility; gloo has no streams to overlap
-    # Bounds the rendezvous and every later collective.
-    timeout_s: float = 300.0
+    # Bounds the rendezvous and every later collective; the front sets it
+    # (--weight-transfer-timeout, or the trainer's own init_info timeout_s).
+    timeout_s: float
 
 
 @dataclass

@@ -72,10 +72,6 @@ async def finish_weight_update(request: web.Request) -> web.Response:
     return json_response({"status": "finished", "weight_version": await engine.get_weight_version()})
 
 
-async def weight_info(request: web.Request) -> web.Response:
-    return json_response({"weight_version": await request.app[ENGINE_CLIENT].get_weight_version()})
-
-
 def _weight_route(handler):
     async def route(request: web.Request) -> web.Response:
         try:
@@ -94,4 +90,3 @@ def add_weight_routes(app: web.Application) -> None:
     app.router.add_post("/start_weight_update", _weight_route(start_weight_update))
     app.router.add_post("/update_weights", _weight_route(update_weights))
     app.router.add_post("/finish_weight_update", _weight_route(finish_weight_update))
-    app.router.add_get("/weight_info", _weight_route(weight_info))

@@ -36,7 +36,3 @@ class RankLayout:
 
     def rank_offset(self, engine_index: int) -> int:
         return self.base_offset + sum(self.workers_per_engine[:engine_index])
-
-    @staticmethod
-    def world_size_for(workers: int, trainer_ranks: int = 1) -> int:
-        return trainer_ranks + workers

@@ -20,8 +20,8 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from ..errors import error_body, error_response, json_response, parse_json_object
-from ..fanout import EngineReply, call_engine, failure
+from ..errors import ApiError, json_response, parse_json_object
+from ..engine_calls import EngineReply, call_engine, failure
 from ..metrics import ServiceMetrics
 from ..state import LIVE_STATES, EngineRecord, EngineRegistry, EngineState
 from .checkpoint import CheckpointSpec, UpdateMetadata
@@ -30,11 +30,11 @@ from .layout import LayoutError, RankLayout
 log = logging.getLogger("skyinfer.weights")
 
 
-class SyncError(Exception):
+class SyncError(ApiError):
+    """A weight-sync call refused or failed; ``engines``: each engine's own answer."""
+
     def __init__(self, status: int, message: str, engines: list[dict] | None = None):
-        super().__init__(message)
-        self.status = status
-        self.engines = engines
+        super().__init__(message, status=status, details=None if engines is None else {"engines": engines})
 
 
 async def _check_trainer_address(init_info: dict) -> None:
@@ -73,7 +73,8 @@ class WeightSync:
         self.last_update_s: float | None = None
 
     @property
-    def world_size(self) -> int:
+    def worker_count(self) -> int:
+        """The inference side of the group (vLLM's ``/get_world_size``): every engine's workers."""
         return self.workers_per_engine * len(self.registry.records)
 
     def _engines(self) -> list[EngineRecord]:
@@ -249,18 +250,10 @@ def _body(raw: bytes) -> dict:
 
 def _sync_route(handler: Callable[[WeightSync, dict], Awaitable[dict]]):
     async def route(request: web.Request) -> web.Response:
-        try:
-            body = _body(await request.read())
-            # Shielded: a trainer that dies mid-call must not cancel the
-            # bookkeeping (restarting engines whose transfer broke).
-            return json_response(await asyncio.shield(handler(request.app[WEIGHT_SYNC], body)))
-        except SyncError as exc:
-            payload = error_body(exc.status, str(exc))
-            if exc.engines is not None:
-                payload["engines"] = exc.engines
-            return json_response(payload, status=exc.status)
-        except ValueError as exc:
-            return error_response(400, str(exc))
+        body = _body(await request.read())
+        # Shielded: a trainer that dies mid-call must not cancel the
+        # bookkeeping (restarting engines whose transfer broke).
+        return json_response(await asyncio.shield(handler(request.app[WEIGHT_SYNC], body)))
 
     return route
 
@@ -292,7 +285,7 @@ async def _finish(sync: WeightSync, body: dict) -> dict:
 
 
 async def _world_size(request: web.Request) -> web.Response:
-    return json_response({"world_size": request.app[WEIGHT_SYNC].world_size})
+    return json_response({"world_size": request.app[WEIGHT_SYNC].worker_count})
 
 
 async def _weight_info(request: web.Request) -> web.Response:

@@ -1,4 +1,4 @@
-"""One engine's answer to a call the front makes on every engine, and how failures add up."""
+"""The front's calls to one engine's admin and weight routes: one reply each, and how failures add up."""
 
 from __future__ import annotations
 
