@@ -2,7 +2,9 @@
 
 The trainer runs in its own process without vLLM (tests/trainer_process.py).
 Correctness is judged against a transformers float32 forward pass of the
-pushed weights. Runs last: it changes the shared engines' weights.
+pushed weights. Its engines are its own: a push changes their weights, and
+a trainer that dies leaves them in its group, which no other module may
+inherit from the shared server.
 """
 
 from __future__ import annotations
@@ -19,12 +21,27 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from support import admit_while_paused, engine_of, scrape, total
+from support import ServerProcess, admit_while_paused, engine_of, running, scrape, total
 
 PUSH_SECONDS = "skyinfer_weight_update_duration_seconds"
 
 TRAINER = Path(__file__).with_name("trainer_process.py")
 PROMPTS = ["The quick brown fox", "Reinforcement learning updates a policy", "def main():"]
+
+
+@pytest.fixture(scope="module")
+def server(demo_model, tmp_path_factory):
+    """Two engines as the shared server has them (float32), for this module alone."""
+    srv = ServerProcess(
+        demo_model, engines=2, log_path=tmp_path_factory.mktemp("weights") / "server.log", extra_args=("--dtype", "float32")
+    )
+    with running(srv):
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def model_name(server) -> str:
+    return server.model
 
 
 def modified_weights(demo_model: Path, seed: int) -> dict[str, torch.Tensor]:
