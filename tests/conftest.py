@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from support import ServerProcess, running
+from support import running, two_float32_engines
 
 from skyinfer.demo_model import build_demo_model
 
@@ -22,14 +22,11 @@ def demo_model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def server(demo_model, tmp_path_factory):
     """One skyinfer server with two real vLLM engines, shared by the session."""
-    # float32: greedy tokens compared across batch shapes must not flip on bf16 rounding.
-    srv = ServerProcess(
-        demo_model, engines=2, log_path=tmp_path_factory.mktemp("logs") / "server.log", extra_args=("--dtype", "float32")
-    )
-    with running(srv):
+    with running(two_float32_engines(demo_model, tmp_path_factory.mktemp("logs") / "server.log")) as srv:
         yield srv
 
 
 @pytest.fixture(scope="session")
-def model_name(server) -> str:
-    return server.model
+def model_name(demo_model) -> str:
+    """What every test server serves the demo model as (its path)."""
+    return str(demo_model)

@@ -95,6 +95,12 @@ class ServerProcess(ChildProcess):
         return httpx.get(f"{self.url}/engines", headers=self.admin_headers, timeout=10).json()["engines"]
 
 
+def two_float32_engines(model: Path, log_path: Path) -> ServerProcess:
+    """The shared server's kind: two engines in float32, so that greedy tokens
+    compared across batch shapes do not flip on bf16 rounding."""
+    return ServerProcess(model, engines=2, log_path=log_path, extra_args=("--dtype", "float32"))
+
+
 @contextlib.contextmanager
 def running(child: ChildProcess):
     """For fixtures: the child, ready; stopped afterwards however the tests went."""

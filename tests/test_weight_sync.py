@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from support import ServerProcess, admit_while_paused, engine_of, running, scrape, total
+from support import admit_while_paused, engine_of, running, scrape, total, two_float32_engines
 
 PUSH_SECONDS = "skyinfer_weight_update_duration_seconds"
 
@@ -31,17 +31,9 @@ PROMPTS = ["The quick brown fox", "Reinforcement learning updates a policy", "de
 
 @pytest.fixture(scope="module")
 def server(demo_model, tmp_path_factory):
-    """Two engines as the shared server has them (float32), for this module alone."""
-    srv = ServerProcess(
-        demo_model, engines=2, log_path=tmp_path_factory.mktemp("weights") / "server.log", extra_args=("--dtype", "float32")
-    )
-    with running(srv):
+    """Two engines as the shared server has them, for this module alone."""
+    with running(two_float32_engines(demo_model, tmp_path_factory.mktemp("weights") / "server.log")) as srv:
         yield srv
-
-
-@pytest.fixture(scope="module")
-def model_name(server) -> str:
-    return server.model
 
 
 def modified_weights(demo_model: Path, seed: int) -> dict[str, torch.Tensor]:
