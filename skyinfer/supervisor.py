@@ -157,20 +157,18 @@ class _StderrWriter:
     """The front's stderr, written by a thread of its own.
 
     A write to a pipe or a terminal blocks while its reader lags; the engines'
-    output must never hold up the event loop that serves requests.
+    output must never hold up the event loop that serves requests. Only that
+    loop writes, so starting the thread on first use needs no lock.
     """
 
     def __init__(self) -> None:
         self._lines: queue.SimpleQueue[bytes | threading.Event] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
 
     def write(self, line: bytes) -> None:
         if self._thread is None:
-            with self._lock:
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._run, name="skyinfer-engine-output", daemon=True)
-                    self._thread.start()
+            self._thread = threading.Thread(target=self._run, name="skyinfer-engine-output", daemon=True)
+            self._thread.start()
         self._lines.put(line)
 
     def flushed(self, timeout_s: float) -> bool:
