@@ -101,14 +101,38 @@ def two_float32_engines(model: Path, log_path: Path) -> ServerProcess:
     return ServerProcess(model, engines=2, log_path=log_path, extra_args=("--dtype", "float32"))
 
 
+API_KEY = "sk-data-test-0123456789"
+ADMIN_KEY = "sk-admin-test-9876543210"
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def keyed_one_engine(model: Path, log_path: Path) -> ServerProcess:
+    """One engine behind keys and a 1 MiB body limit: the security tests' server, and the
+    load tests' (every one of their requests passes the key check)."""
+    return ServerProcess(
+        model, engines=1, log_path=log_path, admin_key=ADMIN_KEY,
+        extra_args=("--api-key", API_KEY, "--admin-key", ADMIN_KEY, "--max-request-mb", "1"),
+    )  # fmt: skip
+
+
 @contextlib.contextmanager
-def running(child: ChildProcess):
-    """For fixtures: the child, ready; stopped afterwards however the tests went."""
+def running(*children: ChildProcess):
+    """For fixtures: the children, ready; stopped afterwards however the tests went.
+
+    Children start when constructed, so several given here start together: an
+    engine starts one process after another, so two one-engine servers on two
+    cores are ready in about the time of one.
+    """
     try:
-        child.wait_ready()
-        yield child
+        for child in children:
+            child.wait_ready()
+        yield children[0] if len(children) == 1 else children
     finally:
-        child.stop()
+        for child in children:
+            child.stop()
 
 
 def engine_of(response) -> int:

@@ -8,19 +8,9 @@ import sys
 from pathlib import Path
 
 import httpx
-import pytest
 
-from support import ServerProcess, running
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-
-
-@pytest.fixture(scope="module")
-def demo_server(demo_model, tmp_path_factory):
-    """Two engines on the demo model as `skyinfer serve` runs it (bf16)."""
-    srv = ServerProcess(demo_model, engines=2, log_path=tmp_path_factory.mktemp("examples") / "server.log")
-    with running(srv):
-        yield srv
 
 
 def run_example(name: str, *args: str, timeout_s: float = 600) -> subprocess.CompletedProcess:
@@ -29,13 +19,13 @@ def run_example(name: str, *args: str, timeout_s: float = 600) -> subprocess.Com
     return done
 
 
-def test_agent_keeps_exact_tokens_on_one_engine(demo_server, tmp_path):
+def test_agent_keeps_exact_tokens_on_one_engine(push_server, tmp_path):
     out = tmp_path / "episode.json"
-    run_example("agent.py", "--url", demo_server.url, "--turns", "4", "--out", str(out))
+    run_example("agent.py", "--url", push_server.url, "--turns", "4", "--out", str(out))
     episode = json.loads(out.read_text())
     turns = episode["turns"]
     assert len(turns) == 4 and len({t["engine"] for t in turns}) == 1
-    with httpx.Client(base_url=demo_server.url, timeout=60) as http:
+    with httpx.Client(base_url=push_server.url, timeout=60) as http:
         model = http.get("/v1/models").json()["data"][0]["id"]
         for t in turns:
             # The prompt ids are the engine's own rendering of the conversation so far.
@@ -53,16 +43,17 @@ def test_agent_keeps_exact_tokens_on_one_engine(demo_server, tmp_path):
     assert all(t["prompt_token_ids"][: len(first)] == first for t in turns[1:])
 
 
-def test_rl_loop_pushes_new_weights_each_iteration(demo_server):
-    done = run_example("rl_loop.py", "--url", demo_server.url, "--iterations", "3")
+def test_rl_loop_pushes_new_weights_each_iteration(push_server):
+    start_version = httpx.get(f"{push_server.url}/weight_info", timeout=30).json()["weight_version"]
+    done = run_example("rl_loop.py", "--url", push_server.url, "--iterations", "3")
     lines = done.stdout.strip().splitlines()
     timing_lines = [line for line in lines if line.startswith("iter ")]
     assert len(timing_lines) == 3 and all("push" in line and "ms" in line for line in timing_lines)
     summary = json.loads(lines[-1])
     # Rollouts of iteration k ran on the weights of step k (the example asserts this per rollout).
-    assert summary["versions_seen"] == [["default"], ["step-1"], ["step-2"]]
+    assert summary["versions_seen"] == [[start_version], ["step-1"], ["step-2"]]
     assert summary["final_version"] == "step-3"
-    info = httpx.get(f"{demo_server.url}/weight_info", timeout=30).json()
+    info = httpx.get(f"{push_server.url}/weight_info", timeout=30).json()
     assert info["weight_version"] == "step-3"
     assert [e["weight_version"] for e in info["engines"]] == ["step-3", "step-3"]
     assert all(it["loss"] == it["loss"] for it in summary["iterations"])  # no NaN from the optimizer step

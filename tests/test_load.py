@@ -17,17 +17,10 @@ import openai
 import orjson
 import pytest
 
-from support import ServerProcess, running, scrape, total
+from support import API_KEY, bearer, scrape, total
 
 MAX_TOKENS = 4
 N_PLAIN, N_STREAM = 2000, 500
-
-
-@pytest.fixture(scope="module")
-def one_engine(demo_model, tmp_path_factory):
-    srv = ServerProcess(demo_model, engines=1, log_path=tmp_path_factory.mktemp("load") / "server.log")
-    with running(srv):
-        yield srv
 
 
 @pytest.fixture(autouse=True)
@@ -44,9 +37,9 @@ def _failed_503s(srv) -> float:
     )
 
 
-async def test_plain_client_without_retries(one_engine):
-    model = one_engine.model
-    refused_before = _failed_503s(one_engine)
+async def test_plain_client_without_retries(keyed_server):
+    model = keyed_server.model
+    refused_before = _failed_503s(keyed_server)
 
     async def plain(session: aiohttp.ClientSession, i: int) -> int:
         body = {"model": model, "prompt": f"load {i}", "max_tokens": MAX_TOKENS, "ignore_eos": True}
@@ -66,22 +59,23 @@ async def test_plain_client_without_retries(one_engine):
     # No connection cap on the client side: every request is on the wire at once.
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(one_engine.url, connector=connector, timeout=timeout) as session:
+    headers = bearer(API_KEY)
+    async with aiohttp.ClientSession(keyed_server.url, connector=connector, timeout=timeout, headers=headers) as session:
         counts = await asyncio.gather(
             *(plain(session, i) for i in range(N_PLAIN)), *(streamed(session, i) for i in range(N_STREAM))
         )
     assert counts == [MAX_TOKENS] * (N_PLAIN + N_STREAM)
-    assert _failed_503s(one_engine) == refused_before
+    assert _failed_503s(keyed_server) == refused_before
     # Nothing is left waiting in the front.
-    assert total(scrape(one_engine), "skyinfer_engine_queued", "skyinfer_engine_queued", engine="0") == 0
+    assert total(scrape(keyed_server), "skyinfer_engine_queued", "skyinfer_engine_queued", engine="0") == 0
 
 
-async def test_openai_sdk_without_retries(one_engine):
-    model = one_engine.model
+async def test_openai_sdk_without_retries(keyed_server):
+    model = keyed_server.model
     http_client = openai.DefaultAsyncHttpxClient(
         limits=httpx.Limits(max_connections=None, max_keepalive_connections=None), timeout=600
     )
-    client = openai.AsyncOpenAI(base_url=f"{one_engine.url}/v1", api_key="unused", max_retries=0, http_client=http_client)
+    client = openai.AsyncOpenAI(base_url=f"{keyed_server.url}/v1", api_key=API_KEY, max_retries=0, http_client=http_client)
 
     async def plain(i: int) -> int:
         r = await client.completions.create(model=model, prompt=f"sdk {i}", max_tokens=MAX_TOKENS, extra_body={"ignore_eos": True})

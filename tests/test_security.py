@@ -8,13 +8,10 @@ import sys
 import httpx
 import openai
 import pytest
-from support import ServerProcess, app_routes, running
+from support import ADMIN_KEY, API_KEY, app_routes, bearer
 from test_errors import assert_openai_error
 
 from skyinfer.security import is_loopback
-
-API_KEY = "sk-data-test-0123456789"
-ADMIN_KEY = "sk-admin-test-9876543210"
 
 DATA_ROUTES = [
     ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/inference/v1/generate"),
@@ -27,20 +24,6 @@ ADMIN_ROUTES = [
     ("POST", "/update_weights"), ("POST", "/finish_weight_update"), ("GET", "/weight_info"), ("GET", "/engines"),
 ]  # fmt: skip
 PUBLIC_ROUTES = [("GET", "/health"), ("GET", "/ready"), ("GET", "/metrics")]
-
-
-def bearer(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
-
-
-@pytest.fixture(scope="module")
-def keyed_server(demo_model, tmp_path_factory):
-    srv = ServerProcess(
-        demo_model, engines=1, log_path=tmp_path_factory.mktemp("keyed") / "server.log",
-        extra_args=("--api-key", API_KEY, "--admin-key", ADMIN_KEY, "--max-request-mb", "1"), admin_key=ADMIN_KEY,
-    )  # fmt: skip
-    with running(srv):
-        yield srv
 
 
 def test_every_protected_route_refuses_wrong_or_missing_keys(keyed_server, demo_model, tmp_path):

@@ -4,12 +4,28 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 import time
 
 import httpx
 import psutil
+import pytest
 
 from support import ServerProcess, admit_while_paused, running
+
+GRACE_S = 8
+
+
+@pytest.fixture(scope="module")
+def stoppable(demo_model, tmp_path_factory):
+    """One-engine servers for the SIGTERM tests, started together; each test stops its own."""
+    logs = tmp_path_factory.mktemp("sigterm")
+    servers = (
+        ServerProcess(demo_model, engines=1, log_path=logs / "finish.log", extra_args=("--shutdown-grace", "60")),
+        ServerProcess(demo_model, engines=1, log_path=logs / "grace.log", extra_args=("--shutdown-grace", str(GRACE_S))),
+    )
+    with running(*servers):
+        yield dict(zip(("finish", "grace"), servers))
 
 
 def process_tree(srv: ServerProcess) -> list[psutil.Process]:
@@ -25,62 +41,51 @@ def assert_nothing_left(tree: list[psutil.Process]) -> None:
     assert not alive, f"left behind: {[(p.pid, p.name()) for p in alive]}"
 
 
-async def test_sigterm_lets_in_flight_requests_finish(demo_model, tmp_path):
-    srv = ServerProcess(demo_model, engines=1, log_path=tmp_path / "server.log", extra_args=("--shutdown-grace", "60"))
-    try:
-        srv.wait_ready()
-        tree = process_tree(srv)
-        body = {"model": srv.model, "prompt": "finish me", "max_tokens": 1500, "ignore_eos": True}
-        async with httpx.AsyncClient(base_url=srv.url, timeout=120) as http:
-            tasks = await admit_while_paused(http, (http.post("/v1/completions", json=body) for _ in range(8)))
-            assert (await http.post("/resume")).status_code == 200
-            srv.proc.send_signal(signal.SIGTERM)
-            signalled = time.monotonic()
-            await asyncio.sleep(0.5)
-            assert not any(t.done() for t in tasks), "the requests finished before the signal landed"
-            # No longer accepting: a new connection is refused while the old ones finish.
-            try:
-                async with httpx.AsyncClient(timeout=5) as fresh:
-                    refused = await fresh.get(f"{srv.url}/health")
-                raise AssertionError(f"a new connection was served during shutdown: {refused.status_code}")
-            except httpx.ConnectError:
-                pass
-            results = await asyncio.gather(*tasks)
-        for r in results:
-            assert r.status_code == 200, r.text
-            assert r.json()["usage"]["completion_tokens"] == 1500
-        assert await asyncio.to_thread(srv.proc.wait, 60) == 0, srv.log_tail()
-        elapsed = time.monotonic() - signalled
-        assert elapsed < 60, f"shutdown took {elapsed:.1f}s"
-        assert_nothing_left(tree)
-    finally:
-        srv.stop()
+async def test_sigterm_lets_in_flight_requests_finish(stoppable):
+    srv = stoppable["finish"]
+    tree = process_tree(srv)
+    body = {"model": srv.model, "prompt": "finish me", "max_tokens": 600, "ignore_eos": True}
+    async with httpx.AsyncClient(base_url=srv.url, timeout=120) as http:
+        tasks = await admit_while_paused(http, (http.post("/v1/completions", json=body) for _ in range(8)))
+        assert (await http.post("/resume")).status_code == 200
+        srv.proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        await asyncio.sleep(0.5)
+        assert not any(t.done() for t in tasks), "the requests finished before the signal landed"
+        # No longer accepting: a new connection is refused while the old ones finish.
+        try:
+            async with httpx.AsyncClient(timeout=5) as fresh:
+                refused = await fresh.get(f"{srv.url}/health")
+            raise AssertionError(f"a new connection was served during shutdown: {refused.status_code}")
+        except httpx.ConnectError:
+            pass
+        results = await asyncio.gather(*tasks)
+    for r in results:
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 600
+    assert await asyncio.to_thread(srv.proc.wait, 60) == 0, srv.log_tail()
+    elapsed = time.monotonic() - signalled
+    assert elapsed < 60, f"shutdown took {elapsed:.1f}s"
+    assert_nothing_left(tree)
 
 
-async def test_grace_period_bounds_the_shutdown(demo_model, tmp_path):
+async def test_grace_period_bounds_the_shutdown(stoppable):
     """Requests that cannot finish (held by a pause) are cut off when the grace runs out."""
-    grace_s = 8
-    srv = ServerProcess(
-        demo_model, engines=1, log_path=tmp_path / "server.log", extra_args=("--shutdown-grace", str(grace_s))
-    )
-    try:
-        srv.wait_ready()
-        tree = process_tree(srv)
-        async with httpx.AsyncClient(base_url=srv.url, timeout=120) as http:
-            held = {"model": srv.model, "prompt": "held", "max_tokens": 16}
-            tasks = await admit_while_paused(http, (http.post("/v1/completions", json=held) for _ in range(4)))
-            srv.proc.send_signal(signal.SIGTERM)
-            signalled = time.monotonic()
-            code = await asyncio.to_thread(srv.proc.wait, 60)
-            elapsed = time.monotonic() - signalled
-            outcomes = await asyncio.gather(*tasks, return_exceptions=True)
-        assert code == 0, srv.log_tail()
-        # The requests had the in-flight share of the grace; the whole shutdown fits in it.
-        assert grace_s * 0.7 < elapsed < grace_s + 1, f"shutdown took {elapsed:.1f}s with a {grace_s}s grace"
-        assert all(isinstance(o, httpx.HTTPError) or o.status_code >= 500 for o in outcomes), outcomes
-        assert_nothing_left(tree)
-    finally:
-        srv.stop()
+    srv = stoppable["grace"]
+    tree = process_tree(srv)
+    async with httpx.AsyncClient(base_url=srv.url, timeout=120) as http:
+        held = {"model": srv.model, "prompt": "held", "max_tokens": 16}
+        tasks = await admit_while_paused(http, (http.post("/v1/completions", json=held) for _ in range(4)))
+        srv.proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        code = await asyncio.to_thread(srv.proc.wait, 60)
+        elapsed = time.monotonic() - signalled
+        outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+    assert code == 0, srv.log_tail()
+    # The requests had the in-flight share of the grace; the whole shutdown fits in it.
+    assert GRACE_S * 0.7 < elapsed < GRACE_S + 1, f"shutdown took {elapsed:.1f}s with a {GRACE_S}s grace"
+    assert all(isinstance(o, httpx.HTTPError) or o.status_code >= 500 for o in outcomes), outcomes
+    assert_nothing_left(tree)
 
 
 async def test_sigkilled_front_takes_every_process_with_it(demo_model, tmp_path):
@@ -105,7 +110,9 @@ async def test_sigkilled_front_takes_every_process_with_it(demo_model, tmp_path)
         print(f"every process gone {time.monotonic() - killed_at:.1f}s after SIGKILL of the front")
     finally:
         srv.stop()
-    again = ServerProcess(demo_model, engines=1, log_path=tmp_path / "again.log", port=srv.port)
-    with running(again):
-        r = httpx.post(f"{again.url}/v1/completions", json={**body, "max_tokens": 4}, timeout=60)
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    # The port serves again: nothing left behind listens on it (SO_REUSEADDR, as the
+    # next server's, passes over the killed connections' TIME_WAIT, not over a listener).
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", srv.port))
+        sock.listen()

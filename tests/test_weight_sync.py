@@ -2,9 +2,9 @@
 
 The trainer runs in its own process without vLLM (tests/trainer_process.py).
 Correctness is judged against a transformers float32 forward pass of the
-pushed weights. Its engines are its own: a push changes their weights, and
-a trainer that dies leaves them in its group, which no other module may
-inherit from the shared server.
+pushed weights. The engines are the push server's (shared with the examples
+only): a push changes their weights, and a trainer that dies leaves them in
+its group, which the tests on the shared server must not inherit.
 """
 
 from __future__ import annotations
@@ -21,19 +21,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from support import admit_while_paused, engine_of, running, scrape, total, two_float32_engines
+from support import admit_while_paused, engine_of, scrape, total
 
 PUSH_SECONDS = "skyinfer_weight_update_duration_seconds"
 
 TRAINER = Path(__file__).with_name("trainer_process.py")
 PROMPTS = ["The quick brown fox", "Reinforcement learning updates a policy", "def main():"]
-
-
-@pytest.fixture(scope="module")
-def server(demo_model, tmp_path_factory):
-    """Two engines as the shared server has them, for this module alone."""
-    with running(two_float32_engines(demo_model, tmp_path_factory.mktemp("weights") / "server.log")) as srv:
-        yield srv
 
 
 def modified_weights(demo_model: Path, seed: int) -> dict[str, torch.Tensor]:
@@ -124,16 +117,16 @@ def greedy(server, model_name, session: str) -> list[int]:
     return r.json()["choices"][0]["token_ids"]
 
 
-def test_weight_transfer_methods_drive_a_push(server, demo_model):
+def test_weight_transfer_methods_drive_a_push(push_server, demo_model):
     """The sync client's weight calls, as vLLM's trainer-side code would make them (via GlooTrainer)."""
     from skyinfer.client import Client
     from skyinfer.trainer import GlooTrainer
 
     # The checkpoint's own weights, in the served dtype: the engines' output does not change.
     tensors = [(n, t.float()) for n, t in load_file(str(demo_model / "model.safetensors")).items()]
-    with Client(server.url) as client:
+    with Client(push_server.url) as client:
         before = client.generate([5, 6, 7], {"max_tokens": 4, "temperature": 0, "ignore_eos": True})
-        trainer = GlooTrainer(server.url, timeout_s=60, client=client)
+        trainer = GlooTrainer(push_server.url, timeout_s=60, client=client)
         trainer.init()
         trainer.push(tensors, "client-push")
         assert client.weight_info()["weight_version"] == "client-push"
@@ -144,17 +137,17 @@ def test_weight_transfer_methods_drive_a_push(server, demo_model):
     assert after["choices"][0]["weight_versions"] == [{"version": "client-push-2", "start": 0, "end": 4}]
 
 
-async def test_push_under_keep_pause_then_logprobs_match_transformers(server, model_name, demo_model, tmp_path):
-    assert httpx.get(f"{server.url}/get_world_size").json()["world_size"] == 2
-    pushes_before = total(scrape(server), PUSH_SECONDS, f"{PUSH_SECONDS}_count")
+async def test_push_under_keep_pause_then_logprobs_match_transformers(push_server, model_name, demo_model, tmp_path):
+    assert httpx.get(f"{push_server.url}/get_world_size").json()["world_size"] == 2
+    pushes_before = total(scrape(push_server), PUSH_SECONDS, f"{PUSH_SECONDS}_count")
     weights = modified_weights(demo_model, seed=1)
     weights_file = save(weights, tmp_path / "w1.safetensors")
-    async with httpx.AsyncClient(base_url=server.url, timeout=300) as http:
+    async with httpx.AsyncClient(base_url=push_server.url, timeout=300) as http:
         body = {"model": model_name, "max_tokens": 64, "ignore_eos": True, "return_token_ids": True}
         tasks = await admit_while_paused(
             http, (http.post("/v1/completions", json={**body, "prompt": f"in flight {i}"}) for i in range(8))
         )
-        trainer = await asyncio.to_thread(run_trainer, server, weights_file, "v-one")
+        trainer = await asyncio.to_thread(run_trainer, push_server, weights_file, "v-one")
         assert trainer.returncode == 0, trainer.stdout + trainer.stderr
         assert not any(t.done() for t in tasks)
         assert (await http.post("/resume")).status_code == 200
@@ -163,23 +156,23 @@ async def test_push_under_keep_pause_then_logprobs_match_transformers(server, mo
         assert r.status_code == 200
         choice = r.json()["choices"][0]
         assert (choice["finish_reason"], len(choice["token_ids"])) == ("length", 64)
-    info = httpx.get(f"{server.url}/weight_info").json()
+    info = httpx.get(f"{push_server.url}/weight_info").json()
     assert info["weight_version"] == "v-one"
     assert [e["weight_version"] for e in info["engines"]] == ["v-one", "v-one"]
-    assert_engines_match(server, model_name, demo_model, weights, "v-one")
+    assert_engines_match(push_server, model_name, demo_model, weights, "v-one")
     # The token route also reports vLLM's per-token version spans.
-    r = httpx.post(f"{server.url}/inference/v1/generate",
+    r = httpx.post(f"{push_server.url}/inference/v1/generate",
                    json={"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 4, "ignore_eos": True}}, timeout=60)  # fmt: skip
     assert r.headers["X-Weight-Version"] == "v-one"
     assert r.json()["choices"][0]["weight_versions"] == [{"version": "v-one", "start": 0, "end": 4}]
 
     # A second push, with other weights, through a single /update_weights call.
     weights2 = modified_weights(demo_model, seed=2)
-    trainer = run_trainer(server, save(weights2, tmp_path / "w2.safetensors"), "v-two", "--one-call")
+    trainer = run_trainer(push_server, save(weights2, tmp_path / "w2.safetensors"), "v-two", "--one-call")
     assert trainer.returncode == 0, trainer.stdout + trainer.stderr
-    assert_engines_match(server, model_name, demo_model, weights2, "v-two")
+    assert_engines_match(push_server, model_name, demo_model, weights2, "v-two")
     # Both pushes were timed, and the version is on the metrics too.
-    families = scrape(server)
+    families = scrape(push_server)
     assert total(families, PUSH_SECONDS, f"{PUSH_SECONDS}_count") - pushes_before == 2
     assert total(families, PUSH_SECONDS, f"{PUSH_SECONDS}_sum") > 0
     version_info = "skyinfer_engine_weight_version_info"
@@ -194,30 +187,30 @@ async def test_push_under_keep_pause_then_logprobs_match_transformers(server, mo
         (lambda w: w.update({"model.norm.weight": w["model.norm.weight"].to(torch.bfloat16)}), "wrong dtype"),
     ],
 )
-def test_bad_metadata_is_refused_before_any_transfer(server, model_name, demo_model, tmp_path, change, message):
-    version_before = httpx.get(f"{server.url}/weight_info").json()["weight_version"]
-    before = greedy(server, model_name, "bad-metadata")
+def test_bad_metadata_is_refused_before_any_transfer(push_server, model_name, demo_model, tmp_path, change, message):
+    version_before = httpx.get(f"{push_server.url}/weight_info").json()["weight_version"]
+    before = greedy(push_server, model_name, "bad-metadata")
     weights = modified_weights(demo_model, seed=3)
     change(weights)
-    trainer = run_trainer(server, save(weights, tmp_path / "bad.safetensors"), "v-bad")
+    trainer = run_trainer(push_server, save(weights, tmp_path / "bad.safetensors"), "v-bad")
     assert trainer.returncode == 3, trainer.stdout + trainer.stderr
     assert "refused 400" in trainer.stdout and message in trainer.stdout
     # The same metadata straight to /update_weights (the one-call path): 400 too.
     names = list(weights)
     update_info = {"names": names, "dtype_names": [str(weights[n].dtype).split(".")[-1] for n in names],
                    "shapes": [list(weights[n].shape) for n in names]}  # fmt: skip
-    r = httpx.post(f"{server.url}/update_weights", json={"update_info": update_info}, timeout=30)
+    r = httpx.post(f"{push_server.url}/update_weights", json={"update_info": update_info}, timeout=30)
     assert r.status_code == 400 and message in r.json()["error"]["message"]
-    assert httpx.get(f"{server.url}/weight_info").json()["weight_version"] == version_before
-    assert greedy(server, model_name, "bad-metadata") == before
-    assert all(e["state"] == "ready" for e in server.engines())
+    assert httpx.get(f"{push_server.url}/weight_info").json()["weight_version"] == version_before
+    assert greedy(push_server, model_name, "bad-metadata") == before
+    assert all(e["state"] == "ready" for e in push_server.engines())
 
 
-async def test_trainer_that_never_joins_times_out_while_engines_serve(server, model_name):
+async def test_trainer_that_never_joins_times_out_while_engines_serve(push_server, model_name):
     from support import free_port
 
     init_info = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 3, "timeout_s": 6}
-    async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
+    async with httpx.AsyncClient(base_url=push_server.url, timeout=120) as http:
         started = time.monotonic()
         init = asyncio.create_task(http.post("/init_weight_transfer", json={"init_info": init_info}))
         await asyncio.sleep(1)
@@ -236,35 +229,35 @@ async def test_trainer_that_never_joins_times_out_while_engines_serve(server, mo
     assert len(served) >= 3 and max(served) < 5, served
 
 
-def test_trainer_dying_mid_transfer_restarts_engines_stale_until_next_push(server, model_name, demo_model, tmp_path):
+def test_trainer_dying_mid_transfer_restarts_engines_stale_until_next_push(push_server, model_name, demo_model, tmp_path):
     weights = modified_weights(demo_model, seed=4)
     weights_file = save(weights, tmp_path / "w4.safetensors")
     # The fleet moves past the checkpoint on disk, which restarted engines load.
-    assert run_trainer(server, weights_file, "v-before-crash").returncode == 0
-    trainer = run_trainer(server, weights_file, "v-dies", "--die-after", "3")
+    assert run_trainer(push_server, weights_file, "v-before-crash").returncode == 0
+    trainer = run_trainer(push_server, weights_file, "v-dies", "--die-after", "3")
     assert trainer.returncode == 9
     # Every engine was receiving: each is restarted, and comes back stale.
     deadline = time.monotonic() + 240
     seen = set()
     while True:
-        states = [e["state"] for e in server.engines()]
+        states = [e["state"] for e in push_server.engines()]
         seen.update(states)
         if states == ["stale", "stale"]:
             break
         assert time.monotonic() < deadline, states
-        r = httpx.post(f"{server.url}/v1/completions", json={"model": model_name, "prompt": "x", "max_tokens": 2}, timeout=30)
+        r = httpx.post(f"{push_server.url}/v1/completions", json={"model": model_name, "prompt": "x", "max_tokens": 2}, timeout=30)
         assert r.status_code == 503, "a stale or restarting engine served a request"
         time.sleep(1)
     assert "restarting" in seen
-    families = scrape(server)
+    families = scrape(push_server)
     for engine in ("0", "1"):
         assert total(families, "skyinfer_engine_restarts", "skyinfer_engine_restarts_total", engine=engine) >= 1
         assert total(families, "skyinfer_engine_state", "skyinfer_engine_state", engine=engine, state="stale") == 1
     assert total(families, "skyinfer_weight_update_failures", "skyinfer_weight_update_failures_total") >= 1
-    r = httpx.post(f"{server.url}/v1/completions", json={"model": model_name, "prompt": "x", "max_tokens": 2}, timeout=30)
+    r = httpx.post(f"{push_server.url}/v1/completions", json={"model": model_name, "prompt": "x", "max_tokens": 2}, timeout=30)
     assert r.status_code == 503 and r.json()["error"]["type"] == "ServiceUnavailableError"
 
-    trainer = run_trainer(server, weights_file, "v-after-crash")
+    trainer = run_trainer(push_server, weights_file, "v-after-crash")
     assert trainer.returncode == 0, trainer.stdout + trainer.stderr
-    assert [e["state"] for e in server.engines()] == ["ready", "ready"]
-    assert_engines_match(server, model_name, demo_model, weights, "v-after-crash")
+    assert [e["state"] for e in push_server.engines()] == ["ready", "ready"]
+    assert_engines_match(push_server, model_name, demo_model, weights, "v-after-crash")
