@@ -74,7 +74,7 @@ Each command has its own --help (skyinfer serve --help).
 def _status_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "status",
-        help="show a running server's engines: state, devices, weight version, load",
+        help="show a running server's engines: state, devices, weight version, requests in flight",
         description="Print one row per engine of the skyinfer server at URL (GET /engines).",
     )
     p.add_argument("url", nargs="?", default="http://127.0.0.1:8000", help="server address (default: http://127.0.0.1:8000)")
@@ -110,7 +110,7 @@ def format_engine_table(engines: list[dict], fleet_version: str | None) -> str:
         devices = e["devices"]
         rows.append((
             str(e["id"]), e["state"], f"{devices['kind']}:{','.join(map(str, devices['ids']))}",
-            str(e["weight_version"]), str(e["load"]), str(e.get("unfinished_requests", "")),
+            str(e["weight_version"]), str(e["in_flight"]), str(e.get("unfinished_requests", "")),
             str(e.get("restarts", 0)), str(e["pid"]),
         ))  # fmt: skip
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]

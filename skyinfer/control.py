@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -20,7 +20,7 @@ from .errors import error_body, json_response, parse_json_object
 from .engine_calls import EngineReply, call_engine, failure
 from .proxy import REGISTRY
 from .state import LIVE_STATES, EngineRegistry, EngineState, control_targets
-from .wire import AbortParams, PauseParams, ResetPrefixCacheParams, SleepParams, WakeUpParams, reject_body_params
+from .wire import AbortParams, PauseParams, QueryParams, ResetPrefixCacheParams, SleepParams, WakeUpParams
 
 log = logging.getLogger("skyinfer.control")
 
@@ -71,38 +71,35 @@ def aggregate(operation: str, outcomes: list[EngineReply], ok_body: dict) -> web
 
 CONTROL = web.AppKey("control", ControlPlane)
 
-Handler = Callable[[web.Request, ControlPlane], Awaitable[web.Response]]
+async def _body(request: web.Request) -> dict | None:
+    raw = await request.read()
+    return parse_json_object(raw) if raw else None
 
 
-def _control_route(handler: Handler, body_params: tuple[str, ...] = ()) -> Callable[[web.Request], Awaitable[web.Response]]:
-    async def route(request: web.Request) -> web.Response:
-        raw = await request.read()
-        if raw and body_params:
-            reject_body_params(parse_json_object(raw), body_params, request.path)
-        return await handler(request, request.app[CONTROL])
-
-    return route
+async def _params(request: web.Request, params: type[QueryParams]):
+    return params.from_request(request.query, await _body(request))
 
 
-async def _pause(request: web.Request, control: ControlPlane) -> web.Response:
-    p = PauseParams.from_query(request.query)
-    outcomes = await control.apply("pause", p.to_query(), next_state=lambda _: EngineState.PAUSED)
+async def _pause(request: web.Request) -> web.Response:
+    p = await _params(request, PauseParams)
+    outcomes = await request.app[CONTROL].apply("pause", p.to_query(), next_state=lambda _: EngineState.PAUSED)
     return aggregate("pause", outcomes, {"status": "paused", "mode": p.mode})
 
 
-async def _resume(request: web.Request, control: ControlPlane) -> web.Response:
-    outcomes = await control.apply("resume", next_state=lambda _: EngineState.READY)
+async def _resume(request: web.Request) -> web.Response:
+    outcomes = await request.app[CONTROL].apply("resume", next_state=lambda _: EngineState.READY)
     return aggregate("resume", outcomes, {"status": "resumed"})
 
 
-async def _sleep(request: web.Request, control: ControlPlane) -> web.Response:
-    p = SleepParams.from_query(request.query)
-    outcomes = await control.apply("sleep", p.to_query(), next_state=lambda _: EngineState.SLEEPING)
+async def _sleep(request: web.Request) -> web.Response:
+    p = await _params(request, SleepParams)
+    outcomes = await request.app[CONTROL].apply("sleep", p.to_query(), next_state=lambda _: EngineState.SLEEPING)
     return aggregate("sleep", outcomes, {"status": "sleeping", "level": p.level})
 
 
-async def _wake_up(request: web.Request, control: ControlPlane) -> web.Response:
-    p = WakeUpParams.from_query(request.query)
+async def _wake_up(request: web.Request) -> web.Response:
+    p = await _params(request, WakeUpParams)
+    control = request.app[CONTROL]
     outcomes = await control.apply(
         "wake_up",
         p.to_query(),
@@ -113,16 +110,15 @@ async def _wake_up(request: web.Request, control: ControlPlane) -> web.Response:
     return aggregate("wake_up", outcomes, {"status": "awake" if awake else "sleeping", "tags": list(p.tags or [])})
 
 
-async def _reset_prefix_cache(request: web.Request, control: ControlPlane) -> web.Response:
-    p = ResetPrefixCacheParams.from_query(request.query)
-    outcomes = await control.apply("reset_prefix_cache", p.to_query())
+async def _reset_prefix_cache(request: web.Request) -> web.Response:
+    p = await _params(request, ResetPrefixCacheParams)
+    outcomes = await request.app[CONTROL].apply("reset_prefix_cache", p.to_query())
     return aggregate("reset_prefix_cache", outcomes, {"status": "reset"})
 
 
-async def _abort_requests(request: web.Request, control: ControlPlane) -> web.Response:
-    raw = await request.read()
-    p = AbortParams.from_body(parse_json_object(raw) if raw else None)
-    outcomes = await control.apply("abort_requests", body=p.to_body())
+async def _abort_requests(request: web.Request) -> web.Response:
+    p = AbortParams.parse(await _body(request) or {})
+    outcomes = await request.app[CONTROL].apply("abort_requests", body=p.to_body())
     aborted = sum(o.body.get("aborted", 0) for o in outcomes if o.ok)
     return aggregate("abort_requests", outcomes, {"status": "aborted", "aborted": aborted})
 
@@ -137,13 +133,11 @@ def _flag_view(name: str, states: frozenset[EngineState]):
 
 
 def add_control_routes(app: web.Application) -> None:
-    app.router.add_post("/pause", _control_route(_pause, PauseParams.QUERY_NAMES))
-    app.router.add_post("/resume", _control_route(_resume))
-    app.router.add_post("/sleep", _control_route(_sleep, SleepParams.QUERY_NAMES))
-    app.router.add_post("/wake_up", _control_route(_wake_up, WakeUpParams.QUERY_NAMES))
-    app.router.add_post(
-        "/reset_prefix_cache", _control_route(_reset_prefix_cache, ResetPrefixCacheParams.QUERY_NAMES)
-    )
-    app.router.add_post("/abort_requests", _control_route(_abort_requests))
+    app.router.add_post("/pause", _pause)
+    app.router.add_post("/resume", _resume)
+    app.router.add_post("/sleep", _sleep)
+    app.router.add_post("/wake_up", _wake_up)
+    app.router.add_post("/reset_prefix_cache", _reset_prefix_cache)
+    app.router.add_post("/abort_requests", _abort_requests)
     app.router.add_get("/is_paused", _flag_view("is_paused", frozenset({EngineState.PAUSED, EngineState.SLEEPING})))
     app.router.add_get("/is_sleeping", _flag_view("is_sleeping", frozenset({EngineState.SLEEPING})))

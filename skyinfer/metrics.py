@@ -55,7 +55,7 @@ class _EngineCollector:
                 state.add_metric([engine, s.value], float(r.state is s))
             paused.add_metric([engine], float(r.state in (EngineState.PAUSED, EngineState.SLEEPING)))
             sleeping.add_metric([engine], float(r.state is EngineState.SLEEPING))
-            in_flight.add_metric([engine], r.load)
+            in_flight.add_metric([engine], r.in_flight_count)
             queued.add_metric([engine], r.queued)
             refused.add_metric([engine], r.refused)
             restarts.add_metric([engine], r.restarts)

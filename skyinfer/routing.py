@@ -16,7 +16,7 @@ import attrs
 @attrs.frozen
 class Candidate:
     engine_id: int
-    load: int  # requests in flight on that engine
+    in_flight: int  # requests the front holds for that engine
 
 
 class SessionRouter:
@@ -48,14 +48,14 @@ class SessionRouter:
         return self._sessions_on.get(engine_id, 0)
 
     def _least_loaded(self, candidates: Sequence[Candidate], by_sessions: bool) -> int:
-        # Ties go round-robin, so that sequential traffic (load always 0) still spreads.
+        # Ties go round-robin, so that sequential traffic (nothing in flight) still spreads.
         self._turn += 1
         n = len(candidates)
 
         def key(i: int) -> tuple[int, int, int]:
             c = candidates[i]
             sessions = self._sessions_on.get(c.engine_id, 0) if by_sessions else 0
-            return (c.load, sessions, (i - self._turn) % n)
+            return (c.in_flight, sessions, (i - self._turn) % n)
 
         return candidates[min(range(n), key=key)].engine_id
 

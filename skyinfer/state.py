@@ -126,7 +126,7 @@ class EngineRecord:
     state: EngineState = EngineState.STARTING
     pid: int | None = None
     # Requests the front holds for this engine: sent to it, or waiting to be.
-    load: int = 0
+    in_flight_count: int = 0
     # Of those, the ones waiting for a connection.
     queued: int = 0
     # Requests refused because the queue was full.
@@ -153,7 +153,7 @@ class EngineRecord:
         if self.queue_limit and self._connections.locked() and self.queued >= self.queue_limit:
             self.refused += 1
             raise EngineBusy(f"engine {self.engine_id} has {self.queued} requests waiting; retry later")
-        self.load += 1
+        self.in_flight_count += 1
         self.queued += 1
         try:
             try:
@@ -165,7 +165,7 @@ class EngineRecord:
             finally:
                 self._connections.release()
         finally:
-            self.load -= 1
+            self.in_flight_count -= 1
 
     def describe(self) -> dict:
         return {
@@ -175,7 +175,7 @@ class EngineRecord:
             "sleeping": self.state is S.SLEEPING,
             "pid": self.pid,
             "devices": self.devices.describe(),
-            "load": self.load,
+            "in_flight": self.in_flight_count,
             "queued": self.queued,
             "weight_version": self.weight_version,
             "model_dtype": self.model_dtype,
@@ -210,5 +210,5 @@ class EngineRegistry:
         if not live:
             states = ", ".join(f"engine {r.engine_id} {r.state.value}" for r in self.records)
             raise NoEngineAvailable(f"no engine can serve right now ({states})")
-        chosen = self.router.choose([Candidate(r.engine_id, r.load) for r in live], session_id)
+        chosen = self.router.choose([Candidate(r.engine_id, r.in_flight_count) for r in live], session_id)
         return self.records[chosen]

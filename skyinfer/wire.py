@@ -1,23 +1,28 @@
-"""Admin-call parameters as typed objects, parsed from plain query strings and dicts.
+"""Admin and weight-transfer bodies as declared, typed objects (pydantic models).
 
-vLLM's server takes admin parameters as query strings, so clients written for
-``vllm serve`` send ``/pause?mode=keep``. The front parses them here (bad
-input is a 400 before any engine is touched) and forwards the canonical
-query to every engine, which parses it again with the same class.
+One model per body or set of query parameters: parsing is the validation,
+and a refusal is a ``WireError`` (400) that names the parameter, says what
+was expected and what came. Unknown fields are ignored, as vLLM ignores them.
+
+vLLM's server reads admin parameters from the query string
+(``/pause?mode=keep``); some clients send them in a JSON body instead
+(SkyRL's ``reset_prefix_cache`` does). Both are read: a parameter may be
+given in both places as long as they agree. The front forwards the canonical
+query string to every engine, which parses it with the same model.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any, ClassVar, Literal, Self
 
-import attrs
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .errors import BadRequest
 
-PAUSE_MODES = ("abort", "wait", "keep")
-SLEEP_LEVELS = (0, 1, 2)
-WAKE_TAGS = ("weights", "kv_cache", "scheduling")
+PauseMode = Literal["abort", "wait", "keep"]
+WakeTag = Literal["weights", "kv_cache", "scheduling"]
+NonEmptyStr = Annotated[str, Field(min_length=1)]
 
 
 class WireError(BadRequest):
@@ -26,124 +31,173 @@ class WireError(BadRequest):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message, param=param)
 
-
-def _one(query: Mapping[str, str], name: str, default: str) -> str:
-    getall = getattr(query, "getall", None)
-    values = getall(name, []) if getall else ([query[name]] if name in query else [])
-    if len(values) > 1:
-        raise WireError(f"query parameter {name!r} given {len(values)} times", name)
-    return values[0] if values else default
-
-
-def _choice(query: Mapping[str, str], name: str, default: str, allowed: tuple[str, ...]) -> str:
-    value = _one(query, name, default)
-    if value not in allowed:
-        raise WireError(f"{name} must be one of {', '.join(allowed)}; got {value!r}", name)
-    return value
-
-
-def _bool(query: Mapping[str, str], name: str, default: bool) -> bool:
-    value = _one(query, name, "true" if default else "false").lower()
-    if value in ("true", "1", "yes"):
-        return True
-    if value in ("false", "0", "no"):
-        return False
-    raise WireError(f"{name} must be true or false; got {value!r}", name)
+    @classmethod
+    def from_validation(cls, exc: ValidationError, model: type[BaseModel], prefix: tuple = ()) -> WireError:
+        first, *rest = exc.errors()
+        param = ".".join(str(part) for part in (*prefix, *first["loc"])) or None
+        reason = first["msg"].removeprefix("Value error, ")
+        if first["type"] == "missing":
+            field = model.model_fields.get(str(first["loc"][0]))
+            message = f"{param} is required" + (f" ({field.description})" if field and field.description else "")
+        elif not first["loc"]:  # the model's own check, across fields
+            message = reason
+        else:
+            shown = repr(first["input"])
+            message = f"{param}: {reason}; got {shown if len(shown) <= 80 else shown[:77] + '...'}"
+        if rest:
+            message += f" (and {len(rest)} more problem{'s' if len(rest) > 1 else ''})"
+        return cls(message, param)
 
 
-def _bool_str(value: bool) -> str:
-    return "true" if value else "false"
-
-
-def reject_body_params(body: Any, names: tuple[str, ...], path: str) -> None:
-    """Refuse query parameters sent in a JSON body rather than silently ignoring them."""
-    if isinstance(body, dict):
-        misplaced = [n for n in names if n in body]
-        if misplaced:
-            example = "&".join(f"{n}={body[n]}" for n in misplaced)
-            raise WireError(
-                f"{', '.join(misplaced)} must be a query parameter, as in vLLM: POST {path}?{example}", misplaced[0]
-            )
-
-
-@attrs.frozen
-class PauseParams:
-    mode: str = "abort"
-    clear_cache: bool = True
-    QUERY_NAMES = ("mode", "clear_cache")
+class WireModel(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
 
     @classmethod
-    def from_query(cls, query: Mapping[str, str]) -> PauseParams:
-        return cls(_choice(query, "mode", "abort", PAUSE_MODES), _bool(query, "clear_cache", True))
+    def parse(cls, data: Any, prefix: tuple = ()) -> Self:
+        """The model from a plain dict; ``prefix`` places it in the body for error messages."""
+        if not isinstance(data, Mapping):
+            where = ".".join(prefix) or "the body"
+            raise WireError(f"{where} must be a JSON object, not {type(data).__name__}", ".".join(prefix) or None)
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise WireError.from_validation(exc, cls, prefix) from None
 
-    def to_query(self) -> dict[str, str]:
-        return {"mode": self.mode, "clear_cache": _bool_str(self.clear_cache)}
-
-
-@attrs.frozen
-class SleepParams:
-    level: int = 1
-    mode: str = "abort"
-    QUERY_NAMES = ("level", "mode")
-
-    @classmethod
-    def from_query(cls, query: Mapping[str, str]) -> SleepParams:
-        level = _choice(query, "level", "1", tuple(str(x) for x in SLEEP_LEVELS))
-        return cls(int(level), _choice(query, "mode", "abort", PAUSE_MODES))
-
-    def to_query(self) -> dict[str, str]:
-        return {"level": str(self.level), "mode": self.mode}
+    def given(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.model_fields_set}
 
 
-@attrs.frozen
-class WakeUpParams:
-    # None wakes everything, as in vLLM.
-    tags: tuple[str, ...] | None = None
-    QUERY_NAMES = ("tags",)
+def _query_text(value: Any) -> str:
+    return ("true" if value else "false") if isinstance(value, bool) else str(value)
+
+
+class QueryParams(WireModel):
+    """Parameters vLLM reads from the query string, also accepted from a JSON body."""
+
+    # Parameters given as a list: ``?tags=weights&tags=kv_cache``.
+    REPEATED: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
-    def from_query(cls, query: Mapping[str, str]) -> WakeUpParams:
+    def from_request(cls, query: Mapping[str, str], body: Mapping[str, Any] | None = None) -> Self:
+        in_query = cls.parse(cls._query_values(query))
+        in_body = cls.parse({k: v for k, v in (body or {}).items() if k in cls.model_fields})
+        for name in in_query.model_fields_set & in_body.model_fields_set:
+            said, also = getattr(in_query, name), getattr(in_body, name)
+            if said != also:
+                raise WireError(f"{name} is {said!r} in the query string but {also!r} in the body: give it once", name)
+        return cls.model_validate({**in_body.given(), **in_query.given()})
+
+    @classmethod
+    def _query_values(cls, query: Mapping[str, str]) -> dict[str, Any]:
         getall = getattr(query, "getall", None)
-        tags = tuple(getall("tags", [])) if getall else tuple(query.get("tags", ()))
-        unknown = [t for t in tags if t not in WAKE_TAGS]
-        if unknown:
-            raise WireError(f"unknown wake-up tag(s) {unknown}; known: {', '.join(WAKE_TAGS)}", "tags")
-        return cls(tags or None)
+        values = {}
+        for name in cls.model_fields:
+            given = getall(name, []) if getall else ([query[name]] if name in query else [])
+            if name in cls.REPEATED:
+                if given:
+                    values[name] = given
+            elif len(given) > 1:
+                raise WireError(f"query parameter {name!r} given {len(given)} times", name)
+            elif given:
+                values[name] = given[0]
+        return values
 
     def to_query(self) -> list[tuple[str, str]]:
-        return [("tags", t) for t in self.tags or ()]
+        """Every parameter, spelled as vLLM's query string spells it."""
+        pairs = []
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            for item in (value or ()) if name in self.REPEATED else (value,):
+                pairs.append((name, _query_text(item)))
+        return pairs
 
 
-@attrs.frozen
-class ResetPrefixCacheParams:
+class PauseParams(QueryParams):
+    mode: PauseMode = "abort"
+    clear_cache: bool = True
+
+
+class SleepParams(QueryParams):
+    level: Annotated[int, Field(ge=0, le=2)] = 1
+    mode: PauseMode = "abort"
+
+
+class WakeUpParams(QueryParams):
+    # None wakes everything, as in vLLM.
+    tags: tuple[WakeTag, ...] | None = None
+    REPEATED = ("tags",)
+
+
+class ResetPrefixCacheParams(QueryParams):
     reset_running_requests: bool = False
     reset_external: bool = False
-    QUERY_NAMES = ("reset_running_requests", "reset_external")
-
-    @classmethod
-    def from_query(cls, query: Mapping[str, str]) -> ResetPrefixCacheParams:
-        return cls(_bool(query, "reset_running_requests", False), _bool(query, "reset_external", False))
-
-    def to_query(self) -> dict[str, str]:
-        return {
-            "reset_running_requests": _bool_str(self.reset_running_requests),
-            "reset_external": _bool_str(self.reset_external),
-        }
 
 
-@attrs.frozen
-class AbortParams:
-    # None aborts every request in flight.
-    request_ids: tuple[str, ...] | None = None
-
-    @classmethod
-    def from_body(cls, body: dict | None) -> AbortParams:
-        ids = (body or {}).get("request_ids")
-        if ids is None or ids == []:
-            return cls(None)
-        if not isinstance(ids, list) or not all(isinstance(i, str) and i for i in ids):
-            raise WireError("request_ids must be a list of non-empty strings", "request_ids")
-        return cls(tuple(ids))
+class AbortParams(WireModel):
+    # None (or no body) aborts every request in flight; an empty list aborts none.
+    request_ids: tuple[NonEmptyStr, ...] | None = None
 
     def to_body(self) -> dict:
-        return {"request_ids": list(self.request_ids) if self.request_ids else None}
+        return {"request_ids": None if self.request_ids is None else list(self.request_ids)}
+
+
+# -- weight transfer ----------------------------------------------------------------
+
+
+class UpdateMetadata(WireModel):
+    """vLLM's ``update_info``: which tensors a transfer carries, in order."""
+
+    names: Annotated[list[str], Field(min_length=1)]
+    dtype_names: list[str]
+    shapes: list[list[Annotated[int, Field(ge=0, strict=True)]]]
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        if not len(self.names) == len(self.dtype_names) == len(self.shapes):
+            raise ValueError(
+                f"update_info lists differ in length: {len(self.names)} names, {len(self.dtype_names)} dtype_names,"
+                f" {len(self.shapes)} shapes"
+            )
+        if len(set(self.names)) != len(self.names):
+            raise ValueError("update_info names a tensor twice")
+        return self
+
+
+class GlooInitInfo(WireModel):
+    """The trainer's side of the rendezvous: where rank 0 listens, and the group's size."""
+
+    master_address: NonEmptyStr
+    master_port: Annotated[int, Field(ge=1, le=65535, strict=True)]
+    world_size: Annotated[int, Field(description="1 + GET /get_world_size for a single trainer")]
+    # Both checked against this server's workers by the rank layout.
+    rank_offset: int = 1
+    timeout_s: Annotated[float, Field(gt=0, le=3600)] | None = None
+
+
+class InitRequest(WireModel):
+    init_info: dict
+
+    def info(self) -> GlooInitInfo:
+        return GlooInitInfo.parse(self.init_info, ("init_info",))
+
+
+class StartRequest(WireModel):
+    update_info: dict | None = None
+    # TRL's async GRPO client sends true. Pushes are reloaded layer by layer from
+    # checkpoint-format tensors; weights already in the kernels' layout cannot be.
+    is_checkpoint_format: bool = True
+
+    @model_validator(mode="after")
+    def _checkpoint_format_only(self) -> Self:
+        if not self.is_checkpoint_format:
+            raise ValueError("is_checkpoint_format false is not supported: send the checkpoint's own tensors")
+        return self
+
+
+class UpdateRequest(WireModel):
+    update_info: dict
+    weight_version: str | None = None
+
+
+class FinishRequest(WireModel):
+    weight_version: str | None = None

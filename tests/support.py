@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 from skyinfer.app import create_app
@@ -133,6 +134,15 @@ def running(*children: ChildProcess):
     finally:
         for child in children:
             child.stop()
+
+
+def process_tree(srv: ServerProcess) -> list[psutil.Process]:
+    """Every process under a server, checked to hold engine 0 and vLLM's EngineCore beneath it."""
+    tree = psutil.Process(srv.proc.pid).children(recursive=True)
+    engine_pid = srv.engines()[0]["pid"]
+    # The engine child and vLLM's EngineCore beneath it, at least.
+    assert engine_pid in {p.pid for p in tree} and any(p.ppid() == engine_pid for p in tree)
+    return tree
 
 
 def engine_of(response) -> int:

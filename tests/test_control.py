@@ -180,25 +180,34 @@ async def test_ordering_mistakes_are_409(http):
     assert await engine_states(http) == [("ready", False, False)] * 2
 
 
-async def test_query_parameters_rule_and_json_body_cannot_change_them(http, model_name):
-    # A mode in the body is refused rather than silently ignored.
-    err = await admin(http, "/pause", expect=400, json={"mode": "keep"})
-    assert err["error"]["param"] == "mode" and "query parameter" in err["error"]["message"]
+async def test_parameters_come_from_the_query_or_the_body_and_must_agree(http, model_name):
+    # Given twice and differently: refused, naming the parameter, and nothing is paused.
+    err = await admin(http, "/pause?mode=keep", expect=400, json={"mode": "abort"})
+    assert err["error"]["param"] == "mode" and "query string" in err["error"]["message"]
     for params in ({"mode": "bogus"}, {"clear_cache": "maybe"}, {"mode": ["keep", "abort"]}):
         await admin(http, "/pause", expect=400, params=params)
+    await admin(http, "/pause", expect=400, json={"mode": "bogus"})
     await admin(http, "/sleep", expect=400, params={"level": "7"})
     await admin(http, "/wake_up", expect=400, params={"tags": "everything"})
-    # Nothing was paused by the refused calls.
+    await admin(http, "/wake_up", expect=400, json={"tags": ["weights", "everything"]})
     assert (await http.get("/is_paused")).json()["is_paused"] is False
+    assert (await http.get("/is_sleeping")).json()["is_sleeping"] is False
 
-    # The query string decides: keep, so an in-flight request survives.
-    (task,) = await admit_while_paused(http, [complete(http, model_name, "query decides", 600)])
-    await admin(http, "/resume")
-    await admin(http, "/pause?mode=keep", json={})
-    await asyncio.sleep(0.2)
-    await admin(http, "/resume")
-    choice = (await task).json()["choices"][0]
-    assert (choice["finish_reason"], len(choice["token_ids"])) == ("length", 600)
+    # The mode in a JSON body is honoured (vLLM would ignore it and abort): keep, so an
+    # in-flight request survives; and said in both places alike, it is the same call.
+    for query, body in (("", {"mode": "keep"}), ("?mode=keep", {"mode": "keep", "clear_cache": True})):
+        (task,) = await admit_while_paused(http, [complete(http, model_name, "body says keep", 400)])
+        await admin(http, "/resume")
+        assert (await admin(http, f"/pause{query}", json=body))["mode"] == "keep"
+        await asyncio.sleep(0.2)
+        await admin(http, "/resume")
+        choice = (await task).json()["choices"][0]
+        assert (choice["finish_reason"], len(choice["token_ids"])) == ("length", 400)
+
+    # SkyRL's reset_prefix_cache() sends its flag as a JSON body.
+    result = await admin(http, "/reset_prefix_cache", json={"reset_running_requests": True})
+    assert [e["result"]["reset"] for e in result["engines"]] == [True, True]
+    await admin(http, "/reset_prefix_cache?reset_running_requests=false", expect=400, json={"reset_running_requests": True})
 
 
 async def test_reset_prefix_cache(http):

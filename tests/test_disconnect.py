@@ -52,7 +52,7 @@ def test_streaming_disconnect_aborts_in_engine(server, model_name, path):
                 raise
         try:
             assert wait_for(lambda: unfinished(server, engine) == 0), server.engines()
-            assert wait_for(lambda: server.engines()[engine]["load"] == 0)
+            assert wait_for(lambda: server.engines()[engine]["in_flight"] == 0)
         finally:
             pause(server, False)
 

@@ -4,36 +4,30 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 import time
 
 import httpx
 import psutil
 import pytest
 
-from support import ServerProcess, admit_while_paused, running
+from support import ServerProcess, admit_while_paused, process_tree, running
 
 GRACE_S = 8
 
 
 @pytest.fixture(scope="module")
 def stoppable(demo_model, tmp_path_factory):
-    """One-engine servers for the SIGTERM tests, started together; each test stops its own."""
+    """One-engine servers for the SIGTERM tests, started together, each on a core of its own (an
+    engine given both cores runs two OpenMP threads, and two such engines on two cores crawl);
+    each test stops its own. The SIGKILL test is in test_supervision (it kills that module's server)."""
     logs = tmp_path_factory.mktemp("sigterm")
     servers = (
-        ServerProcess(demo_model, engines=1, log_path=logs / "finish.log", extra_args=("--shutdown-grace", "60")),
-        ServerProcess(demo_model, engines=1, log_path=logs / "grace.log", extra_args=("--shutdown-grace", str(GRACE_S))),
+        ServerProcess(demo_model, engines=1, log_path=logs / "finish.log", extra_args=("--shutdown-grace", "60"), cpus={0}),
+        ServerProcess(demo_model, engines=1, log_path=logs / "grace.log", extra_args=("--shutdown-grace", str(GRACE_S)),
+                      cpus={1}),
     )
     with running(*servers):
         yield dict(zip(("finish", "grace"), servers))
-
-
-def process_tree(srv: ServerProcess) -> list[psutil.Process]:
-    tree = psutil.Process(srv.proc.pid).children(recursive=True)
-    engine_pid = srv.engines()[0]["pid"]
-    # The engine child and vLLM's EngineCore beneath it, at least.
-    assert engine_pid in {p.pid for p in tree} and any(p.ppid() == engine_pid for p in tree)
-    return tree
 
 
 def assert_nothing_left(tree: list[psutil.Process]) -> None:
@@ -86,33 +80,3 @@ async def test_grace_period_bounds_the_shutdown(stoppable):
     assert GRACE_S * 0.7 < elapsed < GRACE_S + 1, f"shutdown took {elapsed:.1f}s with a {GRACE_S}s grace"
     assert all(isinstance(o, httpx.HTTPError) or o.status_code >= 500 for o in outcomes), outcomes
     assert_nothing_left(tree)
-
-
-async def test_sigkilled_front_takes_every_process_with_it(demo_model, tmp_path):
-    """However the front dies, nothing it started lives on to hold devices, and the port serves again."""
-    srv = ServerProcess(demo_model, engines=2, log_path=tmp_path / "server.log")
-    try:
-        srv.wait_ready()
-        tree = process_tree(srv)
-        engine_pids = {e["pid"] for e in srv.engines()}
-        # Both engines, and vLLM's processes beneath each.
-        assert engine_pids <= {p.pid for p in tree} and {p.ppid() for p in tree} >= engine_pids
-        body = {"model": srv.model, "prompt": "cut off", "max_tokens": 1500, "ignore_eos": True}
-        async with httpx.AsyncClient(base_url=srv.url, timeout=60) as http:
-            tasks = await admit_while_paused(http, (http.post("/v1/completions", json=body) for _ in range(8)))
-            assert (await http.post("/resume")).status_code == 200
-            srv.proc.kill()
-            killed_at = time.monotonic()
-            outcomes = await asyncio.gather(*tasks, return_exceptions=True)
-        assert all(isinstance(o, httpx.TransportError) for o in outcomes), outcomes
-        _, alive = psutil.wait_procs(tree, timeout=10)
-        assert not alive, f"alive 10 s after the front was killed: {[(p.pid, p.name()) for p in alive]}"
-        print(f"every process gone {time.monotonic() - killed_at:.1f}s after SIGKILL of the front")
-    finally:
-        srv.stop()
-    # The port serves again: nothing left behind listens on it (SO_REUSEADDR, as the
-    # next server's, passes over the killed connections' TIME_WAIT, not over a listener).
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", srv.port))
-        sock.listen()

@@ -1,4 +1,5 @@
-"""Crashes under load: a killed engine fails only its own requests, fast, with 503, and comes back."""
+"""Crashes under load: a killed engine fails only its own requests, fast, with 503, and comes back;
+a killed front takes every process it started with it."""
 
 from __future__ import annotations
 
@@ -7,13 +8,14 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import time
 
 import httpx
 import psutil
 import pytest
 
-from support import ServerProcess, admit_while_paused, engine_of, running, scrape, total
+from support import ServerProcess, admit_while_paused, engine_of, process_tree, running, scrape, total
 
 
 @pytest.fixture(scope="module")
@@ -132,8 +134,8 @@ async def test_hung_engine_fails_its_probes_and_is_replaced(crash_server):
     assert restarts == restarts_before + 1
 
 
-# Last in this module: its push moves the fleet's weight version past the checkpoint on
-# disk, so an engine restarted after it comes back stale.
+# Last but one: its push moves the fleet's weight version past the checkpoint on disk,
+# so an engine restarted after it comes back stale.
 async def test_a_failing_restart_still_revives_the_engine_which_must_rejoin_before_a_push(crash_server, demo_model):
     """The restart itself fails with an error nobody planned for (the engine's socket path is
     a directory, so spawning raises IsADirectoryError): the engine must not stay "restarting"
@@ -190,3 +192,30 @@ async def test_a_failing_restart_still_revives_the_engine_which_must_rejoin_befo
         await asyncio.to_thread(trainer.init)
         await asyncio.to_thread(trainer.push, tensors, "v-rejoined")
         assert (await http.get("/weight_info")).json()["weight_version"] == "v-rejoined"
+
+
+# Last: it kills this module's server.
+async def test_sigkilled_front_takes_every_process_with_it(crash_server):
+    """However the front dies, nothing it started lives on to hold devices, and the port serves again."""
+    srv = crash_server
+    tree = process_tree(srv)
+    engine_pids = {e["pid"] for e in srv.engines()}
+    # Both engines, and vLLM's processes beneath each.
+    assert engine_pids <= {p.pid for p in tree} and {p.ppid() for p in tree} >= engine_pids
+    body = {"model": srv.model, "prompt": "cut off", "max_tokens": 1500, "ignore_eos": True}
+    async with httpx.AsyncClient(base_url=srv.url, timeout=60) as http:
+        tasks = await admit_while_paused(http, (http.post("/v1/completions", json=body) for _ in range(8)))
+        assert (await http.post("/resume")).status_code == 200
+        srv.proc.kill()
+        killed_at = time.monotonic()
+        outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+    assert all(isinstance(o, httpx.TransportError) for o in outcomes), outcomes
+    _, alive = psutil.wait_procs(tree, timeout=10)
+    assert not alive, f"alive 10 s after the front was killed: {[(p.pid, p.name()) for p in alive]}"
+    print(f"every process gone {time.monotonic() - killed_at:.1f}s after SIGKILL of the front")
+    # The port serves again: nothing left behind listens on it (SO_REUSEADDR, as the
+    # next server's, passes over the killed connections' TIME_WAIT, not over a listener).
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", srv.port))
+        sock.listen()

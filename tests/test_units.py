@@ -208,17 +208,17 @@ async def test_engine_connections_queue_in_arrival_order_and_refuse_past_the_cap
     for i in range(4):
         tasks.append(asyncio.create_task(request(i)))
         await asyncio.sleep(0.01)
-    assert sent == [0, 1] and record.load == 4 and record.queued == 2
+    assert sent == [0, 1] and record.in_flight_count == 4 and record.queued == 2
     with pytest.raises(EngineBusy):
         async with record.in_flight():
             pass
-    assert record.refused == 1 and record.load == 4
+    assert record.refused == 1 and record.in_flight_count == 4
     text = prometheus_client.generate_latest(ServiceMetrics(registry).prom).decode()
     assert 'skyinfer_engine_queued{engine="0"} 2.0' in text
     assert 'skyinfer_engine_queue_refusals_total{engine="0"} 1.0' in text
     release.set()
     await asyncio.gather(*tasks)
-    assert sent == [0, 1, 2, 3] and record.load == record.queued == 0
+    assert sent == [0, 1, 2, 3] and record.in_flight_count == record.queued == 0
     # Without a cap, any number waits.
     record.queue_limit = 0
     release.clear()
@@ -251,3 +251,39 @@ async def test_an_unforeseen_exception_in_a_handler_is_an_openai_500(aiohttp_cli
     assert any(rec.exc_info and rec.exc_info[0] is KeyError for rec in caplog.records)
     # The server goes on serving.
     assert (await client.get("/broken")).status == 500
+
+
+def test_wire_models_take_query_or_body_refuse_contradictions_and_say_what_is_wrong():
+    from multidict import MultiDict
+
+    from skyinfer.wire import PauseParams, UpdateMetadata, WakeUpParams, WireError
+
+    assert PauseParams.from_request(MultiDict(), {"mode": "keep", "unknown": 1}).mode == "keep"
+    both = PauseParams.from_request(MultiDict(mode="keep"), {"mode": "keep", "clear_cache": "false"})
+    assert (both.mode, both.clear_cache) == ("keep", False)
+    assert both.to_query() == [("mode", "keep"), ("clear_cache", "false")]
+    wake = WakeUpParams.from_request(MultiDict([("tags", "weights"), ("tags", "kv_cache")]))
+    assert wake.to_query() == [("tags", "weights"), ("tags", "kv_cache")]
+    for query, body, param, says in [
+        (MultiDict(mode="keep"), {"mode": "abort"}, "mode", "'keep' in the query string but 'abort' in the body"),
+        (MultiDict([("mode", "keep"), ("mode", "wait")]), None, "mode", "given 2 times"),
+        (MultiDict(clear_cache="maybe"), None, "clear_cache", "valid boolean"),
+    ]:
+        with pytest.raises(WireError) as refused:
+            PauseParams.from_request(query, body)
+        assert refused.value.param == param and says in str(refused.value), refused.value
+    for info, param, says in [
+        ({"names": ["a", "a"], "dtype_names": ["f", "f"], "shapes": [[1], [1]]}, "update_info", "names a tensor twice"),
+        ({"names": ["a"], "dtype_names": ["f"], "shapes": [[-1]]}, "update_info.shapes.0.0", "greater than or equal to 0"),
+        ({"names": ["a"], "shapes": [[1]]}, "update_info.dtype_names", "is required"),
+        ([1], "update_info", "must be a JSON object"),
+    ]:
+        with pytest.raises(WireError) as refused:
+            UpdateMetadata.parse(info, ("update_info",))
+        assert refused.value.param == param and says in str(refused.value), refused.value
+    # TRL's async GRPO client says its tensors are in checkpoint format; the contrary cannot be served.
+    from skyinfer.wire import StartRequest
+
+    assert StartRequest.parse({"is_checkpoint_format": True}).update_info is None
+    with pytest.raises(WireError, match="is_checkpoint_format"):
+        StartRequest.parse({"is_checkpoint_format": False})

@@ -117,23 +117,26 @@ def greedy(server, model_name, session: str) -> list[int]:
     return r.json()["choices"][0]["token_ids"]
 
 
-def test_weight_transfer_methods_drive_a_push(push_server, demo_model):
-    """The sync client's weight calls, as vLLM's trainer-side code would make them (via GlooTrainer)."""
+def test_weight_transfer_methods_drive_a_push(push_server, model_name, demo_model):
+    """The sync client's weight calls, as vLLM's trainer-side code would make them (via GlooTrainer):
+    a session of calls, then the one-call path; each leaves the engines serving what was pushed,
+    whatever they served before (the examples push to this server too)."""
     from skyinfer.client import Client
     from skyinfer.trainer import GlooTrainer
 
-    # The checkpoint's own weights, in the served dtype: the engines' output does not change.
-    tensors = [(n, t.float()) for n, t in load_file(str(demo_model / "model.safetensors")).items()]
+    modified = modified_weights(demo_model, seed=5)
+    # The checkpoint's own weights, in the served dtype.
+    checkpoint = {n: t.float() for n, t in load_file(str(demo_model / "model.safetensors")).items()}
     with Client(push_server.url) as client:
-        before = client.generate([5, 6, 7], {"max_tokens": 4, "temperature": 0, "ignore_eos": True})
         trainer = GlooTrainer(push_server.url, timeout_s=60, client=client)
         trainer.init()
-        trainer.push(tensors, "client-push")
+        trainer.push(list(modified.items()), "client-push")
         assert client.weight_info()["weight_version"] == "client-push"
-        trainer.push(tensors, "client-push-2", one_call=True)
-        after = client.generate([5, 6, 7], {"max_tokens": 4, "temperature": 0, "ignore_eos": True})
+        assert_engines_match(push_server, model_name, demo_model, modified, "client-push")
+        trainer.push(list(checkpoint.items()), "client-push-2", one_call=True)
         assert client.weight_info()["weight_version"] == "client-push-2"
-    assert after["choices"][0]["token_ids"] == before["choices"][0]["token_ids"]
+        assert_engines_match(push_server, model_name, demo_model, checkpoint, "client-push-2")
+        after = client.generate([5, 6, 7], {"max_tokens": 4, "temperature": 0, "ignore_eos": True})
     assert after["choices"][0]["weight_versions"] == [{"version": "client-push-2", "start": 0, "end": 4}]
 
 

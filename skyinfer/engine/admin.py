@@ -20,7 +20,7 @@ log = logging.getLogger("skyinfer.engine.admin")
 
 
 async def _pause(engine, request: web.Request) -> dict:
-    p = PauseParams.from_query(request.query)
+    p = PauseParams.from_request(request.query)
     await engine.pause_generation(mode=p.mode, clear_cache=p.clear_cache)
     return {"status": "paused", "mode": p.mode}
 
@@ -31,19 +31,19 @@ async def _resume(engine, request: web.Request) -> dict:
 
 
 async def _sleep(engine, request: web.Request) -> dict:
-    p = SleepParams.from_query(request.query)
+    p = SleepParams.from_request(request.query)
     await engine.sleep(p.level, p.mode)
     return {"status": "sleeping", "level": p.level}
 
 
 async def _wake_up(engine, request: web.Request) -> dict:
-    p = WakeUpParams.from_query(request.query)
+    p = WakeUpParams.from_request(request.query)
     fully_awake = await engine.wake_up(list(p.tags) if p.tags else None)
     return {"status": "awake" if fully_awake else "sleeping", "fully_awake": fully_awake}
 
 
 async def _reset_prefix_cache(engine, request: web.Request) -> dict:
-    p = ResetPrefixCacheParams.from_query(request.query)
+    p = ResetPrefixCacheParams.from_request(request.query)
     reset = await engine.reset_prefix_cache(p.reset_running_requests, p.reset_external)
     return {"status": "reset" if reset else "not_reset", "reset": reset}
 
@@ -69,7 +69,7 @@ def _tracked_ids(engine, response_ids: tuple[str, ...] | None) -> list[str]:
 
 async def _abort_requests(engine, request: web.Request) -> dict:
     body = await request.read()
-    p = AbortParams.from_body(parse_json_object(body) if body else None)
+    p = AbortParams.parse(parse_json_object(body) if body else {})
     ids = _tracked_ids(engine, p.request_ids)
     await engine.abort(ids, internal=True)
     return {"status": "aborted", "aborted": len(ids)}

@@ -12,37 +12,7 @@ from pathlib import Path
 
 import attrs
 
-
-@attrs.frozen
-class UpdateMetadata:
-    names: list[str]
-    dtype_names: list[str]
-    shapes: list[list[int]]
-
-    @classmethod
-    def from_update_info(cls, info) -> UpdateMetadata:
-        if not isinstance(info, dict):
-            raise ValueError("update_info must be an object with names, dtype_names and shapes")
-        try:
-            names, dtypes, shapes = info["names"], info["dtype_names"], info["shapes"]
-        except KeyError as exc:
-            raise ValueError(f"update_info is missing {exc.args[0]!r}") from None
-        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
-            raise ValueError("update_info names, dtype_names and shapes must be lists")
-        if not (len(names) == len(dtypes) == len(shapes)):
-            raise ValueError(
-                f"update_info lists differ in length: {len(names)} names, {len(dtypes)} dtype_names, {len(shapes)} shapes"
-            )
-        if not names:
-            raise ValueError("update_info names no tensors")
-        for name, dtype, shape in zip(names, dtypes, shapes):
-            if not isinstance(name, str) or not isinstance(dtype, str):
-                raise ValueError(f"bad entry {name!r}: names and dtype_names must be strings")
-            if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-                raise ValueError(f"bad shape for {name!r}: {shape!r}")
-        if len(set(names)) != len(names):
-            raise ValueError("update_info names a tensor twice")
-        return cls(names, dtypes, shapes)
+from ..wire import UpdateMetadata
 
 
 @attrs.frozen

@@ -17,6 +17,7 @@ import logging
 import socket
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 
@@ -24,7 +25,8 @@ from ..errors import ApiError, json_response, parse_json_object
 from ..engine_calls import EngineReply, call_engine, failure
 from ..metrics import ServiceMetrics
 from ..state import LIVE_STATES, EngineRecord, EngineRegistry, EngineState
-from .checkpoint import CheckpointSpec, UpdateMetadata
+from ..wire import FinishRequest, GlooInitInfo, InitRequest, StartRequest, UpdateMetadata, UpdateRequest, WireModel
+from .checkpoint import CheckpointSpec
 from .layout import LayoutError, RankLayout
 
 log = logging.getLogger("skyinfer.weights")
@@ -37,17 +39,12 @@ class SyncError(ApiError):
         super().__init__(message, status=status, details=None if engines is None else {"engines": engines})
 
 
-async def _check_trainer_address(init_info: dict) -> None:
-    """A trainer address that cannot work is a 400 now, not a rendezvous timeout later."""
-    address, port = init_info.get("master_address"), init_info.get("master_port")
-    if not isinstance(address, str) or not address:
-        raise SyncError(400, "init_info master_address must be the trainer's host name or IP address")
-    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
-        raise SyncError(400, f"init_info master_port must be a TCP port (1-65535); got {port!r}")
+async def _check_trainer_address(info: GlooInitInfo) -> None:
+    """A trainer address that does not resolve is a 400 now, not a rendezvous timeout later."""
     try:
-        await asyncio.get_running_loop().getaddrinfo(address, port, type=socket.SOCK_STREAM)
+        await asyncio.get_running_loop().getaddrinfo(info.master_address, info.master_port, type=socket.SOCK_STREAM)
     except (OSError, UnicodeError, ValueError) as exc:
-        raise SyncError(400, f"init_info master_address {address!r} does not resolve: {exc}") from None
+        raise SyncError(400, f"init_info master_address {info.master_address!r} does not resolve: {exc}") from None
 
 
 class WeightSync:
@@ -91,23 +88,15 @@ class WeightSync:
 
     # -- init ----------------------------------------------------------------
     async def init(self, init_info: dict) -> dict:
-        if not isinstance(init_info, dict):
-            raise SyncError(400, "init_info must be an object")
+        info = GlooInitInfo.parse(init_info, ("init_info",))
         try:
-            base = int(init_info.get("rank_offset", 1))
-            world_size = int(init_info["world_size"])
-        except KeyError:
-            raise SyncError(400, "init_info needs world_size (1 + GET /get_world_size for a single trainer)") from None
-        except (TypeError, ValueError):
-            raise SyncError(400, "init_info rank_offset and world_size must be integers") from None
-        try:
-            layout = RankLayout.build(base, world_size, (self.workers_per_engine,) * len(self.registry.records))
+            layout = RankLayout.build(
+                info.rank_offset, info.world_size, (self.workers_per_engine,) * len(self.registry.records)
+            )
         except LayoutError as exc:
             raise SyncError(400, str(exc)) from None
-        timeout_s = init_info.get("timeout_s", self.timeout_s)
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s <= 3600:
-            raise SyncError(400, f"init_info timeout_s must be seconds in (0, 3600]; got {timeout_s!r}")
-        await _check_trainer_address(init_info)
+        timeout_s = self.timeout_s if info.timeout_s is None else info.timeout_s
+        await _check_trainer_address(info)
         if self._session_open or self._engines_started:
             raise SyncError(409, "a weight update is in progress; POST /finish_weight_update first")
         async with self.registry.lock:
@@ -127,14 +116,18 @@ class WeightSync:
             for record, reply in zip(records, replies):
                 record.in_transfer_group = reply.ok
         self._raise_if_failed("init_weight_transfer", replies)
-        return {"status": "joined", "world_size": world_size, "rank_offsets": [layout.rank_offset(i) for i in range(len(records))]}
+        return {"status": "joined", "world_size": info.world_size, "rank_offsets": [layout.rank_offset(i) for i in range(len(records))]}
 
     # -- one update ------------------------------------------------------------
-    def check_metadata(self, update_info) -> UpdateMetadata:
-        meta = UpdateMetadata.from_update_info(update_info)
+    def check_metadata(self, update_info: dict) -> UpdateMetadata:
+        """Refuse (400) metadata that is malformed or does not fit the served checkpoint, before any byte moves."""
+        meta = UpdateMetadata.parse(update_info, ("update_info",))
         dtypes = {r.model_dtype for r in self.registry.records if r.model_dtype}
         if self._spec is not None and dtypes:
-            self._spec.check(meta, dtypes.pop())
+            try:
+                self._spec.check(meta, dtypes.pop())
+            except ValueError as exc:
+                raise SyncError(400, f"update_info rejected before any transfer: {exc}") from None
         return meta
 
     def _check_group(self, records: list[EngineRecord]) -> None:
@@ -142,7 +135,7 @@ class WeightSync:
         if missing:
             raise SyncError(409, f"engines {missing} are not in the trainer's group; POST /init_weight_transfer first")
 
-    def start(self, update_info) -> dict:
+    def start(self, update_info: dict | None) -> dict:
         if self._session_open or self._engines_started:
             raise SyncError(409, "a weight update is already in progress; POST /finish_weight_update first")
         self._check_group(self._engines())
@@ -152,12 +145,9 @@ class WeightSync:
         self._push_started = time.monotonic()
         return {"status": "started"}
 
-    async def update(self, update_info, weight_version: str | None) -> dict:
+    async def update(self, update_info: dict, weight_version: str | None) -> dict:
         """Check, then receive on every engine. Without an open session: start and finish too."""
-        try:
-            self.check_metadata(update_info)
-        except ValueError as exc:
-            raise SyncError(400, f"update_info rejected before any transfer: {exc}") from None
+        self.check_metadata(update_info)
         one_shot = not self._session_open and not self._engines_started
         async with self.registry.lock:
             records = self._engines()
@@ -244,13 +234,10 @@ class WeightSync:
 WEIGHT_SYNC = web.AppKey("weight_sync", WeightSync)
 
 
-def _body(raw: bytes) -> dict:
-    return parse_json_object(raw) if raw else {}
-
-
-def _sync_route(handler: Callable[[WeightSync, dict], Awaitable[dict]]):
+def _sync_route(request_type: type[WireModel], handler: Callable[[WeightSync, Any], Awaitable[dict]]):
     async def route(request: web.Request) -> web.Response:
-        body = _body(await request.read())
+        raw = await request.read()
+        body = request_type.parse(parse_json_object(raw) if raw else {})
         # Shielded: a trainer that dies mid-call must not cancel the
         # bookkeeping (restarting engines whose transfer broke).
         return json_response(await asyncio.shield(handler(request.app[WEIGHT_SYNC], body)))
@@ -258,30 +245,20 @@ def _sync_route(handler: Callable[[WeightSync, dict], Awaitable[dict]]):
     return route
 
 
-async def _init(sync: WeightSync, body: dict) -> dict:
-    if "init_info" not in body:
-        raise SyncError(400, 'body must be {"init_info": {...}}')
-    return await sync.init(body["init_info"])
+async def _init(sync: WeightSync, body: InitRequest) -> dict:
+    return await sync.init(body.init_info)
 
 
-async def _start(sync: WeightSync, body: dict) -> dict:
-    try:
-        return sync.start(body.get("update_info"))
-    except ValueError as exc:
-        raise SyncError(400, f"update_info rejected: {exc}") from None
+async def _start(sync: WeightSync, body: StartRequest) -> dict:
+    return sync.start(body.update_info)
 
 
-async def _update(sync: WeightSync, body: dict) -> dict:
-    if "update_info" not in body:
-        raise SyncError(400, 'body must be {"update_info": {"names": [...], "dtype_names": [...], "shapes": [...]}}')
-    return await sync.update(body["update_info"], body.get("weight_version"))
+async def _update(sync: WeightSync, body: UpdateRequest) -> dict:
+    return await sync.update(body.update_info, body.weight_version)
 
 
-async def _finish(sync: WeightSync, body: dict) -> dict:
-    version = body.get("weight_version")
-    if version is not None and not isinstance(version, str):
-        raise SyncError(400, "weight_version must be a string")
-    return await sync.finish(version)
+async def _finish(sync: WeightSync, body: FinishRequest) -> dict:
+    return await sync.finish(body.weight_version)
 
 
 async def _world_size(request: web.Request) -> web.Response:
@@ -295,8 +272,8 @@ async def _weight_info(request: web.Request) -> web.Response:
 def add_weight_routes(app: web.Application) -> None:
     app.router.add_get("/get_world_size", _world_size)
     for path in ("/init_weight_transfer", "/init_weight_transfer_engine"):
-        app.router.add_post(path, _sync_route(_init))
-    app.router.add_post("/start_weight_update", _sync_route(_start))
-    app.router.add_post("/update_weights", _sync_route(_update))
-    app.router.add_post("/finish_weight_update", _sync_route(_finish))
+        app.router.add_post(path, _sync_route(InitRequest, _init))
+    app.router.add_post("/start_weight_update", _sync_route(StartRequest, _start))
+    app.router.add_post("/update_weights", _sync_route(UpdateRequest, _update))
+    app.router.add_post("/finish_weight_update", _sync_route(FinishRequest, _finish))
     app.router.add_get("/weight_info", _weight_info)
