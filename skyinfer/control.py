@@ -19,10 +19,14 @@ from aiohttp import web
 from .errors import error_body, json_response, parse_json_object
 from .engine_calls import EngineReply, call_engine, failure
 from .proxy import REGISTRY
-from .state import LIVE_STATES, EngineRegistry, EngineState, control_targets
+from .state import EngineRecord, EngineRegistry, control_targets
 from .wire import AbortParams, PauseParams, QueryParams, ResetPrefixCacheParams, SleepParams, WakeUpParams
 
 log = logging.getLogger("skyinfer.control")
+
+
+# What a successful call leaves an engine as (None: as it was).
+Effect = Callable[[dict], dict[str, bool] | None]
 
 
 class ControlPlane:
@@ -31,33 +35,36 @@ class ControlPlane:
         self.timeout_s = timeout_s
 
     async def apply(
-        self,
-        operation: str,
-        query: Any = None,
-        body: dict | None = None,
-        next_state: Callable[[dict], EngineState | None] = lambda _result: None,
+        self, operation: str, query: Any = None, body: dict | None = None, effect: Effect = lambda _result: None
     ) -> list[EngineReply]:
-        """Run ``/operation`` on every live engine; record each engine's new state."""
+        """Run ``/operation`` on every up engine it applies to; record what each engine now is."""
         # One admin call at a time: a pause must not interleave with a resume.
         async with self.registry.lock:
-            live = [r for r in self.registry.records if r.state in LIVE_STATES]
-            targets, already_done = control_targets(operation, live)
+            targets, already_done = control_targets(operation, self.registry.up())
             outcomes = await asyncio.gather(
                 *(call_engine(r, f"/{operation}", timeout_s=self.timeout_s, query=query, body=body) for r in targets)
             )
             for outcome in outcomes:
                 record = self.registry.records[outcome.engine_id]
-                if outcome.ok and (new := next_state(outcome.body)) is not None:
-                    self.registry.set_state(record, new)
-                elif not outcome.ok:
+                if not record.up:
+                    continue  # it died meanwhile; its next process starts afresh
+                if outcome.ok:
+                    if (conditions := effect(outcome.body)) is not None:
+                        self.registry.set_conditions(record, **conditions)
+                else:
                     log.warning("engine %d: %s failed: %s", outcome.engine_id, operation, outcome.message)
+                    await self._reread(record)
         unchanged = [EngineReply(r.engine_id, 200, {"status": "unchanged", "state": r.state.value}) for r in already_done]
-        down = [
-            EngineReply(r.engine_id, 503, {"error": f"engine is {r.state.value}"})
-            for r in self.registry.records
-            if r.state not in LIVE_STATES
-        ]
+        down = [EngineReply(r.engine_id, 503, {"error": f"engine is {r.state.value}"}) for r in self.registry.records if not r.up]
         return sorted([*outcomes, *unchanged, *down], key=lambda o: o.engine_id)
+
+    async def _reread(self, record: EngineRecord) -> None:
+        """After a failed or timed-out call the engine may have done it anyway: ask vLLM what it is."""
+        reply = await call_engine(record, "/conditions", method="GET", timeout_s=self.timeout_s)
+        if reply.ok and record.up:
+            self.registry.set_conditions(record, paused=reply.body["paused"], sleeping=reply.body["sleeping"])
+        elif not reply.ok:
+            log.warning("engine %d: its conditions are unknown: %s", record.engine_id, reply.message)
 
 
 def aggregate(operation: str, outcomes: list[EngineReply], ok_body: dict) -> web.Response:
@@ -82,18 +89,18 @@ async def _params(request: web.Request, params: type[QueryParams]):
 
 async def _pause(request: web.Request) -> web.Response:
     p = await _params(request, PauseParams)
-    outcomes = await request.app[CONTROL].apply("pause", p.to_query(), next_state=lambda _: EngineState.PAUSED)
+    outcomes = await request.app[CONTROL].apply("pause", p.to_query(), effect=lambda _: {"paused": True})
     return aggregate("pause", outcomes, {"status": "paused", "mode": p.mode})
 
 
 async def _resume(request: web.Request) -> web.Response:
-    outcomes = await request.app[CONTROL].apply("resume", next_state=lambda _: EngineState.READY)
+    outcomes = await request.app[CONTROL].apply("resume", effect=lambda _: {"paused": False})
     return aggregate("resume", outcomes, {"status": "resumed"})
 
 
 async def _sleep(request: web.Request) -> web.Response:
     p = await _params(request, SleepParams)
-    outcomes = await request.app[CONTROL].apply("sleep", p.to_query(), next_state=lambda _: EngineState.SLEEPING)
+    outcomes = await request.app[CONTROL].apply("sleep", p.to_query(), effect=lambda _: {"sleeping": True, "paused": True})
     return aggregate("sleep", outcomes, {"status": "sleeping", "level": p.level})
 
 
@@ -103,10 +110,10 @@ async def _wake_up(request: web.Request) -> web.Response:
     outcomes = await control.apply(
         "wake_up",
         p.to_query(),
-        # A partial wake-up (some tags) leaves the engine asleep.
-        next_state=lambda result: EngineState.READY if result["fully_awake"] else None,
+        # A partial wake-up (some tags) leaves the engine asleep; a full one resumes it (vLLM).
+        effect=lambda result: {"sleeping": False, "paused": False} if result["fully_awake"] else None,
     )
-    awake = not any(r.state is EngineState.SLEEPING for r in control.registry.records)
+    awake = not any(r.sleeping for r in control.registry.records)
     return aggregate("wake_up", outcomes, {"status": "awake" if awake else "sleeping", "tags": list(p.tags or [])})
 
 
@@ -123,10 +130,10 @@ async def _abort_requests(request: web.Request) -> web.Response:
     return aggregate("abort_requests", outcomes, {"status": "aborted", "aborted": aborted})
 
 
-def _flag_view(name: str, states: frozenset[EngineState]):
+def _flag_view(name: str, condition: str):
     async def view(request: web.Request) -> web.Response:
         records = request.app[REGISTRY].records
-        engines = [{"engine": r.engine_id, name: r.state in states, "state": r.state.value} for r in records]
+        engines = [{"engine": r.engine_id, name: getattr(r, condition), "state": r.state.value} for r in records]
         return json_response({name: any(e[name] for e in engines), "engines": engines})
 
     return view
@@ -139,5 +146,6 @@ def add_control_routes(app: web.Application) -> None:
     app.router.add_post("/wake_up", _wake_up)
     app.router.add_post("/reset_prefix_cache", _reset_prefix_cache)
     app.router.add_post("/abort_requests", _abort_requests)
-    app.router.add_get("/is_paused", _flag_view("is_paused", frozenset({EngineState.PAUSED, EngineState.SLEEPING})))
-    app.router.add_get("/is_sleeping", _flag_view("is_sleeping", frozenset({EngineState.SLEEPING})))
+    # A sleeping engine is paused too (vLLM pauses its scheduler before sleeping).
+    app.router.add_get("/is_paused", _flag_view("is_paused", "paused"))
+    app.router.add_get("/is_sleeping", _flag_view("is_sleeping", "sleeping"))

@@ -33,12 +33,14 @@ class EngineReply:
 
 
 async def call_engine(
-    record: EngineRecord, path: str, *, timeout_s: float, query: Any = None, body: dict | None = None
+    record: EngineRecord, path: str, *, timeout_s: float, query: Any = None, body: dict | None = None, method: str = "POST"
 ) -> EngineReply:
-    """POST to one engine; a timeout or an unreachable engine is a reply too (504, 503)."""
-    assert record.client is not None
+    """Call one engine; a timeout or an unreachable engine is a reply too (504, 503)."""
+    if record.client is None:
+        return EngineReply(record.engine_id, 503, {"error": f"engine is {record.state.value}"})
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
     try:
-        async with record.client.post(path, params=query, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+        async with record.client.request(method, path, params=query, json=body, timeout=timeout) as r:
             payload = await r.json(content_type=None)
             return EngineReply(record.engine_id, r.status, payload if isinstance(payload, dict) else {"value": payload})
     except asyncio.TimeoutError:

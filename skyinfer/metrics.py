@@ -20,7 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.parser import text_string_to_metric_families
 
 from .proxy import ENGINE_HEADER, REGISTRY
-from .state import LIVE_STATES, EngineRegistry, EngineState
+from .state import EngineRegistry, EngineState
 
 log = logging.getLogger("skyinfer.metrics")
 
@@ -53,8 +53,8 @@ class _EngineCollector:
             engine = str(r.engine_id)
             for s in EngineState:
                 state.add_metric([engine, s.value], float(r.state is s))
-            paused.add_metric([engine], float(r.state in (EngineState.PAUSED, EngineState.SLEEPING)))
-            sleeping.add_metric([engine], float(r.state is EngineState.SLEEPING))
+            paused.add_metric([engine], float(r.paused))
+            sleeping.add_metric([engine], float(r.sleeping))
             in_flight.add_metric([engine], r.in_flight_count)
             queued.add_metric([engine], r.queued)
             refused.add_metric([engine], r.refused)
@@ -148,7 +148,7 @@ def _render(metrics: ServiceMetrics, engine_texts: dict[int, str]) -> bytes:
 
 def metrics_view(probe_timeout_s: float):
     async def view(request: web.Request) -> web.Response:
-        records = [r for r in request.app[REGISTRY].records if r.state in LIVE_STATES and r.client is not None]
+        records = [r for r in request.app[REGISTRY].up() if r.client is not None]
         fetched = await asyncio.gather(*(_engine_metrics(r.engine_id, r.client, probe_timeout_s) for r in records))
         texts = {engine_id: text for engine_id, text in fetched if text is not None}
         # Parsing and rendering a few hundred samples per engine: off the event loop.

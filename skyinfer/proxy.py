@@ -16,7 +16,7 @@ import orjson
 from aiohttp import web
 
 from .errors import error_body, error_response, parse_json_object
-from .state import SERVING_STATES, EngineBusy, EngineRecord, EngineRegistry, NoEngineAvailable
+from .state import EngineBusy, EngineRecord, EngineRegistry, NoEngineAvailable
 
 log = logging.getLogger("skyinfer.proxy")
 
@@ -102,7 +102,7 @@ def _own_headers(engine: EngineRecord) -> dict[str, str]:
 async def _relay(request: web.Request, engine: EngineRecord, body: bytes, headers: dict) -> web.StreamResponse:
     client = engine.client
     # The engine may have gone down while the request waited for a connection.
-    if client is None or client.closed or engine.state not in SERVING_STATES:
+    if client is None or client.closed or not engine.serves:
         raise _NotConnected(f"it is {engine.state.value}")
     try:
         upstream = await client.request(request.method, request.rel_url, data=body or None, headers=headers)

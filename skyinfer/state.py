@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import enum
 import logging
+from collections.abc import Callable
 
 import aiohttp
 import attrs
@@ -17,7 +18,33 @@ from .routing import Candidate, SessionRouter
 log = logging.getLogger("skyinfer.state")
 
 
+class Lifecycle(enum.Enum):
+    """Where an engine's process is; conditions (paused, asleep, stale) apply only while it is up."""
+
+    STARTING = "starting"
+    UP = "up"
+    RESTARTING = "restarting"
+    DEAD = "dead"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+
+L = Lifecycle
+# Which step may follow which; anything else is a bug in the caller.
+_LIFECYCLE_STEPS: dict[Lifecycle, frozenset[Lifecycle]] = {
+    L.STARTING: frozenset({L.UP, L.DEAD, L.STOPPING}),
+    L.UP: frozenset({L.RESTARTING, L.DEAD, L.STOPPING}),
+    L.RESTARTING: frozenset({L.UP, L.DEAD, L.STOPPING}),
+    L.DEAD: frozenset({L.RESTARTING, L.STOPPING, L.STOPPED}),
+    L.STOPPING: frozenset({L.STOPPED, L.DEAD}),
+    L.STOPPED: frozenset(),
+}
+
+
 class EngineState(enum.Enum):
+    """One word for an engine, as ``/engines``, ``/metrics`` and the CLI show it: its lifecycle
+    step, or while it is up, its most telling condition."""
+
     STARTING = "starting"
     READY = "ready"
     PAUSED = "paused"
@@ -31,52 +58,44 @@ class EngineState(enum.Enum):
     DEAD = "dead"
 
 
-S = EngineState
-# Which state may follow which; anything else is a bug in the caller.
-_TRANSITIONS: dict[EngineState, frozenset[EngineState]] = {
-    S.STARTING: frozenset({S.READY, S.STALE, S.DEAD, S.STOPPING}),
-    S.READY: frozenset({S.PAUSED, S.SLEEPING, S.RESTARTING, S.DEAD, S.STOPPING}),
-    S.PAUSED: frozenset({S.READY, S.SLEEPING, S.RESTARTING, S.DEAD, S.STOPPING}),
-    S.SLEEPING: frozenset({S.READY, S.RESTARTING, S.DEAD, S.STOPPING}),
-    S.STALE: frozenset({S.READY, S.RESTARTING, S.DEAD, S.STOPPING}),
-    S.RESTARTING: frozenset({S.READY, S.STALE, S.DEAD, S.STOPPING}),
-    S.DEAD: frozenset({S.RESTARTING, S.STOPPING, S.STOPPED}),
-    S.STOPPING: frozenset({S.STOPPED, S.DEAD}),
-    S.STOPPED: frozenset(),
-}
+# An admin operation's verdict for one engine: it applies, it is already done
+# (the engine is left as it is, e.g. resuming an engine that restarted while
+# the others were paused), or a reason it is an ordering mistake (409).
+APPLY, DONE = "apply", "done"
 
-# Paused and sleeping engines still take requests: vLLM queues them until
-# resume / wake-up, which is what a trainer pausing for a weight push wants.
-SERVING_STATES = frozenset({S.READY, S.PAUSED, S.SLEEPING})
-# States in which an engine process is up and takes admin calls.
-LIVE_STATES = SERVING_STATES | {S.STALE}
 
-# Control operations: the states each applies to, and the states in which it
-# is already done (that engine is left as it is, e.g. resuming an engine that
-# restarted while the others were paused). Any other state is an ordering
-# mistake (409), as is a call that applies to no engine at all.
-CONTROL_APPLIES_TO: dict[str, frozenset[EngineState]] = {
-    "pause": frozenset({S.READY, S.PAUSED, S.STALE}),
-    "resume": frozenset({S.PAUSED}),
-    "sleep": frozenset({S.READY, S.PAUSED}),
-    "wake_up": frozenset({S.SLEEPING}),
-    "reset_prefix_cache": LIVE_STATES,
-    "abort_requests": LIVE_STATES,
-}
-CONTROL_ALREADY_DONE: dict[str, frozenset[EngineState]] = {
-    "resume": frozenset({S.READY, S.STALE}),
-    "wake_up": frozenset({S.READY, S.STALE}),
-}
+def _pause(r: EngineRecord) -> str:
+    return "it is sleeping; POST /wake_up first" if r.sleeping else APPLY
 
-_ORDERING_HINTS = {
-    ("resume", S.READY): "it is not paused",
-    ("resume", S.SLEEPING): "it is sleeping; POST /wake_up instead",
-    ("pause", S.SLEEPING): "it is sleeping; POST /wake_up first",
-    ("sleep", S.SLEEPING): "it is already sleeping",
-    ("sleep", S.STALE): "it is stale; push weights first",
-    ("wake_up", S.READY): "it is not sleeping",
-    ("wake_up", S.PAUSED): "it is paused, not sleeping; POST /resume instead",
+
+def _resume(r: EngineRecord) -> str:
+    if r.sleeping:
+        return "it is sleeping; POST /wake_up instead"
+    return APPLY if r.paused else DONE
+
+
+def _sleep(r: EngineRecord) -> str:
+    if r.sleeping:
+        return "it is already sleeping"
+    return "it is stale; push weights first" if r.stale else APPLY
+
+
+def _wake_up(r: EngineRecord) -> str:
+    if r.sleeping:
+        return APPLY
+    return "it is paused, not sleeping; POST /resume instead" if r.paused else DONE
+
+
+# Every control operation over every combination of conditions, in one place.
+CONTROL_VERDICTS: dict[str, Callable[[EngineRecord], str]] = {
+    "pause": _pause,
+    "resume": _resume,
+    "sleep": _sleep,
+    "wake_up": _wake_up,
+    "reset_prefix_cache": lambda r: APPLY,
+    "abort_requests": lambda r: APPLY,
 }
+_NOTHING_TO_DO = {"resume": "it is not paused", "wake_up": "it is not sleeping"}
 
 
 class OrderingError(ApiError):
@@ -86,24 +105,18 @@ class OrderingError(ApiError):
 
 
 def control_targets(operation: str, records: list[EngineRecord]) -> tuple[list[EngineRecord], list[EngineRecord]]:
-    """Split live engines into those ``operation`` applies to and those already done.
+    """Split up engines into those ``operation`` applies to and those where it is already done.
 
-    Raises OrderingError when some engine's state makes the call a mistake, or
-    when it would apply to none.
+    Raises OrderingError, naming each engine and why, when the call is a
+    mistake for some engine, or would apply to none.
     """
-    applies, done = CONTROL_APPLIES_TO[operation], CONTROL_ALREADY_DONE.get(operation, frozenset())
-    refused = [r for r in records if r.state not in applies | done]
-    targets = [r for r in records if r.state in applies]
+    verdicts = [(r, CONTROL_VERDICTS[operation](r)) for r in records]
+    refused = [(r, v) for r, v in verdicts if v not in (APPLY, DONE)]
+    targets = [r for r, v in verdicts if v == APPLY]
     if refused or not targets:
-        reasons = refused or records
-        raise OrderingError(
-            f"cannot {operation}: "
-            + "; ".join(
-                f"engine {r.engine_id}: {_ORDERING_HINTS.get((operation, r.state), f'it is {r.state.value}')}"
-                for r in reasons
-            )
-        )
-    return targets, [r for r in records if r.state in done]
+        reasons = refused or [(r, _NOTHING_TO_DO.get(operation, f"it is {r.state.value}")) for r in records]
+        raise OrderingError(f"cannot {operation}: " + "; ".join(f"engine {r.engine_id}: {why}" for r, why in reasons))
+    return targets, [r for r, v in verdicts if v == DONE]
 
 
 class NoEngineAvailable(RuntimeError):
@@ -123,7 +136,11 @@ class EngineRecord:
     connection_limit: int = 4096
     # Requests that may wait for a connection before new ones are refused; 0: no cap.
     queue_limit: int = 0
-    state: EngineState = EngineState.STARTING
+    lifecycle: Lifecycle = Lifecycle.STARTING
+    # Conditions of an engine that is up, as vLLM holds them (a new process has none).
+    paused: bool = False
+    sleeping: bool = False
+    stale: bool = False
     pid: int | None = None
     # Requests the front holds for this engine: sent to it, or waiting to be.
     in_flight_count: int = 0
@@ -146,6 +163,27 @@ class EngineRecord:
 
     def __attrs_post_init__(self) -> None:
         self._connections = asyncio.Semaphore(self.connection_limit)
+
+    @property
+    def up(self) -> bool:
+        """Its process is up and takes admin and weight calls."""
+        return self.lifecycle is Lifecycle.UP
+
+    @property
+    def serves(self) -> bool:
+        """Requests may be routed to it. Paused and sleeping engines still take requests: vLLM
+        queues them until resume / wake-up, which is what a trainer pausing for a push wants."""
+        return self.up and not self.stale
+
+    @property
+    def state(self) -> EngineState:
+        if not self.up:
+            return EngineState(self.lifecycle.value)
+        if self.stale:
+            return EngineState.STALE
+        if self.sleeping:
+            return EngineState.SLEEPING
+        return EngineState.PAUSED if self.paused else EngineState.READY
 
     @contextlib.asynccontextmanager
     async def in_flight(self):
@@ -171,8 +209,9 @@ class EngineRecord:
         return {
             "id": self.engine_id,
             "state": self.state.value,
-            "paused": self.state in (S.PAUSED, S.SLEEPING),
-            "sleeping": self.state is S.SLEEPING,
+            "paused": self.paused,
+            "sleeping": self.sleeping,
+            "stale": self.stale,
             "pid": self.pid,
             "devices": self.devices.describe(),
             "in_flight": self.in_flight_count,
@@ -193,17 +232,33 @@ class EngineRegistry:
         # restart). Routing itself never awaits, so it needs no lock.
         self.lock = asyncio.Lock()
 
-    def set_state(self, record: EngineRecord, new: EngineState) -> None:
-        old = record.state
+    def set_lifecycle(self, record: EngineRecord, new: Lifecycle) -> None:
+        old = record.lifecycle
         if old is new:
             return
-        if new not in _TRANSITIONS[old]:
-            raise RuntimeError(f"engine {record.engine_id}: illegal transition {old.value} -> {new.value}")
-        record.state = new
+        if new not in _LIFECYCLE_STEPS[old]:
+            raise RuntimeError(f"engine {record.engine_id}: illegal step {old.value} -> {new.value}")
+        record.lifecycle = new
+        if new is not Lifecycle.UP:
+            # Whatever the old process was, the next one starts fresh.
+            record.paused = record.sleeping = record.stale = False
         log.info("engine %d: %s -> %s", record.engine_id, old.value, new.value)
 
+    def set_conditions(self, record: EngineRecord, **conditions: bool) -> None:
+        """Record what an up engine now is (paused, sleeping, stale)."""
+        assert record.up and set(conditions) <= {"paused", "sleeping", "stale"}, (record.lifecycle, conditions)
+        changed = {k: v for k, v in conditions.items() if getattr(record, k) != v}
+        for name, value in changed.items():
+            setattr(record, name, value)
+        if changed:
+            log.info("engine %d: %s (%s)", record.engine_id, record.state.value,
+                     ", ".join(f"{k}={v}" for k, v in changed.items()))  # fmt: skip
+
+    def up(self) -> list[EngineRecord]:
+        return [r for r in self.records if r.up]
+
     def serving(self) -> list[EngineRecord]:
-        return [r for r in self.records if r.state in SERVING_STATES]
+        return [r for r in self.records if r.serves]
 
     def pick(self, session_id: str | None = None) -> EngineRecord:
         live = self.serving()

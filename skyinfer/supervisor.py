@@ -19,7 +19,7 @@ import aiohttp
 from .config import ServeConfig
 from .devices import platform_engine_args
 from .engine import EXTENSION_PATH
-from .state import LIVE_STATES, EngineRecord, EngineRegistry, EngineState
+from .state import EngineRecord, EngineRegistry, Lifecycle
 
 log = logging.getLogger("skyinfer.supervisor")
 
@@ -245,10 +245,10 @@ class Supervisor:
     def _declare_dead(self, process: EngineProcess, reason: str) -> None:
         """Out of rotation now, its processes killed (its requests fail at once), revived after a backoff."""
         record = process.record
-        if record.state in (EngineState.STOPPING, EngineState.STOPPED, EngineState.DEAD):
+        if record.lifecycle in (Lifecycle.STOPPING, Lifecycle.STOPPED, Lifecycle.DEAD):
             return
         log.error("engine %d: %s", record.engine_id, reason)
-        self.registry.set_state(record, EngineState.DEAD)
+        self.registry.set_lifecycle(record, Lifecycle.DEAD)
         process.kill()
         self._in_background(self._revive(process), process)
 
@@ -275,7 +275,7 @@ class Supervisor:
     async def _become_ready(self, process: EngineProcess) -> None:
         record = process.record
         client, info = await process.wait_ready(self.config.engine_start_timeout_s)
-        if record.state not in (EngineState.STARTING, EngineState.RESTARTING):
+        if record.lifecycle not in (Lifecycle.STARTING, Lifecycle.RESTARTING):
             await client.close()  # stopped while starting
             return
         record.client = client
@@ -286,7 +286,8 @@ class Supervisor:
         fleet = self.registry.fleet_weight_version
         # An engine loads the checkpoint from disk: behind a fleet that has had pushes.
         stale = fleet is not None and record.weight_version != fleet
-        self.registry.set_state(record, EngineState.STALE if stale else EngineState.READY)
+        self.registry.set_lifecycle(record, Lifecycle.UP)
+        self.registry.set_conditions(record, stale=stale)
         self._in_background(self._probe(process), process)
 
     async def _probe(self, process: EngineProcess) -> None:
@@ -301,7 +302,7 @@ class Supervisor:
         while process.proc is proc and proc.returncode is None:
             await asyncio.sleep(c.health_interval_s)
             client = record.client
-            if record.state not in LIVE_STATES or client is None:
+            if not record.up or client is None:
                 continue
             try:
                 async with client.get("/health", timeout=aiohttp.ClientTimeout(total=c.health_timeout_s)) as resp:
@@ -311,7 +312,7 @@ class Supervisor:
             failures = 0 if healthy else failures + 1
             if failures and failures < c.health_failures:
                 log.warning("engine %d: health probe failed (%d of %d)", record.engine_id, failures, c.health_failures)
-            if failures >= c.health_failures and process.proc is proc and record.state in LIVE_STATES:
+            if failures >= c.health_failures and process.proc is proc and record.up:
                 self._declare_dead(process, f"{failures} health probes failed in a row; killing it")
                 return
 
@@ -320,7 +321,7 @@ class Supervisor:
         process = self.processes[record.engine_id]
         log.warning("engine %d: restarting (%s)", record.engine_id, reason)
         record.restarts += 1
-        self.registry.set_state(record, EngineState.RESTARTING)
+        self.registry.set_lifecycle(record, Lifecycle.RESTARTING)
         if record.client is not None:
             await record.client.close()
             record.client = None
@@ -333,7 +334,7 @@ class Supervisor:
 
     def restart_in_background(self, record: EngineRecord, reason: str) -> None:
         """Take an engine out of rotation now; replace its process beside the caller."""
-        self.registry.set_state(record, EngineState.RESTARTING)
+        self.registry.set_lifecycle(record, Lifecycle.RESTARTING)
         self._in_background(self.restart(record, reason), self.processes[record.engine_id])
 
     async def _watch_exit(self, process: EngineProcess) -> None:
@@ -342,8 +343,8 @@ class Supervisor:
         proc = process.proc
         code = await proc.wait()
         record = process.record
-        if proc is process.proc and record.state not in (
-            EngineState.STOPPING, EngineState.STOPPED, EngineState.DEAD, EngineState.RESTARTING
+        if proc is process.proc and record.lifecycle not in (
+            Lifecycle.STOPPING, Lifecycle.STOPPED, Lifecycle.DEAD, Lifecycle.RESTARTING
         ):  # fmt: skip
             self._declare_dead(process, f"process {proc.pid} exited with code {code}")
 
@@ -359,7 +360,7 @@ class Supervisor:
         process.crashes += 1
         log.warning("engine %d: restarting in %.1fs (crash %d)", record.engine_id, delay, process.crashes)
         await asyncio.sleep(delay)
-        if record.state is EngineState.DEAD:
+        if record.lifecycle is Lifecycle.DEAD:
             await self.restart(record, "it died")
 
     async def stop(self, timeout_s: float) -> None:
@@ -371,11 +372,13 @@ class Supervisor:
                 # A failure was reported where it happened; none may stop the shutdown.
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
-        async with self.registry.lock:
-            for record in self.registry.records:
-                if record.state is not EngineState.STOPPED:
-                    self.registry.set_state(record, EngineState.STOPPING)
-            await asyncio.gather(*(self._stop_one(p, timeout_s) for p in self.processes.values()))
+        # Not under the registry's lock: a push may hold it for as long as its
+        # transfer times out, and the shutdown must end within its grace. What
+        # the push does next fails on stopping engines, and restarts none.
+        for record in self.registry.records:
+            if record.lifecycle is not Lifecycle.STOPPED:
+                self.registry.set_lifecycle(record, Lifecycle.STOPPING)
+        await asyncio.gather(*(self._stop_one(p, timeout_s) for p in self.processes.values()))
         if self._lifeline is not None:
             for fd in self._lifeline:
                 os.close(fd)
@@ -389,4 +392,4 @@ class Supervisor:
             await record.client.close()
             record.client = None
         await process.stop(timeout_s)
-        self.registry.set_state(record, EngineState.STOPPED)
+        self.registry.set_lifecycle(record, Lifecycle.STOPPED)

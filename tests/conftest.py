@@ -1,7 +1,8 @@
 """Shared fixtures: the demo model and a real skyinfer server with two vLLM engines.
 
 Engines take 30-45 s to start, so one two-engine server serves the whole
-session, and a one-engine server with keys serves the security and load tests;
+session (modules that push weights into it restore the checkpoint after
+them), and a one-engine server with keys serves the security and load tests;
 tests that must stop or break a server start their own.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from support import keyed_one_engine, running, two_float32_engines
+from support import keyed_one_engine, restore_checkpoint, running, two_float32_engines
 
 from skyinfer.demo_model import build_demo_model
 
@@ -21,26 +22,42 @@ def demo_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def server(demo_model, tmp_path_factory):
-    """One skyinfer server with two real vLLM engines, shared by the session."""
+def server(request, demo_model, tmp_path_factory):
+    """One skyinfer server with two real vLLM engines, shared by the session.
+
+    When the session needs the keyed server too, it is launched at the same
+    time: an engine starts one process after another, so a third engine
+    starting beside two costs little more than the two.
+    """
+    if any("keyed_server" in item.fixturenames for item in request.session.items):
+        request.getfixturevalue("_keyed_process")
     with running(two_float32_engines(demo_model, tmp_path_factory.mktemp("logs") / "server.log")) as srv:
         yield srv
 
 
+@pytest.fixture(scope="module")
+def restores_checkpoint(server, demo_model):
+    """For modules that push weights into the shared server: afterwards it serves the
+    checkpoint again, outside any transfer group, whatever the module's tests did."""
+    yield
+    restore_checkpoint(server, demo_model)
+
+
 @pytest.fixture(scope="session")
-def push_server(demo_model, tmp_path_factory):
-    """Two engines like the shared server's, for the tests and examples that push weights:
-    pushed weights would change the answers other tests compare against, and a trainer
-    that dies leaves engines in its transfer group."""
-    with running(two_float32_engines(demo_model, tmp_path_factory.mktemp("push") / "server.log")) as srv:
+def _keyed_process(demo_model, tmp_path_factory):
+    """The keyed server, launched (ready or not)."""
+    srv = keyed_one_engine(demo_model, tmp_path_factory.mktemp("keyed") / "server.log")
+    try:
         yield srv
+    finally:
+        srv.stop()
 
 
 @pytest.fixture(scope="session")
-def keyed_server(demo_model, tmp_path_factory):
+def keyed_server(_keyed_process):
     """One engine behind API and admin keys, shared by the security and load tests."""
-    with running(keyed_one_engine(demo_model, tmp_path_factory.mktemp("keyed") / "server.log")) as srv:
-        yield srv
+    _keyed_process.wait_ready()
+    return _keyed_process
 
 
 @pytest.fixture(scope="session")

@@ -20,6 +20,8 @@ from skyinfer.app import create_app
 from skyinfer.config import ServeConfig
 
 START_TIMEOUT_S = 300
+# A trainer in a process of its own (torch and skyinfer.trainer only).
+TRAINER = Path(__file__).with_name("trainer_process.py")
 
 
 def free_port() -> int:
@@ -156,6 +158,34 @@ async def restore_fleet(http: httpx.AsyncClient) -> None:
         assert (await http.post("/wake_up")).status_code == 200
     if (await http.get("/is_paused")).json()["is_paused"]:
         assert (await http.post("/resume")).status_code == 200
+
+
+def restore_checkpoint(server: ServerProcess, model: Path) -> None:
+    """Leave a shared server as it started, after tests that pushed weights into it: every
+    engine up and serving the checkpoint again (pushed back under the label an engine gives
+    the weights it loaded), out of any transfer group."""
+    from safetensors.torch import load_file
+
+    from skyinfer.trainer import GlooTrainer
+
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not all(e["state"] in ("ready", "paused", "sleeping", "stale") for e in server.engines()):
+        assert time.monotonic() < deadline, server.engines()
+        time.sleep(0.5)
+
+    async def serving() -> None:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
+            await restore_fleet(http)
+
+    asyncio.run(serving())
+    trainer = GlooTrainer(server.url, timeout_s=60)
+    try:
+        trainer.init()
+        trainer.push([(n, t.float()) for n, t in load_file(str(model / "model.safetensors")).items()], "default")
+    finally:
+        trainer.close()
+    assert httpx.post(f"{server.url}/shutdown_weight_transfer_engine", timeout=60).status_code == 200
+    assert [e["state"] for e in server.engines()] == ["ready"] * len(server.engines())
 
 
 def scrape(server) -> dict[str, list]:

@@ -8,7 +8,11 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 
+
+# The RL loop pushes weights into the shared server.
+pytestmark = pytest.mark.usefixtures("restores_checkpoint")
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -19,13 +23,13 @@ def run_example(name: str, *args: str, timeout_s: float = 600) -> subprocess.Com
     return done
 
 
-def test_agent_keeps_exact_tokens_on_one_engine(push_server, tmp_path):
+def test_agent_keeps_exact_tokens_on_one_engine(server, tmp_path):
     out = tmp_path / "episode.json"
-    run_example("agent.py", "--url", push_server.url, "--turns", "4", "--out", str(out))
+    run_example("agent.py", "--url", server.url, "--turns", "4", "--out", str(out))
     episode = json.loads(out.read_text())
     turns = episode["turns"]
     assert len(turns) == 4 and len({t["engine"] for t in turns}) == 1
-    with httpx.Client(base_url=push_server.url, timeout=60) as http:
+    with httpx.Client(base_url=server.url, timeout=60) as http:
         model = http.get("/v1/models").json()["data"][0]["id"]
         for t in turns:
             # The prompt ids are the engine's own rendering of the conversation so far.
@@ -43,18 +47,16 @@ def test_agent_keeps_exact_tokens_on_one_engine(push_server, tmp_path):
     assert all(t["prompt_token_ids"][: len(first)] == first for t in turns[1:])
 
 
-def test_rl_loop_pushes_new_weights_each_iteration(push_server):
-    # What the engines serve now: "default" (as loaded) unless the weight-sync tests pushed first.
-    (start_version,) = {e["weight_version"] for e in httpx.get(f"{push_server.url}/weight_info", timeout=30).json()["engines"]}
-    done = run_example("rl_loop.py", "--url", push_server.url, "--iterations", "3")
+def test_rl_loop_pushes_new_weights_each_iteration(server):
+    done = run_example("rl_loop.py", "--url", server.url, "--iterations", "3")
     lines = done.stdout.strip().splitlines()
     timing_lines = [line for line in lines if line.startswith("iter ")]
     assert len(timing_lines) == 3 and all("push" in line and "ms" in line for line in timing_lines)
     summary = json.loads(lines[-1])
     # Rollouts of iteration k ran on the weights of step k (the example asserts this per rollout).
-    assert summary["versions_seen"] == [[start_version], ["step-1"], ["step-2"]]
+    assert summary["versions_seen"] == [["default"], ["step-1"], ["step-2"]]
     assert summary["final_version"] == "step-3"
-    info = httpx.get(f"{push_server.url}/weight_info", timeout=30).json()
+    info = httpx.get(f"{server.url}/weight_info", timeout=30).json()
     assert info["weight_version"] == "step-3"
     assert [e["weight_version"] for e in info["engines"]] == ["step-3", "step-3"]
     assert all(it["loss"] == it["loss"] for it in summary["iterations"])  # no NaN from the optimizer step

@@ -1,6 +1,7 @@
 """Random and mutated request bodies on every route: 4xx, never a crash, and nothing lost.
 
-Each POST route gets 500 bodies (each GET route 50): its valid seed bodies, then mutants of them
+Each data and weight route gets 500 bodies (each control route 200, each GET route
+50): its valid seed bodies, then mutants of them
 (truncated, bytes flipped, invalid UTF-8, values swapped for extreme or
 wrongly typed ones, keys dropped or added, wrong top-level types, deep
 nesting) and plain random bytes. The RNG is seeded, so a failure replays.
@@ -23,6 +24,9 @@ import httpx
 from support import app_routes, engine_of, restore_fleet
 
 BODIES_PER_ROUTE = 500
+# The control routes' seeds are (nearly) empty objects: a couple of hundred mutants
+# cover what can be made of them.
+BODIES_PER_CONTROL_ROUTE = 200
 # GET routes read no body: a few dozen show that one changes nothing.
 BODIES_PER_GET_ROUTE = 50
 CONCURRENCY = 16
@@ -89,6 +93,7 @@ CONTROL_SEEDS: dict[tuple[str, str], list[Any]] = {
     ("POST", "/wake_up"): [{}],
     ("POST", "/reset_prefix_cache"): [{}],
     ("POST", "/abort_requests"): [{"request_ids": ["cmpl-fuzz-0"]}, {}],
+    ("POST", "/shutdown_weight_transfer_engine"): [{}],
 }
 
 
@@ -169,15 +174,17 @@ def bounded(raw: bytes) -> bytes:
     return json.dumps(body).encode() if unbounded else raw
 
 
-def body_count(method: str) -> int:
-    return BODIES_PER_ROUTE if method == "POST" else BODIES_PER_GET_ROUTE
+def body_count(method: str, path: str) -> int:
+    if method == "GET":
+        return BODIES_PER_GET_ROUTE
+    return BODIES_PER_CONTROL_ROUTE if (method, path) in CONTROL_SEEDS else BODIES_PER_ROUTE
 
 
-def bodies(method: str, seed_bodies: list[Any], rng: random.Random) -> list[bytes]:
+def bodies(count: int, seed_bodies: list[Any], rng: random.Random) -> list[bytes]:
     mutator = Mutator(rng)
     generates = any("max_tokens" in json.dumps(s) for s in seed_bodies)
     out = [json.dumps(s).encode() for s in seed_bodies]
-    while len(out) < body_count(method):
+    while len(out) < count:
         mutant = mutator.body(rng.choice(seed_bodies))
         out.append(bounded(mutant) if generates else mutant)
     return out
@@ -203,7 +210,7 @@ async def fuzz(http: httpx.AsyncClient, route_seeds: dict, rng: random.Random) -
         if r.status_code >= 500 or (r.status_code >= 400 and not is_openai_error(r)):
             offenders.append((method, path, body[:200], r.status_code, r.text[:300]))
 
-    jobs = [(m, p, b) for (m, p), s in route_seeds.items() for b in bodies(m, s, rng)]
+    jobs = [(m, p, b) for (m, p), s in route_seeds.items() for b in bodies(body_count(m, p), s, rng)]
     rng.shuffle(jobs)
     await asyncio.gather(*(send(*job) for job in jobs))
     return statuses, offenders
@@ -239,8 +246,8 @@ async def test_fuzzed_bodies_get_4xx_and_change_nothing(server, model_name, demo
     print("control routes:", sorted(control_statuses.items()))
     assert not data_offenders, data_offenders[:10]
     assert not control_offenders, control_offenders[:10]
-    assert sum(data_statuses.values()) == sum(body_count(m) for m, _ in seeds(model_name))
-    assert sum(control_statuses.values()) == sum(body_count(m) for m, _ in CONTROL_SEEDS)
+    assert sum(data_statuses.values()) == sum(body_count(*route) for route in seeds(model_name))
+    assert sum(control_statuses.values()) == sum(body_count(*route) for route in CONTROL_SEEDS)
     # The fuzz reached past parsing: some bodies were valid and served.
     assert data_statuses.get(200, 0) > 100 and control_statuses.get(200, 0) > 10
     # No engine died or restarted, and each still gives the same answer.

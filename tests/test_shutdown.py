@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import subprocess
+import sys
 import time
 
 import httpx
 import psutil
 import pytest
 
-from support import ServerProcess, admit_while_paused, process_tree, running
+from support import TRAINER, ServerProcess, admit_while_paused, process_tree, running
 
 GRACE_S = 8
 
@@ -63,18 +65,28 @@ async def test_sigterm_lets_in_flight_requests_finish(stoppable):
     assert_nothing_left(tree)
 
 
-async def test_grace_period_bounds_the_shutdown(stoppable):
-    """Requests that cannot finish (held by a pause) are cut off when the grace runs out."""
+async def test_grace_period_bounds_the_shutdown(stoppable, demo_model):
+    """Requests that cannot finish (held by a pause) are cut off when the grace runs out, and a
+    push stuck mid-transfer (its trainer stopped sending) does not hold the shutdown up."""
     srv = stoppable["grace"]
     tree = process_tree(srv)
-    async with httpx.AsyncClient(base_url=srv.url, timeout=120) as http:
-        held = {"model": srv.model, "prompt": "held", "max_tokens": 16}
-        tasks = await admit_while_paused(http, (http.post("/v1/completions", json=held) for _ in range(4)))
-        srv.proc.send_signal(signal.SIGTERM)
-        signalled = time.monotonic()
-        code = await asyncio.to_thread(srv.proc.wait, 60)
-        elapsed = time.monotonic() - signalled
-        outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+    trainer = subprocess.Popen(
+        [sys.executable, str(TRAINER), srv.url, str(demo_model / "model.safetensors"), "v-stuck", "--hang-after", "2"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        async with httpx.AsyncClient(base_url=srv.url, timeout=120) as http:
+            held = {"model": srv.model, "prompt": "held", "max_tokens": 16}
+            tasks = await admit_while_paused(http, (http.post("/v1/completions", json=held) for _ in range(4)))
+            assert await asyncio.to_thread(trainer.stdout.readline) == "hanging\n"
+            assert (await http.get("/weight_info")).json()["update_phase"] == "started"
+            srv.proc.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
+            code = await asyncio.to_thread(srv.proc.wait, 60)
+            elapsed = time.monotonic() - signalled
+            outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+    finally:
+        trainer.kill()
     assert code == 0, srv.log_tail()
     # The requests had the in-flight share of the grace; the whole shutdown fits in it.
     assert GRACE_S * 0.7 < elapsed < GRACE_S + 1, f"shutdown took {elapsed:.1f}s with a {GRACE_S}s grace"

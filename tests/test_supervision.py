@@ -47,61 +47,67 @@ async def _timed(task) -> tuple[httpx.Response, float]:
     return r, time.monotonic()
 
 
-@pytest.mark.parametrize("role", ["EngineCore", "Worker"])
-async def test_killed_engine_fails_fast_and_comes_back(crash_server, role):
+async def test_killed_engine_processes_fail_their_requests_fast_and_come_back(crash_server):
+    """vLLM's EngineCore under engine 1 and its worker under engine 0 are SIGKILLed at once:
+    every request on them fails with 503 within seconds, not at a timeout, and both engines are
+    restarted, side by side, and serve again."""
     body = {"model": crash_server.model, "prompt": "under load", "max_tokens": 600, "ignore_eos": True}
     async with httpx.AsyncClient(base_url=crash_server.url, timeout=120) as http:
         await wait_for_states(http, ["ready", "ready"])
-        victim_pid = (await http.get("/engines")).json()["engines"][1]["pid"]
-        # 32 requests admitted while paused, so all are in flight when the kill lands.
+        before = [e["pid"] for e in (await http.get("/engines")).json()["engines"]]
+        # 32 requests admitted while paused, so all are in flight when the kills land.
         tasks = await admit_while_paused(http, (http.post("/v1/completions", json=body) for _ in range(32)))
         assert (await http.post("/resume")).status_code == 200
-        vllm_process(victim_pid, role).send_signal(signal.SIGKILL)
+        victims = [vllm_process(before[1], "EngineCore"), vllm_process(before[0], "Worker")]
+        for victim in victims:
+            victim.send_signal(signal.SIGKILL)
         killed_at = time.monotonic()
 
         results = await asyncio.gather(*(_timed(t) for t in tasks))
-        by_engine = {0: [], 1: []}
+        assert sorted(engine_of(r) for r, _ in results) == [0] * 16 + [1] * 16
         for r, at in results:
-            by_engine[engine_of(r)].append((r, at - killed_at))
-        assert len(by_engine[0]) == len(by_engine[1]) == 16
-        for r, _ in by_engine[0]:
-            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 600
-        for r, after in by_engine[1]:
-            assert r.status_code == 503, r.text
-            assert r.json()["error"]["type"] == "ServiceUnavailableError"
-            assert after < 5, f"a request on the killed engine took {after:.1f}s to fail"
-
-        # New requests go to the live engine meanwhile.
-        for i in range(4):
-            r = await http.post("/v1/completions", json={**body, "max_tokens": 4}, headers={"X-Session-ID": f"new-{i}"})
-            assert r.status_code == 200 and engine_of(r) == 0
-        # An admin call meanwhile is reported per engine, never hidden behind a 200: the live
-        # engine applies it, the dead one is named.
-        assert (await http.get("/engines")).json()["engines"][1]["state"] in ("dead", "restarting")
-        r = await http.post("/pause", params={"mode": "keep"})
-        assert r.status_code == 503 and "engine 1" in r.json()["error"]["message"], r.text
-        assert [(e["engine"], e["status"]) for e in r.json()["engines"]] == [(0, 200), (1, 503)]
-        assert (await http.get("/engines")).json()["engines"][0]["state"] == "paused"
-        r = await http.post("/resume")
-        assert r.status_code == 503 and [(e["engine"], e["status"]) for e in r.json()["engines"]] == [(0, 200), (1, 503)]
-        assert (await http.get("/engines")).json()["engines"][0]["state"] == "ready"
-        # The killed engine is restarted and serves again.
-        await wait_for_states(http, ["ready", "ready"])
-        assert (await http.get("/engines")).json()["engines"][1]["pid"] != victim_pid
+            assert r.status_code == 503 and r.json()["error"]["type"] == "ServiceUnavailableError", r.text
+            assert at - killed_at < 5, f"a request on a killed engine took {at - killed_at:.1f}s to fail"
+        # Both are replaced: new processes, ready again.
+        deadline = time.monotonic() + 240
+        while True:
+            engines = (await http.get("/engines")).json()["engines"]
+            if all(e["pid"] != pid and e["state"] == "ready" for e, pid in zip(engines, before)):
+                break
+            assert time.monotonic() < deadline, engines
+            await asyncio.sleep(0.5)
         served = set()
         for i in range(10):
             r = await http.post("/v1/completions", json={**body, "max_tokens": 4})
-            assert r.status_code == 200
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
             served.add(engine_of(r))
         assert served == {0, 1}
 
 
-async def test_hung_engine_fails_its_probes_and_is_replaced(crash_server):
-    """An engine that is there but does not answer (SIGSTOP) is declared dead by its health probe."""
+# Last but one: its push moves the fleet's weight version past the checkpoint on disk,
+# so an engine restarted after it comes back stale.
+async def test_a_hung_engine_and_a_failing_restart_both_end_revived_and_out_of_the_group(crash_server, demo_model):
+    """Two faults, one per engine, so that the two restarts overlap.
+
+    Engine 1 hangs (SIGSTOP): its health probes declare it dead, its requests fail fast and its
+    sticky session moves to engine 0. Then engine 0 dies and its restart itself fails with an
+    error nobody planned for (its socket path is a directory, so spawning raises
+    IsADirectoryError): it must not stay "restarting"; it is declared dead again, retried after
+    twice the backoff, and comes back. Both come back outside the trainer's transfer group, so
+    a push is refused until the trainer forms the group again.
+    """
+    from safetensors.torch import load_file
+
+    from skyinfer.client import SkyinferError
+    from skyinfer.trainer import GlooTrainer
+
     body = {"model": crash_server.model, "prompt": "hang on", "max_tokens": 600, "ignore_eos": True}
+    tensors = list(load_file(str(demo_model / "model.safetensors")).items())
+    trainer = GlooTrainer(crash_server.url, timeout_s=60)
     async with httpx.AsyncClient(base_url=crash_server.url, timeout=120) as http:
         await wait_for_states(http, ["ready", "ready"])
-        victim_pid = (await http.get("/engines")).json()["engines"][1]["pid"]
+        await asyncio.to_thread(trainer.init)
+        before = (await http.get("/engines")).json()["engines"]
         restarts_before = total(scrape(crash_server), "skyinfer_engine_restarts", "skyinfer_engine_restarts_total", engine="1")
         sticky = {}
         for i in range(8):
@@ -110,7 +116,7 @@ async def test_hung_engine_fails_its_probes_and_is_replaced(crash_server):
         assert set(sticky) == {0, 1}
         tasks = await admit_while_paused(http, (http.post("/v1/completions", json=body) for _ in range(16)))
         assert (await http.post("/resume")).status_code == 200
-        os.kill(victim_pid, signal.SIGSTOP)
+        os.kill(before[1]["pid"], signal.SIGSTOP)
         hung_at = time.monotonic()
         # Declared dead after 3 failed probes (1 s apart, 4 s timeout each).
         while (await http.get("/health")).json()["engines"][1]["state"] == "ready":
@@ -127,39 +133,25 @@ async def test_hung_engine_fails_its_probes_and_is_replaced(crash_server):
         # Its sticky session moved to the live engine.
         r = await http.post("/v1/completions", json={**body, "max_tokens": 2}, headers={"X-Session-ID": sticky[1]})
         assert r.status_code == 200 and engine_of(r) == 0
-        await wait_for_states(http, ["ready", "ready"])
-        assert (await http.get("/engines")).json()["engines"][1]["pid"] != victim_pid
-        assert not psutil.pid_exists(victim_pid) or psutil.Process(victim_pid).status() == psutil.STATUS_ZOMBIE
-    restarts = total(scrape(crash_server), "skyinfer_engine_restarts", "skyinfer_engine_restarts_total", engine="1")
-    assert restarts == restarts_before + 1
+        # An admin call meanwhile is reported per engine, never hidden behind a 200: the live
+        # engine applies it, the dead one is named.
+        assert (await http.get("/engines")).json()["engines"][1]["state"] in ("dead", "restarting")
+        r = await http.post("/pause", params={"mode": "keep"})
+        assert r.status_code == 503 and "engine 1" in r.json()["error"]["message"], r.text
+        assert [(e["engine"], e["status"]) for e in r.json()["engines"]] == [(0, 200), (1, 503)]
+        assert (await http.get("/engines")).json()["engines"][0]["state"] == "paused"
+        r = await http.post("/resume")
+        assert r.status_code == 503 and [(e["engine"], e["status"]) for e in r.json()["engines"]] == [(0, 200), (1, 503)]
+        assert (await http.get("/engines")).json()["engines"][0]["state"] == "ready"
 
-
-# Last but one: its push moves the fleet's weight version past the checkpoint on disk,
-# so an engine restarted after it comes back stale.
-async def test_a_failing_restart_still_revives_the_engine_which_must_rejoin_before_a_push(crash_server, demo_model):
-    """The restart itself fails with an error nobody planned for (the engine's socket path is
-    a directory, so spawning raises IsADirectoryError): the engine must not stay "restarting"
-    for ever; it is declared dead again, retried after a longer backoff, and comes back. It
-    comes back outside the trainer's transfer group, so a push is refused until the trainer
-    forms the group again."""
-    from safetensors.torch import load_file
-
-    from skyinfer.client import SkyinferError
-    from skyinfer.trainer import GlooTrainer
-
-    tensors = list(load_file(str(demo_model / "model.safetensors")).items())
-    trainer = GlooTrainer(crash_server.url, timeout_s=60)
-    async with httpx.AsyncClient(base_url=crash_server.url, timeout=120) as http:
-        await wait_for_states(http, ["ready", "ready"])
-        await asyncio.to_thread(trainer.init)
-        victim = (await http.get("/engines")).json()["engines"][1]
-        argv = psutil.Process(victim["pid"]).cmdline()
+        # While engine 1 restarts: engine 0 dies, and the path its new process must listen on is taken.
+        argv = psutil.Process(before[0]["pid"]).cmdline()
         socket_path = argv[argv.index("--socket") + 1]
         log_start = len(crash_server.log_path.read_text(errors="replace"))
-        os.killpg(victim["pid"], signal.SIGKILL)
-        while (await http.get("/engines")).json()["engines"][1]["state"] != "dead":
+        os.killpg(before[0]["pid"], signal.SIGKILL)
+        while (await http.get("/engines")).json()["engines"][0]["state"] != "dead":
             await asyncio.sleep(0.02)
-        # Within the restart backoff (1 s or more): the path the new engine must listen on is taken.
+        # Within the restart backoff (1 s or more).
         with contextlib.suppress(FileNotFoundError):
             os.unlink(socket_path)
         os.mkdir(socket_path)
@@ -168,23 +160,26 @@ async def test_a_failing_restart_still_revives_the_engine_which_must_rejoin_befo
             while (log := crash_server.log_path.read_text(errors="replace")[log_start:]).count("IsADirectoryError") < 1:
                 assert time.monotonic() < deadline, log[-3000:]
                 await asyncio.sleep(0.2)
-            assert (await http.get("/engines")).json()["engines"][1]["state"] in ("dead", "restarting")
+            assert (await http.get("/engines")).json()["engines"][0]["state"] in ("dead", "restarting")
         finally:
             os.rmdir(socket_path)
         await wait_for_states(http, ["ready", "ready"])
-        revived = (await http.get("/engines")).json()["engines"][1]
-        assert revived["pid"] != victim["pid"] and revived["restarts"] >= victim["restarts"] + 2
+        after = (await http.get("/engines")).json()["engines"]
+        assert after[1]["pid"] != before[1]["pid"]
+        assert not psutil.pid_exists(before[1]["pid"]) or psutil.Process(before[1]["pid"]).status() == psutil.STATUS_ZOMBIE
+        assert after[0]["pid"] != before[0]["pid"] and after[0]["restarts"] >= before[0]["restarts"] + 2
         # The attempt after the failed one waited twice as long.
         log = crash_server.log_path.read_text(errors="replace")[log_start:]
-        delays = [float(d) for d in re.findall(r"engine 1: restarting in ([0-9.]+)s", log)]
+        delays = [float(d) for d in re.findall(r"engine 0: restarting in ([0-9.]+)s", log)]
         assert len(delays) >= 2 and all(b == 2 * a for a, b in zip(delays, delays[1:])), delays
-        served = {engine_of(await http.post("/v1/completions", json={"model": crash_server.model, "prompt": "back",
-                                                                     "max_tokens": 2})) for _ in range(6)}  # fmt: skip
+        served = {engine_of(await http.post("/v1/completions", json={**body, "max_tokens": 2})) for _ in range(6)}
         assert served == {0, 1}
+        restarts = total(scrape(crash_server), "skyinfer_engine_restarts", "skyinfer_engine_restarts_total", engine="1")
+        assert restarts == restarts_before + 1
 
         groups = [e["in_transfer_group"] for e in (await http.get("/weight_info")).json()["engines"]]
-        assert groups == [True, False]
-        # The new process is not in the trainer's group: refused up front, nothing restarted.
+        assert groups == [False, False]
+        # The new processes are not in the trainer's group: refused up front, nothing restarted.
         with pytest.raises(SkyinferError) as refused:
             await asyncio.to_thread(trainer.push, tensors, "v-stale-group")
         assert refused.value.status == 409 and "init_weight_transfer" in refused.value.message

@@ -2,9 +2,8 @@
 
 The trainer runs in its own process without vLLM (tests/trainer_process.py).
 Correctness is judged against a transformers float32 forward pass of the
-pushed weights. The engines are the push server's (shared with the examples
-only): a push changes their weights, and a trainer that dies leaves them in
-its group, which the tests on the shared server must not inherit.
+pushed weights. The engines are the shared server's: afterwards the module
+pushes the checkpoint back and leaves the transfer group (``restores_checkpoint``).
 """
 
 from __future__ import annotations
@@ -21,11 +20,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from support import admit_while_paused, engine_of, scrape, total
+from support import TRAINER, admit_while_paused, engine_of, scrape, total
+
+pytestmark = pytest.mark.usefixtures("restores_checkpoint")
 
 PUSH_SECONDS = "skyinfer_weight_update_duration_seconds"
 
-TRAINER = Path(__file__).with_name("trainer_process.py")
 PROMPTS = ["The quick brown fox", "Reinforcement learning updates a policy", "def main():"]
 
 
@@ -117,7 +117,7 @@ def greedy(server, model_name, session: str) -> list[int]:
     return r.json()["choices"][0]["token_ids"]
 
 
-def test_weight_transfer_methods_drive_a_push(push_server, model_name, demo_model):
+def test_weight_transfer_methods_drive_a_push(server, model_name, demo_model):
     """The sync client's weight calls, as vLLM's trainer-side code would make them (via GlooTrainer):
     a session of calls, then the one-call path; each leaves the engines serving what was pushed,
     whatever they served before (the examples push to this server too)."""
@@ -127,30 +127,30 @@ def test_weight_transfer_methods_drive_a_push(push_server, model_name, demo_mode
     modified = modified_weights(demo_model, seed=5)
     # The checkpoint's own weights, in the served dtype.
     checkpoint = {n: t.float() for n, t in load_file(str(demo_model / "model.safetensors")).items()}
-    with Client(push_server.url) as client:
-        trainer = GlooTrainer(push_server.url, timeout_s=60, client=client)
+    with Client(server.url) as client:
+        trainer = GlooTrainer(server.url, timeout_s=60, client=client)
         trainer.init()
         trainer.push(list(modified.items()), "client-push")
         assert client.weight_info()["weight_version"] == "client-push"
-        assert_engines_match(push_server, model_name, demo_model, modified, "client-push")
+        assert_engines_match(server, model_name, demo_model, modified, "client-push")
         trainer.push(list(checkpoint.items()), "client-push-2", one_call=True)
         assert client.weight_info()["weight_version"] == "client-push-2"
-        assert_engines_match(push_server, model_name, demo_model, checkpoint, "client-push-2")
+        assert_engines_match(server, model_name, demo_model, checkpoint, "client-push-2")
         after = client.generate([5, 6, 7], {"max_tokens": 4, "temperature": 0, "ignore_eos": True})
     assert after["choices"][0]["weight_versions"] == [{"version": "client-push-2", "start": 0, "end": 4}]
 
 
-async def test_push_under_keep_pause_then_logprobs_match_transformers(push_server, model_name, demo_model, tmp_path):
-    assert httpx.get(f"{push_server.url}/get_world_size").json()["world_size"] == 2
-    pushes_before = total(scrape(push_server), PUSH_SECONDS, f"{PUSH_SECONDS}_count")
+async def test_push_under_keep_pause_then_logprobs_match_transformers(server, model_name, demo_model, tmp_path):
+    assert httpx.get(f"{server.url}/get_world_size").json()["world_size"] == 2
+    pushes_before = total(scrape(server), PUSH_SECONDS, f"{PUSH_SECONDS}_count")
     weights = modified_weights(demo_model, seed=1)
     weights_file = save(weights, tmp_path / "w1.safetensors")
-    async with httpx.AsyncClient(base_url=push_server.url, timeout=300) as http:
+    async with httpx.AsyncClient(base_url=server.url, timeout=300) as http:
         body = {"model": model_name, "max_tokens": 64, "ignore_eos": True, "return_token_ids": True}
         tasks = await admit_while_paused(
             http, (http.post("/v1/completions", json={**body, "prompt": f"in flight {i}"}) for i in range(8))
         )
-        trainer = await asyncio.to_thread(run_trainer, push_server, weights_file, "v-one")
+        trainer = await asyncio.to_thread(run_trainer, server, weights_file, "v-one")
         assert trainer.returncode == 0, trainer.stdout + trainer.stderr
         assert not any(t.done() for t in tasks)
         assert (await http.post("/resume")).status_code == 200
@@ -159,23 +159,23 @@ async def test_push_under_keep_pause_then_logprobs_match_transformers(push_serve
         assert r.status_code == 200
         choice = r.json()["choices"][0]
         assert (choice["finish_reason"], len(choice["token_ids"])) == ("length", 64)
-    info = httpx.get(f"{push_server.url}/weight_info").json()
+    info = httpx.get(f"{server.url}/weight_info").json()
     assert info["weight_version"] == "v-one"
     assert [e["weight_version"] for e in info["engines"]] == ["v-one", "v-one"]
-    assert_engines_match(push_server, model_name, demo_model, weights, "v-one")
+    assert_engines_match(server, model_name, demo_model, weights, "v-one")
     # The token route also reports vLLM's per-token version spans.
-    r = httpx.post(f"{push_server.url}/inference/v1/generate",
+    r = httpx.post(f"{server.url}/inference/v1/generate",
                    json={"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 4, "ignore_eos": True}}, timeout=60)  # fmt: skip
     assert r.headers["X-Weight-Version"] == "v-one"
     assert r.json()["choices"][0]["weight_versions"] == [{"version": "v-one", "start": 0, "end": 4}]
 
     # A second push, with other weights, through a single /update_weights call.
     weights2 = modified_weights(demo_model, seed=2)
-    trainer = run_trainer(push_server, save(weights2, tmp_path / "w2.safetensors"), "v-two", "--one-call")
+    trainer = run_trainer(server, save(weights2, tmp_path / "w2.safetensors"), "v-two", "--one-call")
     assert trainer.returncode == 0, trainer.stdout + trainer.stderr
-    assert_engines_match(push_server, model_name, demo_model, weights2, "v-two")
+    assert_engines_match(server, model_name, demo_model, weights2, "v-two")
     # Both pushes were timed, and the version is on the metrics too.
-    families = scrape(push_server)
+    families = scrape(server)
     assert total(families, PUSH_SECONDS, f"{PUSH_SECONDS}_count") - pushes_before == 2
     assert total(families, PUSH_SECONDS, f"{PUSH_SECONDS}_sum") > 0
     version_info = "skyinfer_engine_weight_version_info"
@@ -190,30 +190,30 @@ async def test_push_under_keep_pause_then_logprobs_match_transformers(push_serve
         (lambda w: w.update({"model.norm.weight": w["model.norm.weight"].to(torch.bfloat16)}), "wrong dtype"),
     ],
 )
-def test_bad_metadata_is_refused_before_any_transfer(push_server, model_name, demo_model, tmp_path, change, message):
-    version_before = httpx.get(f"{push_server.url}/weight_info").json()["weight_version"]
-    before = greedy(push_server, model_name, "bad-metadata")
+def test_bad_metadata_is_refused_before_any_transfer(server, model_name, demo_model, tmp_path, change, message):
+    version_before = httpx.get(f"{server.url}/weight_info").json()["weight_version"]
+    before = greedy(server, model_name, "bad-metadata")
     weights = modified_weights(demo_model, seed=3)
     change(weights)
-    trainer = run_trainer(push_server, save(weights, tmp_path / "bad.safetensors"), "v-bad")
+    trainer = run_trainer(server, save(weights, tmp_path / "bad.safetensors"), "v-bad")
     assert trainer.returncode == 3, trainer.stdout + trainer.stderr
     assert "refused 400" in trainer.stdout and message in trainer.stdout
     # The same metadata straight to /update_weights (the one-call path): 400 too.
     names = list(weights)
     update_info = {"names": names, "dtype_names": [str(weights[n].dtype).split(".")[-1] for n in names],
                    "shapes": [list(weights[n].shape) for n in names]}  # fmt: skip
-    r = httpx.post(f"{push_server.url}/update_weights", json={"update_info": update_info}, timeout=30)
+    r = httpx.post(f"{server.url}/update_weights", json={"update_info": update_info}, timeout=30)
     assert r.status_code == 400 and message in r.json()["error"]["message"]
-    assert httpx.get(f"{push_server.url}/weight_info").json()["weight_version"] == version_before
-    assert greedy(push_server, model_name, "bad-metadata") == before
-    assert all(e["state"] == "ready" for e in push_server.engines())
+    assert httpx.get(f"{server.url}/weight_info").json()["weight_version"] == version_before
+    assert greedy(server, model_name, "bad-metadata") == before
+    assert all(e["state"] == "ready" for e in server.engines())
 
 
-async def test_trainer_that_never_joins_times_out_while_engines_serve(push_server, model_name):
+async def test_trainer_that_never_joins_times_out_while_engines_serve(server, model_name):
     from support import free_port
 
     init_info = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 3, "timeout_s": 6}
-    async with httpx.AsyncClient(base_url=push_server.url, timeout=120) as http:
+    async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
         started = time.monotonic()
         init = asyncio.create_task(http.post("/init_weight_transfer", json={"init_info": init_info}))
         await asyncio.sleep(1)
@@ -232,35 +232,92 @@ async def test_trainer_that_never_joins_times_out_while_engines_serve(push_serve
     assert len(served) >= 3 and max(served) < 5, served
 
 
-def test_trainer_dying_mid_transfer_restarts_engines_stale_until_next_push(push_server, model_name, demo_model, tmp_path):
+async def test_trainer_dying_mid_transfer_restarts_engines_stale_until_next_push(server, model_name, demo_model, tmp_path):
     weights = modified_weights(demo_model, seed=4)
     weights_file = save(weights, tmp_path / "w4.safetensors")
     # The fleet moves past the checkpoint on disk, which restarted engines load.
-    assert run_trainer(push_server, weights_file, "v-before-crash").returncode == 0
-    trainer = run_trainer(push_server, weights_file, "v-dies", "--die-after", "3")
-    assert trainer.returncode == 9
+    assert (await asyncio.to_thread(run_trainer, server, weights_file, "v-before-crash")).returncode == 0
+    # Requests held by a keep-pause under the push end, however the push ends.
+    body = {"model": model_name, "prompt": "held through a crash", "max_tokens": 64, "ignore_eos": True}
+    async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
+
+        async def ended(request) -> tuple[httpx.Response, float]:
+            return await request, time.monotonic()
+
+        held = await admit_while_paused(http, (ended(http.post("/v1/completions", json=body)) for _ in range(8)))
+        trainer = await asyncio.to_thread(run_trainer, server, weights_file, "v-dies", "--die-after", "3")
+        died = time.monotonic()
+        assert trainer.returncode == 9
+        for r, at in await asyncio.gather(*held):
+            if r.status_code != 200:
+                assert r.status_code == 503 and r.json()["error"]["code"] == 503, r.text
+                assert at - died < 5, f"a held request ended {at - died:.1f}s after the trainer died"
+            else:
+                assert r.json()["usage"]["completion_tokens"] == 64
     # Every engine was receiving: each is restarted, and comes back stale.
     deadline = time.monotonic() + 240
     seen = set()
     while True:
-        states = [e["state"] for e in push_server.engines()]
+        states = [e["state"] for e in server.engines()]
         seen.update(states)
         if states == ["stale", "stale"]:
             break
         assert time.monotonic() < deadline, states
-        r = httpx.post(f"{push_server.url}/v1/completions", json={"model": model_name, "prompt": "x", "max_tokens": 2}, timeout=30)
+        r = httpx.post(f"{server.url}/v1/completions", json={"model": model_name, "prompt": "x", "max_tokens": 2}, timeout=30)
         assert r.status_code == 503, "a stale or restarting engine served a request"
         time.sleep(1)
     assert "restarting" in seen
-    families = scrape(push_server)
+    families = scrape(server)
     for engine in ("0", "1"):
         assert total(families, "skyinfer_engine_restarts", "skyinfer_engine_restarts_total", engine=engine) >= 1
         assert total(families, "skyinfer_engine_state", "skyinfer_engine_state", engine=engine, state="stale") == 1
     assert total(families, "skyinfer_weight_update_failures", "skyinfer_weight_update_failures_total") >= 1
-    r = httpx.post(f"{push_server.url}/v1/completions", json={"model": model_name, "prompt": "x", "max_tokens": 2}, timeout=30)
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": model_name, "prompt": "x", "max_tokens": 2}, timeout=30)
     assert r.status_code == 503 and r.json()["error"]["type"] == "ServiceUnavailableError"
 
-    trainer = run_trainer(push_server, weights_file, "v-after-crash")
+    # The recovery path: pause (twice: a retried call is harmless), push, resume, with every
+    # engine stale; each call answers per engine, none is half-applied.
+    for _ in range(2):
+        r = httpx.post(f"{server.url}/pause", params={"mode": "keep"}, timeout=60)
+        assert r.status_code == 200 and [e["status"] for e in r.json()["engines"]] == [200, 200], r.text
+    assert [(e["state"], e["paused"]) for e in server.engines()] == [("stale", True)] * 2
+    trainer = run_trainer(server, weights_file, "v-after-crash")
     assert trainer.returncode == 0, trainer.stdout + trainer.stderr
-    assert [e["state"] for e in push_server.engines()] == ["ready", "ready"]
-    assert_engines_match(push_server, model_name, demo_model, weights, "v-after-crash")
+    assert [e["state"] for e in server.engines()] == ["paused", "paused"]
+    assert httpx.post(f"{server.url}/resume", timeout=60).status_code == 200
+    assert [e["state"] for e in server.engines()] == ["ready", "ready"]
+    assert_engines_match(server, model_name, demo_model, weights, "v-after-crash")
+
+
+async def test_an_update_the_trainer_leaves_is_aborted_and_the_group_can_be_left(server):
+    """A trainer that goes silent after /start_weight_update does not wedge weight sync: the
+    update is aborted after the group's timeout. vLLM's /shutdown_weight_transfer_engine takes
+    every engine out of the group."""
+    from skyinfer.trainer import GlooTrainer
+
+    trainer = GlooTrainer(server.url, timeout_s=4)
+    await asyncio.to_thread(trainer.init)
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+            assert (await http.post("/start_weight_update", json={"is_checkpoint_format": True})).status_code == 200
+            # While it lasts, a second update is an ordering mistake.
+            refused = await http.post("/start_weight_update")
+            assert refused.status_code == 409 and "is started" in refused.json()["error"]["message"]
+            assert (await http.get("/weight_info")).json()["update_phase"] == "started"
+            deadline = time.monotonic() + 10
+            while (info := (await http.get("/weight_info")).json())["update_phase"] != "idle":
+                assert time.monotonic() < deadline, info
+                await asyncio.sleep(0.2)
+            # Nothing had touched the engines: they serve on, still in the group.
+            assert [(e["state"], e["in_transfer_group"]) for e in info["engines"]] == [("ready", True)] * 2
+            assert (await http.post("/start_weight_update")).status_code == 200
+            # Leaving the group ends the started update too.
+            left = await http.post("/shutdown_weight_transfer_engine")
+            assert left.status_code == 200 and [e["status"] for e in left.json()["engines"]] == [200, 200], left.text
+            info = (await http.get("/weight_info")).json()
+            assert info["update_phase"] == "idle" and not any(e["in_transfer_group"] for e in info["engines"])
+            refused = await http.post("/start_weight_update")
+            assert refused.status_code == 409 and "init_weight_transfer" in refused.json()["error"]["message"]
+    finally:
+        trainer.close()
+

@@ -1,14 +1,16 @@
 """A trainer in its own process, as a training script would be: torch and skyinfer.trainer only.
 
-    python tests/trainer_process.py URL WEIGHTS.safetensors VERSION [--one-call] [--die-after N]
+    python tests/trainer_process.py URL WEIGHTS.safetensors VERSION [--one-call] [--die-after N | --hang-after N]
 
 Exits 0 after a push; prints a refusal's status and message and exits 3; with
---die-after it sends N tensors one by one and then dies mid-transfer.
+--die-after it sends N tensors one by one and then dies mid-transfer; with
+--hang-after it sends N and then waits for ever, holding the transfer open.
 """
 
 import argparse
 import os
 import sys
+import time
 
 from safetensors.torch import load_file
 
@@ -23,24 +25,29 @@ def main() -> int:
     p.add_argument("version")
     p.add_argument("--one-call", action="store_true")
     p.add_argument("--die-after", type=int)
+    p.add_argument("--hang-after", type=int)
     p.add_argument("--timeout", type=float, default=60)
     args = p.parse_args()
     tensors = load_file(args.weights)
     urls = args.url.split(",")
-    trainer = GlooTrainer(urls if len(urls) > 1 else urls[0], timeout_s=args.timeout, packed=args.die_after is None)
+    stop_after = args.die_after if args.die_after is not None else args.hang_after
+    trainer = GlooTrainer(urls if len(urls) > 1 else urls[0], timeout_s=args.timeout, packed=stop_after is None)
     trainer.init()
-    if args.die_after is not None:
+    if stop_after is not None:
         sent = 0
         real_send = trainer._send
 
-        def send_then_die(tensor):
+        def send_then_stop(tensor):
             nonlocal sent
-            if sent == args.die_after:
-                os._exit(9)  # mid-transfer, as a crash would
+            if sent == stop_after:
+                if args.die_after is not None:
+                    os._exit(9)  # mid-transfer, as a crash would
+                print("hanging", flush=True)
+                time.sleep(3600)
             real_send(tensor)
             sent += 1
 
-        trainer._send = send_then_die
+        trainer._send = send_then_stop
     try:
         trainer.push(tensors.items(), version=args.version, one_call=args.one_call)
     except SkyinferError as exc:

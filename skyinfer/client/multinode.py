@@ -165,6 +165,9 @@ class MultiNodeClient:
     async def finish_weight_update(self, weight_version: str | None = None) -> dict:
         return await self._fanout_report("finish_weight_update", weight_version)
 
+    async def shutdown_weight_transfer_engine(self) -> dict:
+        return await self._fanout_report("shutdown_weight_transfer_engine")
+
     async def weight_info(self) -> dict:
         infos = await self._fanout("weight_info")
         versions = {i["weight_version"] for i in infos}

@@ -48,6 +48,11 @@ async def _reset_prefix_cache(engine, request: web.Request) -> dict:
     return {"status": "reset" if reset else "not_reset", "reset": reset}
 
 
+async def _conditions(engine, request: web.Request) -> dict:
+    """What vLLM itself says, for the front to re-read after a call that failed or timed out."""
+    return {"paused": await engine.is_paused(), "sleeping": await engine.is_sleeping()}
+
+
 def _tracked_ids(engine, response_ids: tuple[str, ...] | None) -> list[str]:
     """Internal ids of the requests to abort: all of them, or those behind the given response ids.
 
@@ -100,3 +105,4 @@ def add_admin_routes(app: web.Application) -> None:
         "/abort_requests": _abort_requests,
     }.items():
         app.router.add_post(path, _admin_route(call))
+    app.router.add_get("/conditions", _admin_route(_conditions))

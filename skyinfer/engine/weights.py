@@ -72,6 +72,11 @@ async def finish_weight_update(request: web.Request) -> web.Response:
     return json_response({"status": "finished", "weight_version": await engine.get_weight_version()})
 
 
+async def shutdown_weight_transfer_engine(request: web.Request) -> web.Response:
+    await request.app[ENGINE_CLIENT].shutdown_weight_transfer_engine()
+    return json_response({"status": "left"})
+
+
 def _weight_route(handler):
     async def route(request: web.Request) -> web.Response:
         try:
@@ -90,3 +95,4 @@ def add_weight_routes(app: web.Application) -> None:
     app.router.add_post("/start_weight_update", _weight_route(start_weight_update))
     app.router.add_post("/update_weights", _weight_route(update_weights))
     app.router.add_post("/finish_weight_update", _weight_route(finish_weight_update))
+    app.router.add_post("/shutdown_weight_transfer_engine", _weight_route(shutdown_weight_transfer_engine))

@@ -13,6 +13,7 @@ again only after a push brings it to the fleet's version.
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import socket
 import time
@@ -24,7 +25,7 @@ from aiohttp import web
 from ..errors import ApiError, json_response, parse_json_object
 from ..engine_calls import EngineReply, call_engine, failure
 from ..metrics import ServiceMetrics
-from ..state import LIVE_STATES, EngineRecord, EngineRegistry, EngineState
+from ..state import EngineRecord, EngineRegistry
 from ..wire import FinishRequest, GlooInitInfo, InitRequest, StartRequest, UpdateMetadata, UpdateRequest, WireModel
 from .checkpoint import CheckpointSpec
 from .layout import LayoutError, RankLayout
@@ -47,6 +48,16 @@ async def _check_trainer_address(info: GlooInitInfo) -> None:
         raise SyncError(400, f"init_info master_address {info.master_address!r} does not resolve: {exc}") from None
 
 
+class Phase(enum.Enum):
+    """Where the fleet is in a weight update; a group may be formed or not in any of them."""
+
+    IDLE = "idle"
+    # /start_weight_update seen, its metadata checked; no engine touched yet.
+    STARTED = "started"
+    # Engines are between vLLM's start and finish: their weights are part new.
+    RECEIVING = "receiving"
+
+
 class WeightSync:
     def __init__(
         self,
@@ -65,8 +76,11 @@ class WeightSync:
         self.timeout_s = timeout_s
         self._restart = restart
         self._spec = CheckpointSpec.read(model)
-        self._session_open = False  # /start_weight_update seen, engines not started yet
-        self._engines_started = False
+        self.phase = Phase.IDLE
+        # A trainer silent this long between calls of an update has gone: the
+        # update is aborted (the group's own timeout, from its init_info).
+        self._silence_limit_s = timeout_s
+        self._silence_timer: asyncio.TimerHandle | None = None
         self.last_update_s: float | None = None
 
     @property
@@ -76,7 +90,7 @@ class WeightSync:
 
     def _engines(self) -> list[EngineRecord]:
         """Every engine takes part in every transfer: the trainer's group spans them all."""
-        down = [r for r in self.registry.records if r.state not in LIVE_STATES]
+        down = [r for r in self.registry.records if not r.up]
         if down:
             raise SyncError(
                 409,
@@ -85,6 +99,38 @@ class WeightSync:
                 + "; retry once it is up (GET /engines)",
             )
         return self.registry.records
+
+    # -- the update's phases ---------------------------------------------------
+    def _enter(self, phase: Phase) -> None:
+        """Move to ``phase``; outside IDLE, the trainer's next call is due within the silence limit."""
+        self._call_started()
+        if phase is not self.phase:
+            log.info("weight update: %s -> %s", self.phase.value, phase.value)
+        self.phase = phase
+        if phase is not Phase.IDLE:
+            self._silence_timer = asyncio.get_running_loop().call_later(self._silence_limit_s, self._trainer_silent)
+
+    def _call_started(self) -> None:
+        if self._silence_timer is not None:
+            self._silence_timer.cancel()
+            self._silence_timer = None
+
+    def _trainer_silent(self) -> None:
+        self._silence_timer = None
+        reason = f"the trainer sent nothing for {self._silence_limit_s:.0f}s during a weight update ({self.phase.value})"
+        log.error("%s: aborting it", reason)
+        if self.phase is Phase.RECEIVING:
+            self._abandon(reason)
+        self._enter(Phase.IDLE)
+
+    def _refuse_unless(self, *phases: Phase) -> None:
+        if self.phase not in phases:
+            hint = {
+                Phase.IDLE: "no weight update is in progress; POST /start_weight_update or /update_weights first",
+                Phase.STARTED: "a weight update is started; POST /update_weights next",
+                Phase.RECEIVING: "a weight update is in progress; POST /finish_weight_update first",
+            }[self.phase]
+            raise SyncError(409, f"{hint} (an update the trainer leaves for {self._silence_limit_s:.0f}s is aborted)")
 
     # -- init ----------------------------------------------------------------
     async def init(self, init_info: dict) -> dict:
@@ -97,8 +143,7 @@ class WeightSync:
             raise SyncError(400, str(exc)) from None
         timeout_s = self.timeout_s if info.timeout_s is None else info.timeout_s
         await _check_trainer_address(info)
-        if self._session_open or self._engines_started:
-            raise SyncError(409, "a weight update is in progress; POST /finish_weight_update first")
+        self._refuse_unless(Phase.IDLE)
         async with self.registry.lock:
             records = self._engines()
             replies = await asyncio.gather(
@@ -115,6 +160,7 @@ class WeightSync:
             )
             for record, reply in zip(records, replies):
                 record.in_transfer_group = reply.ok
+            self._silence_limit_s = timeout_s
         self._raise_if_failed("init_weight_transfer", replies)
         return {"status": "joined", "world_size": info.world_size, "rank_offsets": [layout.rank_offset(i) for i in range(len(records))]}
 
@@ -136,92 +182,109 @@ class WeightSync:
             raise SyncError(409, f"engines {missing} are not in the trainer's group; POST /init_weight_transfer first")
 
     def start(self, update_info: dict | None) -> dict:
-        if self._session_open or self._engines_started:
-            raise SyncError(409, "a weight update is already in progress; POST /finish_weight_update first")
+        self._refuse_unless(Phase.IDLE)
         self._check_group(self._engines())
         if update_info is not None:
             self.check_metadata(update_info)
-        self._session_open = True
         self._push_started = time.monotonic()
+        self._enter(Phase.STARTED)
         return {"status": "started"}
 
     async def update(self, update_info: dict, weight_version: str | None) -> dict:
         """Check, then receive on every engine. Without an open session: start and finish too."""
         self.check_metadata(update_info)
-        one_shot = not self._session_open and not self._engines_started
+        one_shot = self.phase is Phase.IDLE
         async with self.registry.lock:
             records = self._engines()
             self._check_group(records)
+            self._call_started()
             started = time.monotonic()
             if self._push_started is None:
                 self._push_started = started
-            replies = await asyncio.gather(*(self._receive(r, update_info) for r in records))
-            failed = [rep for rep in replies if not rep.ok]
-            self._session_open, self._engines_started = False, not failed
-            if failed:
-                self._abandon(failed)
-            self._raise_if_failed("update_weights", replies)
+            engines_started = self.phase is Phase.RECEIVING
+            replies = await asyncio.gather(*(self._receive(r, update_info, engines_started) for r in records))
+            self._settle("update_weights", replies, Phase.RECEIVING)
             self.last_update_s = time.monotonic() - started
         if one_shot:
             return await self.finish(weight_version)
         return {"status": "updated", "engines": [rep.as_json() for rep in replies]}
 
-    async def _receive(self, record: EngineRecord, update_info: dict) -> EngineReply:
-        if not self._engines_started:
+    async def _receive(self, record: EngineRecord, update_info: dict, engines_started: bool) -> EngineReply:
+        if not engines_started:
             reply = await call_engine(record, "/start_weight_update", timeout_s=self.timeout_s)
             if not reply.ok:
                 return reply
         return await call_engine(record, "/update_weights", timeout_s=self.timeout_s, body={"update_info": update_info})
 
     async def finish(self, weight_version: str | None) -> dict:
-        if not self._engines_started:
-            raise SyncError(409, "no weight update to finish; POST /update_weights first")
+        self._refuse_unless(Phase.RECEIVING)
         version = weight_version if weight_version is not None else f"update-{int(time.time())}"
         async with self.registry.lock:
             records = self._engines()
+            self._call_started()
             replies = await asyncio.gather(
                 *(
                     call_engine(r, "/finish_weight_update", timeout_s=self.timeout_s, body={"weight_version": version})
                     for r in records
                 )
             )
-            self._engines_started = False
-            failed = [rep for rep in replies if not rep.ok]
-            if failed:
-                self._abandon(failed)
-            self._raise_if_failed("finish_weight_update", replies)
+            self._settle("finish_weight_update", replies, Phase.IDLE)
             self.registry.fleet_weight_version = version
             if self._push_started is not None:
                 self.metrics.push_seconds.observe(time.monotonic() - self._push_started)
                 self._push_started = None
             for record in records:
                 record.weight_version = version
-                if record.state is EngineState.STALE:
-                    self.registry.set_state(record, EngineState.READY)
+                if record.up:
+                    self.registry.set_conditions(record, stale=False)
         log.info("weight version %s on %d engine(s)", version, len(records))
         return {"status": "finished", "weight_version": version, "engines": [rep.as_json() for rep in replies]}
 
-    def _abandon(self, failed: list[EngineReply]) -> None:
-        """Engines whose transfer broke hold half-loaded weights: restart them, out of rotation."""
+    def _settle(self, step: str, replies: list[EngineReply], next_phase: Phase) -> None:
+        """Move on after a transfer step, or abort the whole update if any engine failed it."""
+        failed = failure(step, replies)
+        if failed is not None:
+            self._abandon(failed[1])
+            self._enter(Phase.IDLE)
+            raise SyncError(*failed, [rep.as_json() for rep in replies])
+        self._enter(next_phase)
+
+    def _abandon(self, reason: str) -> None:
+        """Every engine that took part may hold part-new weights: all are restarted and serve
+        nothing (stale) until the next push. The group is broken for everyone."""
         self.metrics.push_failures.inc()
         self._push_started = None
         for record in self.registry.records:
-            record.in_transfer_group = False  # the group is broken for everyone
-        for reply in failed:
-            record = self.registry.records[reply.engine_id]
-            # A restart takes half a minute: it runs beside this call, which reports the failure now.
-            self._restart(record, f"weight transfer failed: {reply.message}")
+            record.in_transfer_group = False
+            if record.up:
+                # A restart takes half a minute: it runs beside this call, which reports the failure now.
+                self._restart(record, f"weight update aborted: {reason}")
 
-    @staticmethod
-    def _raise_if_failed(step: str, replies: list[EngineReply]) -> None:
+    def _raise_if_failed(self, step: str, replies: list[EngineReply]) -> None:
         failed = failure(step, replies)
         if failed is not None:
             raise SyncError(*failed, [rep.as_json() for rep in replies])
 
+    # -- leaving the group -------------------------------------------------------
+    async def shutdown(self) -> dict:
+        """vLLM's ``/shutdown_weight_transfer_engine``: every engine leaves the trainer's group."""
+        self._refuse_unless(Phase.IDLE, Phase.STARTED)
+        self._enter(Phase.IDLE)
+        async with self.registry.lock:
+            members = [r for r in self.registry.up() if r.in_transfer_group]
+            replies = await asyncio.gather(
+                *(call_engine(r, "/shutdown_weight_transfer_engine", timeout_s=self.timeout_s) for r in members)
+            )
+            for record in self.registry.records:
+                record.in_transfer_group = False
+        self._raise_if_failed("shutdown_weight_transfer_engine", replies)
+        return {"status": "left", "engines": [rep.as_json() for rep in replies]}
+
     def info(self) -> dict:
         return {
             "weight_version": self.registry.fleet_weight_version,
-            "update_in_progress": self._session_open or self._engines_started,
+            "update_in_progress": self.phase is not Phase.IDLE,
+            "update_phase": self.phase.value,
             "last_update_seconds": self.last_update_s,
             "engines": [
                 {"engine": r.engine_id, "weight_version": r.weight_version, "state": r.state.value,
@@ -261,6 +324,10 @@ async def _finish(sync: WeightSync, body: FinishRequest) -> dict:
     return await sync.finish(body.weight_version)
 
 
+async def _shutdown(sync: WeightSync, body: WireModel) -> dict:
+    return await sync.shutdown()
+
+
 async def _world_size(request: web.Request) -> web.Response:
     return json_response({"world_size": request.app[WEIGHT_SYNC].worker_count})
 
@@ -276,4 +343,5 @@ def add_weight_routes(app: web.Application) -> None:
     app.router.add_post("/start_weight_update", _sync_route(StartRequest, _start))
     app.router.add_post("/update_weights", _sync_route(UpdateRequest, _update))
     app.router.add_post("/finish_weight_update", _sync_route(FinishRequest, _finish))
+    app.router.add_post("/shutdown_weight_transfer_engine", _sync_route(WireModel, _shutdown))
     app.router.add_get("/weight_info", _weight_info)
