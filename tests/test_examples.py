@@ -23,7 +23,10 @@ def run_example(name: str, *args: str, timeout_s: float = 600) -> subprocess.Com
     return done
 
 
-def test_agent_keeps_exact_tokens_on_one_engine(server, tmp_path):
+def test_agent_keeps_exact_tokens_on_one_engine(server, demo_model, tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(demo_model)
     out = tmp_path / "episode.json"
     run_example("agent.py", "--url", server.url, "--turns", "4", "--out", str(out))
     episode = json.loads(out.read_text())
@@ -35,10 +38,10 @@ def test_agent_keeps_exact_tokens_on_one_engine(server, tmp_path):
             # The prompt ids are the engine's own rendering of the conversation so far.
             tokenized = http.post("/tokenize", json={"model": model, "messages": t["messages"], "add_generation_prompt": True})
             assert tokenized.json()["tokens"] == t["prompt_token_ids"]
-            # The sampled ids are the reply itself. The text may lack the last bytes of a
-            # character the ids end inside of (vLLM holds them back): one more reason
-            # the trainer wants ids.
-            text = http.post("/detokenize", json={"model": model, "tokens": t["completion_token_ids"]}).json()["prompt"]
+            # The sampled ids are the reply itself, special tokens left out of the text as
+            # vLLM does. The text may lack the last bytes of a character the ids end inside
+            # of (vLLM holds them back): one more reason the trainer wants ids.
+            text = tokenizer.decode(t["completion_token_ids"], skip_special_tokens=True)
             assert text.startswith(t["content"]) and set(text[len(t["content"]) :]) <= {"\ufffd"}, (text, t["content"])
             assert len(t["completion_token_ids"]) == len(t["completion_logprobs"]) == 16
             assert all(lp <= 0 for lp in t["completion_logprobs"])
