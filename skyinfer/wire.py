@@ -16,13 +16,25 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .errors import BadRequest
 
 PauseMode = Literal["abort", "wait", "keep"]
 WakeTag = Literal["weights", "kv_cache", "scheduling"]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
+
+
+def _header_safe(label: str) -> str:
+    if not (0 < len(label) <= 256 and label.isascii() and label.isprintable() and label == label.strip()):
+        raise ValueError(
+            "a weight version is 1 to 256 printable ASCII characters, no spaces at either end"
+            " (it travels in every answer's X-Weight-Version header)"
+        )
+    return label
+
+
+VersionLabel = Annotated[str, AfterValidator(_header_safe)]
 
 
 class WireError(BadRequest):
@@ -196,8 +208,14 @@ class StartRequest(WireModel):
 
 class UpdateRequest(WireModel):
     update_info: dict
-    weight_version: str | None = None
+    weight_version: VersionLabel | None = None
 
 
 class FinishRequest(WireModel):
-    weight_version: str | None = None
+    weight_version: VersionLabel | None = None
+
+
+class RelabelRequest(WireModel):
+    """vLLM's ``/update_weight_version``: a new label for the weights the fleet serves."""
+
+    new_version: VersionLabel

@@ -74,6 +74,7 @@ def seeds(model: str) -> dict[tuple[str, str], list[Any]]:
         ("POST", "/start_weight_update"): [{}, {"update_info": update_info}],
         ("POST", "/update_weights"): [{"update_info": update_info, "weight_version": "fuzz"}],
         ("POST", "/finish_weight_update"): [{"weight_version": "fuzz"}, {}],
+        ("POST", "/update_weight_version"): [{"new_version": "fuzz"}],
         ("GET", "/get_world_size"): [{}],
         ("GET", "/weight_info"): [{}],
         ("GET", "/is_paused"): [{}],
@@ -235,6 +236,7 @@ async def test_fuzzed_bodies_get_4xx_and_change_nothing(server, model_name, demo
     before = {s: greedy(server, model_name, s) for s in sessions}
     assert {engine for engine, _ in before.values()} == {0, 1}
     pids = [e["pid"] for e in server.engines()]
+    (label,) = {e["weight_version"] for e in server.engines()}
     rng = random.Random(20261121)
     async with httpx.AsyncClient(base_url=server.url, timeout=300) as http:
         try:
@@ -242,6 +244,8 @@ async def test_fuzzed_bodies_get_4xx_and_change_nothing(server, model_name, demo
             control_statuses, control_offenders = await fuzz(http, CONTROL_SEEDS, rng)
         finally:
             await restore_fleet(http)
+            # Fuzzed relabels took: the engines' weights are the same, their label goes back.
+            assert (await http.post("/update_weight_version", json={"new_version": label})).status_code == 200
     print("data, weight and status routes:", sorted(data_statuses.items()))
     print("control routes:", sorted(control_statuses.items()))
     assert not data_offenders, data_offenders[:10]

@@ -287,3 +287,10 @@ def test_wire_models_take_query_or_body_refuse_contradictions_and_say_what_is_wr
     assert StartRequest.parse({"is_checkpoint_format": True}).update_info is None
     with pytest.raises(WireError, match="is_checkpoint_format"):
         StartRequest.parse({"is_checkpoint_format": False})
+    # A version label travels in a response header: nothing that could break one is taken.
+    from skyinfer.wire import FinishRequest
+
+    for label in ("step\r\nX-Evil: 1", "", " padded ", "é"):
+        with pytest.raises(WireError) as refused:
+            FinishRequest.parse({"weight_version": label})
+        assert refused.value.param == "weight_version"

@@ -289,6 +289,24 @@ async def test_trainer_dying_mid_transfer_restarts_engines_stale_until_next_push
     assert_engines_match(server, model_name, demo_model, weights, "v-after-crash")
 
 
+async def test_the_fleet_is_relabelled_without_a_transfer(server, model_name):
+    """vLLM's /update_weight_version on every engine: the label changes, the weights do not."""
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+        before = await http.post("/v1/completions", json={"model": model_name, "prompt": "relabel", "max_tokens": 4,
+                                                          "temperature": 0, "return_token_ids": True})  # fmt: skip
+        r = await http.post("/update_weight_version", json={"new_version": "relabelled-7"})
+        assert r.status_code == 200 and [e["status"] for e in r.json()["engines"]] == [200, 200], r.text
+        info = (await http.get("/weight_info")).json()
+        assert info["weight_version"] == "relabelled-7"
+        assert [e["weight_version"] for e in info["engines"]] == ["relabelled-7"] * 2
+        after = await http.post("/v1/completions", json={"model": model_name, "prompt": "relabel", "max_tokens": 4,
+                                                         "temperature": 0, "return_token_ids": True})  # fmt: skip
+        assert after.headers["X-Weight-Version"] == "relabelled-7"
+        assert after.json()["choices"][0]["token_ids"] == before.json()["choices"][0]["token_ids"]
+        refused = await http.post("/update_weight_version", json={"new_version": ""})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "new_version"
+
+
 async def test_an_update_the_trainer_leaves_is_aborted_and_the_group_can_be_left(server):
     """A trainer that goes silent after /start_weight_update does not wedge weight sync: the
     update is aborted after the group's timeout. vLLM's /shutdown_weight_transfer_engine takes

@@ -165,6 +165,9 @@ class MultiNodeClient:
     async def finish_weight_update(self, weight_version: str | None = None) -> dict:
         return await self._fanout_report("finish_weight_update", weight_version)
 
+    async def update_weight_version(self, new_version: str) -> dict:
+        return await self._fanout_report("update_weight_version", new_version)
+
     async def shutdown_weight_transfer_engine(self) -> dict:
         return await self._fanout_report("shutdown_weight_transfer_engine")
 

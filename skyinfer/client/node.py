@@ -228,6 +228,10 @@ class AsyncClient:
     async def finish_weight_update(self, weight_version: str | None = None) -> dict:
         return await self._admin("/finish_weight_update", json={"weight_version": weight_version})
 
+    async def update_weight_version(self, new_version: str) -> dict:
+        """A new label for the weights every engine serves, without a transfer (vLLM's route)."""
+        return await self._admin("/update_weight_version", json={"new_version": new_version})
+
     async def shutdown_weight_transfer_engine(self) -> dict:
         """Every engine leaves the trainer's group (vLLM's route); ``init_weight_transfer_engine`` forms a new one."""
         return await self._admin("/shutdown_weight_transfer_engine")

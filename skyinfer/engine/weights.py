@@ -72,6 +72,12 @@ async def finish_weight_update(request: web.Request) -> web.Response:
     return json_response({"status": "finished", "weight_version": await engine.get_weight_version()})
 
 
+async def update_weight_version(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_CLIENT]
+    await engine.update_weight_version(parse_json_object(await request.read())["new_version"])
+    return json_response({"status": "relabelled", "weight_version": await engine.get_weight_version()})
+
+
 async def shutdown_weight_transfer_engine(request: web.Request) -> web.Response:
     await request.app[ENGINE_CLIENT].shutdown_weight_transfer_engine()
     return json_response({"status": "left"})
@@ -96,3 +102,4 @@ def add_weight_routes(app: web.Application) -> None:
     app.router.add_post("/update_weights", _weight_route(update_weights))
     app.router.add_post("/finish_weight_update", _weight_route(finish_weight_update))
     app.router.add_post("/shutdown_weight_transfer_engine", _weight_route(shutdown_weight_transfer_engine))
+    app.router.add_post("/update_weight_version", _weight_route(update_weight_version))

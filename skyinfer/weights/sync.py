@@ -26,7 +26,16 @@ from ..errors import ApiError, json_response, parse_json_object
 from ..engine_calls import EngineReply, call_engine, failure
 from ..metrics import ServiceMetrics
 from ..state import EngineRecord, EngineRegistry
-from ..wire import FinishRequest, GlooInitInfo, InitRequest, StartRequest, UpdateMetadata, UpdateRequest, WireModel
+from ..wire import (
+    FinishRequest,
+    GlooInitInfo,
+    InitRequest,
+    RelabelRequest,
+    StartRequest,
+    UpdateMetadata,
+    UpdateRequest,
+    WireModel,
+)
 from .checkpoint import CheckpointSpec
 from .layout import LayoutError, RankLayout
 
@@ -265,6 +274,27 @@ class WeightSync:
         if failed is not None:
             raise SyncError(*failed, [rep.as_json() for rep in replies])
 
+    # -- relabelling -------------------------------------------------------------
+    async def relabel(self, new_version: str) -> dict:
+        """vLLM's ``/update_weight_version`` for the fleet. Stale engines hold other weights than
+        the fleet's, so they keep their own label (and stay stale); an engine that fails to take
+        the new one is held out as stale too, so that no answer carries a label its weights lack."""
+        self._refuse_unless(Phase.IDLE)
+        async with self.registry.lock:
+            current = [r for r in self._engines() if not r.stale]
+            replies = await asyncio.gather(
+                *(call_engine(r, "/update_weight_version", timeout_s=self.timeout_s, body={"new_version": new_version})
+                  for r in current)  # fmt: skip
+            )
+            for record, reply in zip(current, replies):
+                if reply.ok:
+                    record.weight_version = new_version
+                elif record.up:
+                    self.registry.set_conditions(record, stale=True)
+            self.registry.fleet_weight_version = new_version
+        self._raise_if_failed("update_weight_version", replies)
+        return {"status": "relabelled", "weight_version": new_version, "engines": [rep.as_json() for rep in replies]}
+
     # -- leaving the group -------------------------------------------------------
     async def shutdown(self) -> dict:
         """vLLM's ``/shutdown_weight_transfer_engine``: every engine leaves the trainer's group."""
@@ -324,6 +354,10 @@ async def _finish(sync: WeightSync, body: FinishRequest) -> dict:
     return await sync.finish(body.weight_version)
 
 
+async def _relabel(sync: WeightSync, body: RelabelRequest) -> dict:
+    return await sync.relabel(body.new_version)
+
+
 async def _shutdown(sync: WeightSync, body: WireModel) -> dict:
     return await sync.shutdown()
 
@@ -344,4 +378,5 @@ def add_weight_routes(app: web.Application) -> None:
     app.router.add_post("/update_weights", _sync_route(UpdateRequest, _update))
     app.router.add_post("/finish_weight_update", _sync_route(FinishRequest, _finish))
     app.router.add_post("/shutdown_weight_transfer_engine", _sync_route(WireModel, _shutdown))
+    app.router.add_post("/update_weight_version", _sync_route(RelabelRequest, _relabel))
     app.router.add_get("/weight_info", _weight_info)
