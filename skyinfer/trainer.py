@@ -112,14 +112,20 @@ class GlooTrainer:
         """Close the HTTP connections; the group ends with this object."""
         self.client.close()
 
-    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str, one_call: bool = False) -> None:
+    def push(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str, one_call: bool = False, verify: bool = False
+    ) -> None:
         """Send the tensors to every engine; afterwards they serve ``version``.
 
         ``one_call`` uses a single ``/update_weights`` (skyinfer starts and
         finishes the update itself): one HTTP call instead of three.
+        ``verify`` has the engines' weights checked against each other at the
+        finish: one that differs is held out and the push raises.
         """
         if self._group is None:
             raise RuntimeError("call init() first")
+        if one_call and verify:
+            raise ValueError("verify needs the finish call: push with one_call=False")
         tensors = [(name, t.detach().contiguous().cpu()) for name, t in named_tensors]
         metas = [TensorMeta(name, t.dtype, tuple(t.shape)) for name, t in tensors]
         update_info = {
@@ -137,7 +143,7 @@ class GlooTrainer:
             self._broadcast(tensors, metas)
             receiving.result()
         if not one_call:
-            self.client.finish_weight_update(version)
+            self.client.finish_weight_update(version, verify)
 
     def _broadcast(self, tensors: list[tuple[str, torch.Tensor]], metas: list[TensorMeta]) -> None:
         if self.packed:

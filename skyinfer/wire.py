@@ -209,8 +209,33 @@ class UpdateRequest(WireModel):
     weight_version: VersionLabel | None = None
 
 
+# Per-tensor digests as vLLM's ``/weight_checker`` computes them (sha256 of each
+# parameter's bytes, keyed by worker and vLLM's parameter name).
+Checksums = dict[str, str]
+
+
 class FinishRequest(WireModel):
     weight_version: VersionLabel | None = None
+    # Check after the push that every engine holds the same weights (or these).
+    verify: bool = False
+    expected_checksums: Checksums | None = None
+
+    @property
+    def verifies(self) -> bool:
+        return self.verify or self.expected_checksums is not None
+
+
+class WeightCheckRequest(WireModel):
+    """vLLM's ``/weight_checker`` body."""
+
+    action: Literal["checksum", "compare", "reset"]
+    baseline: Checksums | None = None
+
+    @model_validator(mode="after")
+    def _compare_needs_a_baseline(self) -> Self:
+        if self.action == "compare" and self.baseline is None:
+            raise ValueError("action 'compare' requires a baseline object (the checksums of action 'checksum')")
+        return self
 
 
 class RelabelRequest(WireModel):

@@ -147,6 +147,13 @@ def process_tree(srv: ServerProcess) -> list[psutil.Process]:
     return tree
 
 
+def engine_socket(srv: ServerProcess, engine: int) -> str:
+    """The Unix socket an engine serves on, from its command line: for reaching one engine
+    behind the front's back."""
+    argv = psutil.Process(srv.engines()[engine]["pid"]).cmdline()
+    return argv[argv.index("--socket") + 1]
+
+
 def engine_of(response) -> int:
     """The engine that served a response, from skyinfer's response header."""
     return int(response.headers["X-Skyinfer-Engine"])

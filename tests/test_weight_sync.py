@@ -9,6 +9,8 @@ pushes the checkpoint back and leaves the transfer group (``restores_checkpoint`
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import subprocess
 import sys
 import time
@@ -20,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from support import TRAINER, admit_while_paused, engine_of, scrape, total
+from support import TRAINER, admit_while_paused, engine_of, engine_socket, scrape, total
 
 pytestmark = pytest.mark.usefixtures("restores_checkpoint")
 
@@ -339,3 +341,61 @@ async def test_an_update_the_trainer_leaves_is_aborted_and_the_group_can_be_left
     finally:
         trainer.close()
 
+
+
+async def test_pushes_are_verified_and_an_engine_holding_other_weights_is_held_out(server, model_name, demo_model, tmp_path):
+    """vLLM's /weight_checker over the fleet: engines are held to the checksums they agreed on
+    at a verified push; one whose weights change behind the front's back stops serving."""
+    weights = modified_weights(demo_model, seed=5)
+    weights_file = save(weights, tmp_path / "w5.safetensors")
+    pushed = await asyncio.to_thread(run_trainer, server, weights_file, "v-verified", "--verify")
+    assert pushed.returncode == 0, pushed.stdout + pushed.stderr
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+        checked = (await http.post("/weight_checker", json={"action": "checksum"})).json()
+        assert checked["agree"] and checked["held_out"] == [] and checked["weight_version"] == "v-verified"
+        sums = checked["checksums"]
+        assert len(sums) > 10 and all(k.startswith("dp0:pp0:pcp0:tp0:") for k in sums)
+        assert [e["result"]["match"] for e in checked["engines"]] == [True, True]
+
+        # compare reports against any baseline and holds nobody out.
+        changed = next(iter(sums))
+        r = await http.post("/weight_checker", json={"action": "compare", "baseline": {**sums, changed: "0" * 64}})
+        assert r.status_code == 200 and not r.json()["match"] and r.json()["mismatches"] == [changed]
+        assert [e["state"] for e in server.engines()] == ["ready", "ready"]
+        refused = await http.post("/weight_checker", json={"action": "compare"})
+        assert refused.status_code == 400 and "baseline" in refused.json()["error"]["message"]
+
+        # Zero engine 1's weights through vLLM's reset, behind the front's back.
+        transport = httpx.AsyncHTTPTransport(uds=engine_socket(server, 1))
+        async with httpx.AsyncClient(transport=transport, base_url="http://engine", timeout=60) as engine1:
+            assert (await engine1.post("/weight_checker", json={"action": "reset"})).status_code == 200
+        checked = (await http.post("/weight_checker", json={"action": "checksum"})).json()
+        assert not checked["agree"] and checked["held_out"] == [1] and checked["checksums"] == sums
+        engine0, engine1 = (e["result"] for e in checked["engines"])
+        assert engine0 == {"match": True, "mismatches": []}
+        # vLLM's reset zeroes every weight the model holds as a tensor; on CPU the linear layers'
+        # weights live in oneDNN's packed buffers, their parameters are empty (sha256 of nothing).
+        # (and the demo model's biases are zeros already).
+        held = {k for k, digest in sums.items() if digest != hashlib.sha256(b"").hexdigest()}
+        nonzero = {k for k in held if k.endswith(("embed_tokens.weight", "norm.weight"))}
+        assert len(nonzero) == 6 and not engine1["match"] and nonzero <= set(engine1["mismatches"]) <= held
+        assert [e["state"] for e in server.engines()] == ["ready", "stale"]
+        for i in range(6):
+            r = await http.post("/v1/completions", json={"model": model_name, "prompt": "who serves?", "max_tokens": 2},
+                                headers={"X-Session-ID": f"held-out-{i}"})  # fmt: skip
+            assert r.status_code == 200 and engine_of(r) == 0
+
+        # A push the engines do not verify against fails loudly and serves nothing unverified.
+        expect = tmp_path / "stale-checksums.json"
+        expect.write_text(json.dumps(sums))
+        weights = modified_weights(demo_model, seed=6)
+        weights_file = save(weights, tmp_path / "w6.safetensors")
+        failed = await asyncio.to_thread(run_trainer, server, weights_file, "v-unverified", "--expect", str(expect))
+        assert failed.returncode == 3 and "refused 502" in failed.stdout and "differ" in failed.stdout, failed.stdout
+        assert [e["state"] for e in server.engines()] == ["stale", "stale"]
+
+    # The next push brings every engine back, verified.
+    pushed = await asyncio.to_thread(run_trainer, server, weights_file, "v-reverified", "--verify")
+    assert pushed.returncode == 0, pushed.stdout + pushed.stderr
+    assert [e["state"] for e in server.engines()] == ["ready", "ready"]
+    assert_engines_match(server, model_name, demo_model, weights, "v-reverified")

@@ -1,13 +1,17 @@
 """A trainer in its own process, as a training script would be: torch and skyinfer.trainer only.
 
-    python tests/trainer_process.py URL WEIGHTS.safetensors VERSION [--one-call] [--die-after N | --hang-after N]
+    python tests/trainer_process.py URL WEIGHTS.safetensors VERSION [--one-call]
+        [--die-after N | --hang-after N | --die-at init|start|finish] [--verify] [--expect CHECKSUMS.json]
 
 Exits 0 after a push; prints a refusal's status and message and exits 3; with
 --die-after it sends N tensors one by one and then dies mid-transfer; with
---hang-after it sends N and then waits for ever, holding the transfer open.
+--hang-after it sends N and then waits for ever, holding the transfer open;
+with --die-at it dies (exit 9) right after joining the group, right after
+starting the update, or right before finishing it.
 """
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -26,6 +30,9 @@ def main() -> int:
     p.add_argument("--one-call", action="store_true")
     p.add_argument("--die-after", type=int)
     p.add_argument("--hang-after", type=int)
+    p.add_argument("--die-at", choices=["init", "start", "finish"])
+    p.add_argument("--verify", action="store_true")
+    p.add_argument("--expect", help="a JSON file of the checksums every engine must hold after the push")
     p.add_argument("--timeout", type=float, default=60)
     args = p.parse_args()
     tensors = load_file(args.weights)
@@ -33,6 +40,19 @@ def main() -> int:
     stop_after = args.die_after if args.die_after is not None else args.hang_after
     trainer = GlooTrainer(urls if len(urls) > 1 else urls[0], timeout_s=args.timeout, packed=stop_after is None)
     trainer.init()
+    client = trainer.client
+    if args.die_at == "init":
+        os._exit(9)
+    if args.die_at == "start":
+        started = client.start_weight_update
+        client.start_weight_update = lambda *a, **kw: (started(*a, **kw), os._exit(9))
+    finishing = client.finish_weight_update
+    if args.die_at == "finish":
+        client.finish_weight_update = lambda *a, **kw: os._exit(9)
+    elif args.expect:
+        with open(args.expect) as f:
+            expected = json.load(f)
+        client.finish_weight_update = lambda version, verify: finishing(version, verify, expected)
     if stop_after is not None:
         sent = 0
         real_send = trainer._send
@@ -49,7 +69,7 @@ def main() -> int:
 
         trainer._send = send_then_stop
     try:
-        trainer.push(tensors.items(), version=args.version, one_call=args.one_call)
+        trainer.push(tensors.items(), version=args.version, one_call=args.one_call, verify=args.verify)
     except SkyinferError as exc:
         print(f"refused {exc.status}: {exc.message}", flush=True)
         return 3

@@ -162,8 +162,13 @@ class MultiNodeClient:
     async def update_weights(self, update_info: dict, weight_version: str | None = None) -> dict:
         return await self._fanout_report("update_weights", update_info, weight_version)
 
-    async def finish_weight_update(self, weight_version: str | None = None) -> dict:
-        return await self._fanout_report("finish_weight_update", weight_version)
+    async def finish_weight_update(
+        self, weight_version: str | None = None, verify: bool = False, expected_checksums: dict[str, str] | None = None
+    ) -> dict:
+        return await self._fanout_report("finish_weight_update", weight_version, verify, expected_checksums)
+
+    async def weight_checker(self, action: str = "checksum", baseline: dict[str, str] | None = None) -> dict:
+        return await self._fanout_report("weight_checker", action, baseline)
 
     async def update_weight_version(self, new_version: str) -> dict:
         return await self._fanout_report("update_weight_version", new_version)

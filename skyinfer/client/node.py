@@ -225,8 +225,20 @@ class AsyncClient:
         body = {"update_info": update_info, **({"weight_version": weight_version} if weight_version is not None else {})}
         return await self._admin("/update_weights", json=body)
 
-    async def finish_weight_update(self, weight_version: str | None = None) -> dict:
-        return await self._admin("/finish_weight_update", json={"weight_version": weight_version})
+    async def finish_weight_update(
+        self, weight_version: str | None = None, verify: bool = False, expected_checksums: dict[str, str] | None = None
+    ) -> dict:
+        """``verify``: afterwards every engine must hold the same weights (or ``expected_checksums``);
+        one that differs is held out and the call raises."""
+        body = {"weight_version": weight_version, "verify": verify}
+        if expected_checksums is not None:
+            body["expected_checksums"] = expected_checksums
+        return await self._admin("/finish_weight_update", json=body)
+
+    async def weight_checker(self, action: str = "checksum", baseline: dict[str, str] | None = None) -> dict:
+        """vLLM's route on every engine: ``checksum`` (an engine that differs from the fleet is held
+        out), ``compare`` against ``baseline`` (report only), ``reset`` (zeroes weights; stale until a push)."""
+        return await self._admin("/weight_checker", json={"action": action, **({"baseline": baseline} if baseline else {})})
 
     async def update_weight_version(self, new_version: str) -> dict:
         """A new label for the weights every engine serves, without a transfer (vLLM's route)."""

@@ -13,7 +13,15 @@ from typing import Any
 from aiohttp import web
 
 from ..errors import error_response, json_response, parse_json_object
-from ..wire import AbortParams, PauseParams, ResetPrefixCacheParams, SleepParams, WakeUpParams, WireError
+from ..wire import (
+    AbortParams,
+    PauseParams,
+    ResetPrefixCacheParams,
+    SleepParams,
+    WakeUpParams,
+    WeightCheckRequest,
+    WireError,
+)
 from .appkeys import ENGINE_CLIENT
 
 log = logging.getLogger("skyinfer.engine.admin")
@@ -80,6 +88,20 @@ async def _abort_requests(engine, request: web.Request) -> dict:
     return {"status": "aborted", "aborted": len(ids)}
 
 
+async def _weight_checker(engine, request: web.Request) -> dict:
+    """vLLM's per-tensor digests of this engine's weights, or vLLM's reset (every weight zeroed).
+    Comparing is the front's job: it knows what the fleet should hold."""
+    body = await request.read()
+    p = WeightCheckRequest.parse(parse_json_object(body) if body else {})
+    if p.action == "reset":
+        await engine.collective_rpc("reset_weights")
+        return {"status": "reset"}
+    checksums: dict[str, str] = {}
+    for per_worker in await engine.compute_weight_checksums():
+        checksums.update(per_worker)  # keys carry the worker's ranks
+    return {"checksums": checksums}
+
+
 def _admin_route(call: Callable[[Any, web.Request], Awaitable[dict]]):
     async def handler(request: web.Request) -> web.Response:
         try:
@@ -103,6 +125,7 @@ def add_admin_routes(app: web.Application) -> None:
         "/wake_up": _wake_up,
         "/reset_prefix_cache": _reset_prefix_cache,
         "/abort_requests": _abort_requests,
+        "/weight_checker": _weight_checker,
     }.items():
         app.router.add_post(path, _admin_route(call))
     app.router.add_get("/conditions", _admin_route(_conditions))

@@ -27,6 +27,7 @@ from ..engine_calls import EngineReply, call_engine, failure
 from ..metrics import ServiceMetrics
 from ..state import EngineRecord, EngineRegistry
 from ..wire import (
+    Checksums,
     FinishRequest,
     GlooInitInfo,
     InitRequest,
@@ -34,10 +35,12 @@ from ..wire import (
     StartRequest,
     UpdateMetadata,
     UpdateRequest,
+    WeightCheckRequest,
     WireModel,
 )
 from .checkpoint import CheckpointSpec
 from .layout import LayoutError, RankLayout
+from .verify import Verdict, differing, judge
 
 log = logging.getLogger("skyinfer.weights")
 
@@ -91,6 +94,8 @@ class WeightSync:
         self._silence_limit_s = timeout_s
         self._silence_timer: asyncio.TimerHandle | None = None
         self.last_update_s: float | None = None
+        # The checksums every engine held under a label, once a check saw them agree.
+        self._agreed: tuple[str, Checksums] | None = None
 
     @property
     def worker_count(self) -> int:
@@ -225,7 +230,9 @@ class WeightSync:
                 return reply
         return await call_engine(record, "/update_weights", timeout_s=self.timeout_s, body={"update_info": update_info})
 
-    async def finish(self, weight_version: str | None) -> dict:
+    async def finish(self, weight_version: str | None, verify: bool = False, expected: Checksums | None = None) -> dict:
+        """Every engine finishes; with ``verify``, each is then held to ``expected`` (or to the
+        others): one that differs is held out as stale and the call fails."""
         self._refuse_unless(Phase.RECEIVING)
         version = weight_version if weight_version is not None else f"update-{int(time.time())}"
         async with self.registry.lock:
@@ -246,8 +253,13 @@ class WeightSync:
                 record.weight_version = version
                 if record.up:
                     self.registry.set_conditions(record, stale=False)
-        log.info("weight version %s on %d engine(s)", version, len(records))
-        return {"status": "finished", "weight_version": version, "engines": [rep.as_json() for rep in replies]}
+            self._agreed = None
+            if verify:
+                verdict, checked = await self._verify(records, expected)
+                self._raise_unless_verified(verdict, checked)
+        log.info("weight version %s on %d engine(s)%s", version, len(records), ", verified" if verify else "")
+        answer = {"status": "finished", "weight_version": version, "engines": [rep.as_json() for rep in replies]}
+        return {**answer, "verified": True} if verify else answer
 
     def _settle(self, step: str, replies: list[EngineReply], next_phase: Phase) -> None:
         """Move on after a transfer step, or abort the whole update if any engine failed it."""
@@ -291,9 +303,94 @@ class WeightSync:
                     record.weight_version = new_version
                 elif record.up:
                     self.registry.set_conditions(record, stale=True)
+            if (known := self._known()) is not None:
+                self._agreed = (new_version, known)
             self.registry.fleet_weight_version = new_version
         self._raise_if_failed("update_weight_version", replies)
         return {"status": "relabelled", "weight_version": new_version, "engines": [rep.as_json() for rep in replies]}
+
+    # -- verifying -----------------------------------------------------------------
+    async def _checksums(self, records: list[EngineRecord]) -> list[EngineReply]:
+        return await asyncio.gather(
+            *(call_engine(r, "/weight_checker", timeout_s=self.timeout_s, body={"action": "checksum"}) for r in records)
+        )
+
+    async def _verify(self, records: list[EngineRecord], expected: Checksums | None) -> tuple[Verdict, list[dict]]:
+        """Hold each engine to ``expected``, or to what the fleet agreed on under its label; one
+        that differs is held out (stale) until the next push. Called with the registry lock held."""
+        replies = await self._checksums(records)
+        verdict = judge({rep.engine_id: rep.body["checksums"] for rep in replies if rep.ok}, expected or self._known())
+        for record in records:
+            if record.engine_id in verdict.disagreeing and record.up:
+                self.registry.set_conditions(record, stale=True)
+        if verdict.reference is not None and len(verdict.disagreeing) < len(verdict.differing):
+            self._agreed = (self.registry.fleet_weight_version, verdict.reference)
+        checked = [
+            {"engine": rep.engine_id, "status": rep.status, "result": verdict.engine_result(rep.engine_id)} if rep.ok
+            else rep.as_json()
+            for rep in replies
+        ]  # fmt: skip
+        return verdict, checked
+
+    def _known(self) -> Checksums | None:
+        if self._agreed is not None and self._agreed[0] == self.registry.fleet_weight_version:
+            return self._agreed[1]
+        return None
+
+    def _raise_unless_verified(self, verdict: Verdict, checked: list[dict]) -> None:
+        unchecked = [c["engine"] for c in checked if c["status"] != 200]
+        if not verdict.disagreeing and not unchecked:
+            return
+        problems = [
+            f"engine {engine} differs in {len(names)} tensor(s) ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+            for engine, names in verdict.differing.items() if names
+        ]  # fmt: skip
+        problems += [f"engine {engine} could not be checked" for engine in unchecked]
+        basis = "" if verdict.reference is not None else " (the engines split evenly: none can be trusted)"
+        raise SyncError(
+            502,
+            "weights differ between engines after the push: " + "; ".join(problems) + basis
+            + f"; held out until the next push: {verdict.disagreeing}",
+            checked,
+        )
+
+    async def check_weights(self, request: WeightCheckRequest) -> dict:
+        """vLLM's ``/weight_checker`` for the fleet. ``checksum`` holds out an engine that differs
+        from the fleet; ``compare`` only reports; ``reset`` zeroes weights, so those engines serve
+        nothing until the next push."""
+        self._refuse_unless(Phase.IDLE, Phase.STARTED)
+        async with self.registry.lock:
+            if request.action == "reset":
+                return await self._reset_weights()
+            current = [r for r in self.registry.up() if not r.stale]
+            if request.action == "checksum":
+                verdict, checked = await self._verify(current, None)
+                agree = not verdict.disagreeing and all(c["status"] == 200 for c in checked)
+                return {"checksums": verdict.reference or {}, "agree": agree, "weight_version": self.registry.fleet_weight_version,
+                        "held_out": verdict.disagreeing, "engines": checked}  # fmt: skip
+            replies = await self._checksums(current)
+        assert request.baseline is not None
+        engines = [
+            {"engine": rep.engine_id, "status": rep.status,
+             "result": {"match": not (names := differing(rep.body["checksums"], request.baseline)), "mismatches": names}}
+            if rep.ok else rep.as_json()
+            for rep in replies
+        ]  # fmt: skip
+        mismatches = sorted({n for e in engines for n in e.get("result", {}).get("mismatches", [])})
+        match = all(e["status"] == 200 and e["result"]["match"] for e in engines)
+        return {"match": match, "mismatches": mismatches, "engines": engines}
+
+    async def _reset_weights(self) -> dict:
+        records = self.registry.up()
+        replies = await asyncio.gather(
+            *(call_engine(r, "/weight_checker", timeout_s=self.timeout_s, body={"action": "reset"}) for r in records)
+        )
+        # A failed reset may have zeroed part of the weights: those engines are held out too.
+        for record in records:
+            if record.up:
+                self.registry.set_conditions(record, stale=True)
+        self._raise_if_failed("weight_checker reset", replies)
+        return {"status": "reset", "held_out": [r.engine_id for r in records], "engines": [rep.as_json() for rep in replies]}
 
     # -- leaving the group -------------------------------------------------------
     async def shutdown(self) -> dict:
@@ -351,11 +448,15 @@ async def _update(sync: WeightSync, body: UpdateRequest) -> dict:
 
 
 async def _finish(sync: WeightSync, body: FinishRequest) -> dict:
-    return await sync.finish(body.weight_version)
+    return await sync.finish(body.weight_version, body.verifies, body.expected_checksums)
 
 
 async def _relabel(sync: WeightSync, body: RelabelRequest) -> dict:
     return await sync.relabel(body.new_version)
+
+
+async def _check_weights(sync: WeightSync, body: WeightCheckRequest) -> dict:
+    return await sync.check_weights(body)
 
 
 async def _shutdown(sync: WeightSync, body: WireModel) -> dict:
@@ -379,4 +480,5 @@ def add_weight_routes(app: web.Application) -> None:
     app.router.add_post("/finish_weight_update", _sync_route(FinishRequest, _finish))
     app.router.add_post("/shutdown_weight_transfer_engine", _sync_route(WireModel, _shutdown))
     app.router.add_post("/update_weight_version", _sync_route(RelabelRequest, _relabel))
+    app.router.add_post("/weight_checker", _sync_route(WeightCheckRequest, _check_weights))
     app.router.add_get("/weight_info", _weight_info)
