@@ -141,15 +141,15 @@ async def _relay_stream(
     try:
         async for chunk in upstream.content.iter_any():
             await response.write(chunk)
-    except aiohttp.ClientPayloadError as exc:
-        # The engine broke off mid-stream; the status line is already sent.
-        log.warning("engine %d: stream on %s broke off: %r", engine.engine_id, request.path, exc)
-        message = f"engine {engine.engine_id} failed mid-stream: {exc!r}"
-        await response.write(b"data: " + orjson.dumps(error_body(503, message)) + b"\n\ndata: [DONE]\n\n")
     except (ConnectionResetError, asyncio.CancelledError):
         # The client is gone: drop the engine connection so that the engine
         # sees the disconnect and aborts the request.
         upstream.close()
         raise
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        # The engine broke off mid-stream; the status line is already sent.
+        log.warning("engine %d: stream on %s broke off: %r", engine.engine_id, request.path, exc)
+        message = f"engine {engine.engine_id} failed mid-stream: {exc!r}"
+        await response.write(b"data: " + orjson.dumps(error_body(503, message)) + b"\n\ndata: [DONE]\n\n")
     await response.write_eof()
     return response

@@ -322,10 +322,13 @@ class Supervisor:
         log.warning("engine %d: restarting (%s)", record.engine_id, reason)
         record.restarts += 1
         self.registry.set_lifecycle(record, Lifecycle.RESTARTING)
+        # Nothing on it is worth finishing (it died, or holds weights no push finished): killed
+        # first, its requests see the connection drop and fail at once, streams included.
+        process.kill()
+        await process.stop(self.config.engine_stop_timeout_s)
         if record.client is not None:
             await record.client.close()
             record.client = None
-        await process.stop(self.config.engine_stop_timeout_s)
         try:
             await self._launch(process)
         except Exception:  # whatever went wrong, the engine must not stay "restarting"

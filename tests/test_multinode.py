@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from test_weight_sync import assert_engines_match, modified_weights, run_trainer, save
+from pushes import assert_engines_match, modified_weights, run_trainer, save
 
 from skyinfer.client import MultiNodeClient, SkyinferError
 from support import ChildProcess, ServerProcess, free_port, running, scrape, total

@@ -13,6 +13,8 @@ import asyncio
 import logging
 import os
 import signal
+import time
+import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
@@ -26,6 +28,7 @@ from vllm.entrypoints.serve.exception_handling.error_response import create_erro
 from ..errors import error_response, json_response, parse_json_object
 from .admin import add_admin_routes
 from .appkeys import ENGINE_CLIENT, SERVING_STATE
+from .stream_end import choice_count, with_finish_reasons
 from .weights import add_weight_routes
 
 log = logging.getLogger("skyinfer.engine")
@@ -58,15 +61,21 @@ def _validation_message(exc: pydantic.ValidationError) -> tuple[str, str | None]
 
 
 def _serving_route(
-    adapter: pydantic.TypeAdapter, call: Callable[[Any], Callable[..., Awaitable[Any]]]
+    adapter: pydantic.TypeAdapter, call: Callable[[Any], Callable[..., Awaitable[Any]]], chunk_object: str | None = None
 ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
-    """A handler that validates the body into vLLM's request type and calls one serving method."""
+    """A handler that validates the body into vLLM's request type and calls one serving method.
+    ``chunk_object``: the route streams OpenAI chunks of that type, each choice ending with a reason."""
 
     async def handler(request: web.Request) -> web.StreamResponse:
         try:
             payload = parse_json_object(await request.read())
             parsed = adapter.validate_python(payload)
             result = await call(request.app[SERVING_STATE])(parsed, VllmRequestView(request))
+            if chunk_object is not None and isinstance(result, AsyncGenerator):
+                prefix = "chatcmpl" if chunk_object.startswith("chat") else "cmpl"
+                head = {"id": f"{prefix}-{uuid.uuid4().hex}", "object": chunk_object,
+                        "created": int(time.time()), "model": parsed.model}  # fmt: skip
+                result = with_finish_reasons(result, choice_count(parsed), head)
         except pydantic.ValidationError as exc:
             message, param = _validation_message(exc)
             return error_response(400, message, param)
@@ -152,14 +161,16 @@ def create_engine_app(engine_client: Any, serving_state: Any) -> web.Application
     app[ENGINE_CLIENT] = engine_client
     app[SERVING_STATE] = serving_state
     serving = {
-        "/v1/completions": (CompletionRequest, lambda s: s.openai_serving_completion.create_completion),
-        "/v1/chat/completions": (ChatCompletionRequest, lambda s: s.openai_serving_chat.create_chat_completion),
-        "/inference/v1/generate": (GenerateRequest, lambda s: s.serving_tokens.serve_tokens),
-        "/tokenize": (TokenizeRequest, lambda s: s.serving_tokenization.create_tokenize),
-        "/detokenize": (DetokenizeRequest, lambda s: s.serving_tokenization.create_detokenize),
+        "/v1/completions": (CompletionRequest, lambda s: s.openai_serving_completion.create_completion, "text_completion"),
+        "/v1/chat/completions": (
+            ChatCompletionRequest, lambda s: s.openai_serving_chat.create_chat_completion, "chat.completion.chunk"
+        ),
+        "/inference/v1/generate": (GenerateRequest, lambda s: s.serving_tokens.serve_tokens, None),
+        "/tokenize": (TokenizeRequest, lambda s: s.serving_tokenization.create_tokenize, None),
+        "/detokenize": (DetokenizeRequest, lambda s: s.serving_tokenization.create_detokenize, None),
     }
-    for path, (request_type, call) in serving.items():
-        app.router.add_post(path, _serving_route(pydantic.TypeAdapter(request_type), call))
+    for path, (request_type, call, chunk_object) in serving.items():
+        app.router.add_post(path, _serving_route(pydantic.TypeAdapter(request_type), call, chunk_object))
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     app.router.add_get("/info", _info)

@@ -157,6 +157,10 @@ class WeightSync:
             raise SyncError(400, str(exc)) from None
         timeout_s = self.timeout_s if info.timeout_s is None else info.timeout_s
         await _check_trainer_address(info)
+        if self.phase is Phase.STARTED:
+            # A new group means a new trainer; the old one's update had not touched any engine.
+            log.warning("a trainer formed a new group during a started update: that update is dropped")
+            self._enter(Phase.IDLE)
         self._refuse_unless(Phase.IDLE)
         async with self.registry.lock:
             records = self._engines()

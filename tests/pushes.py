@@ -1,0 +1,105 @@
+"""Pushing weights into test servers with a real trainer process, and judging what engines serve
+against a transformers float32 forward pass of the same weights."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+
+from support import TRAINER, engine_of
+
+PROMPTS = ["The quick brown fox", "Reinforcement learning updates a policy", "def main():"]
+
+
+def modified_weights(demo_model: Path, seed: int) -> dict[str, torch.Tensor]:
+    """The demo model's weights, float32, with some scaled, some re-randomized, the embeddings changed."""
+    model = AutoModelForCausalLM.from_pretrained(demo_model, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    weights = {}
+    for name, tensor in model.state_dict().items():
+        t = tensor.clone()
+        if "layers.0.self_attn.q_proj" in name or "layers.1.mlp.up_proj" in name:
+            t *= 1.25 + 0.25 * seed
+        elif "layers.1.mlp.down_proj.weight" in name or "layers.0.self_attn.o_proj" in name:
+            t = torch.randn(t.shape, generator=g) * 0.2
+        elif "embed_tokens" in name:
+            t += torch.randn(t.shape, generator=g) * 0.1
+        weights[name] = t.contiguous()
+    weights.pop("lm_head.weight", None)  # tied to the embeddings
+    return weights
+
+
+def save(weights: dict[str, torch.Tensor], path: Path) -> Path:
+    save_file(weights, str(path))
+    return path
+
+
+def run_trainer(
+    server, weights_file: Path, version: str, *extra: str, timeout_s: float = 180, url: str | None = None
+) -> subprocess.CompletedProcess:
+    """The trainer as a separate process; ``url`` may list several nodes, comma-separated."""
+    return subprocess.run(
+        [sys.executable, str(TRAINER), url or server.url, str(weights_file), version, *extra],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+
+
+def reference_logprobs(demo_model: Path, weights: dict[str, torch.Tensor], prompt_ids: list[int], out_ids: list[int]) -> list[float]:
+    model = AutoModelForCausalLM.from_pretrained(demo_model, dtype=torch.float32)
+    model.load_state_dict(weights, strict=False)
+    model.tie_weights()
+    ids = torch.tensor([prompt_ids + out_ids])
+    with torch.no_grad():
+        logprobs = model(ids).logits[0].float().log_softmax(-1)
+    start = len(prompt_ids) - 1
+    return [logprobs[start + i, tok].item() for i, tok in enumerate(out_ids)]
+
+
+def sessions_per_engine(server, model_name) -> dict[int, str]:
+    engines = len(server.engines())
+    found: dict[int, str] = {}
+    for i in range(20):
+        r = httpx.post(f"{server.url}/v1/completions", json={"model": model_name, "prompt": "x", "max_tokens": 1},
+                       headers={"X-Session-ID": f"ws-{i}"}, timeout=60)  # fmt: skip
+        found.setdefault(engine_of(r), f"ws-{i}")
+    assert set(found) == set(range(engines))
+    return found
+
+
+def assert_engines_match(server, model_name, demo_model, weights, version):
+    for engine, session in sessions_per_engine(server, model_name).items():
+        for prompt in PROMPTS:
+            prompt_ids = httpx.post(f"{server.url}/tokenize", json={"model": model_name, "prompt": prompt}, timeout=30).json()["tokens"]
+            r = httpx.post(
+                f"{server.url}/v1/completions",
+                json={"model": model_name, "prompt": prompt, "max_tokens": 16, "temperature": 0, "logprobs": 1,
+                      "return_token_ids": True, "ignore_eos": True},  # fmt: skip
+                headers={"X-Session-ID": session},
+                timeout=60,
+            )
+            assert r.status_code == 200, r.text
+            assert engine_of(r) == engine
+            assert r.headers["X-Weight-Version"] == version
+            choice = r.json()["choices"][0]
+            expected = reference_logprobs(demo_model, weights, prompt_ids, choice["token_ids"])
+            got = choice["logprobs"]["token_logprobs"]
+            diff = max(abs(a - b) for a, b in zip(got, expected, strict=True))
+            assert diff < 0.05, f"engine {engine}, {prompt!r}: logprobs differ by {diff:.4f}"
+
+
+def greedy(server, model_name, session: str) -> list[int]:
+    r = httpx.post(
+        f"{server.url}/v1/completions",
+        json={"model": model_name, "prompt": "unchanged?", "max_tokens": 12, "temperature": 0, "return_token_ids": True},
+        headers={"X-Session-ID": session},
+        timeout=60,
+    )
+    return r.json()["choices"][0]["token_ids"]
