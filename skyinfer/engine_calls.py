@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 from typing import Any
 
 import aiohttp
@@ -47,6 +48,26 @@ async def call_engine(
         return EngineReply(record.engine_id, 504, {"error": f"{path} got no answer within {timeout_s:.0f}s"})
     except (aiohttp.ClientError, ValueError) as exc:
         return EngineReply(record.engine_id, 503, {"error": f"engine unreachable: {exc!r}"})
+
+
+async def gather_until_failure(calls: list[tuple[EngineRecord, Awaitable[EngineReply]]]) -> list[EngineReply]:
+    """Every engine's reply to one step of a collective, or, once one engine fails it, that
+    failure and the others cut short (503): a broadcast that broke on one engine never
+    completes on the rest, which would otherwise wait out the group's timeout."""
+    tasks = [asyncio.ensure_future(call) for _, call in calls]
+    pending = set(tasks)
+    while pending:
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        if any(not task.result().ok for task in done):
+            break
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    cut_short = {"error": "cut short: another engine failed this step"}
+    return [
+        EngineReply(record.engine_id, 503, cut_short) if task.cancelled() else task.result()
+        for (record, _), task in zip(calls, tasks)
+    ]
 
 
 def failure(step: str, replies: list[EngineReply]) -> tuple[int, str] | None:

@@ -23,7 +23,7 @@ from typing import Any
 from aiohttp import web
 
 from ..errors import ApiError, json_response, parse_json_object
-from ..engine_calls import EngineReply, call_engine, failure
+from ..engine_calls import EngineReply, call_engine, failure, gather_until_failure
 from ..metrics import ServiceMetrics
 from ..state import EngineRecord, EngineRegistry
 from ..wire import (
@@ -115,13 +115,14 @@ class WeightSync:
         return self.registry.records
 
     # -- the update's phases ---------------------------------------------------
-    def _enter(self, phase: Phase) -> None:
-        """Move to ``phase``; outside IDLE, the trainer's next call is due within the silence limit."""
+    def _enter(self, phase: Phase, *, awaiting_trainer: bool = True) -> None:
+        """Move to ``phase``; outside IDLE, and unless a call is under way, the trainer's next
+        call is due within the silence limit."""
         self._call_started()
         if phase is not self.phase:
             log.info("weight update: %s -> %s", self.phase.value, phase.value)
         self.phase = phase
-        if phase is not Phase.IDLE:
+        if phase is not Phase.IDLE and awaiting_trainer:
             self._silence_timer = asyncio.get_running_loop().call_later(self._silence_limit_s, self._trainer_silent)
 
     def _call_started(self) -> None:
@@ -215,12 +216,12 @@ class WeightSync:
         async with self.registry.lock:
             records = self._engines()
             self._check_group(records)
-            self._call_started()
             started = time.monotonic()
             if self._push_started is None:
                 self._push_started = started
             engines_started = self.phase is Phase.RECEIVING
-            replies = await asyncio.gather(*(self._receive(r, update_info, engines_started) for r in records))
+            self._enter(Phase.RECEIVING, awaiting_trainer=False)  # from the first byte on, weights are part new
+            replies = await gather_until_failure([(r, self._receive(r, update_info, engines_started)) for r in records])
             self._settle("update_weights", replies, Phase.RECEIVING)
             self.last_update_s = time.monotonic() - started
         if one_shot:
