@@ -79,7 +79,7 @@ async def test_grace_period_bounds_the_shutdown(stoppable, demo_model):
             held = {"model": srv.model, "prompt": "held", "max_tokens": 16}
             tasks = await admit_while_paused(http, (http.post("/v1/completions", json=held) for _ in range(4)))
             assert await asyncio.to_thread(trainer.stdout.readline) == "hanging\n"
-            assert (await http.get("/weight_info")).json()["update_phase"] == "started"
+            assert (await http.get("/weight_info")).json()["update_phase"] == "receiving"
             srv.proc.send_signal(signal.SIGTERM)
             signalled = time.monotonic()
             code = await asyncio.to_thread(srv.proc.wait, 60)
