@@ -257,7 +257,8 @@ async def test_concurrent_admin_calls_under_load_are_serialised(server, model_na
 async def test_pushes_are_verified_and_an_engine_holding_other_weights_is_held_out(server, model_name, demo_model, tmp_path, fleet):
     """vLLM's /weight_checker over the fleet: engines are held to the checksums they agreed on at
     a verified push; one whose weights change behind the front's back (vLLM's reset, through
-    its own socket) is found out and serves nothing until the next push."""
+    its own socket) is found out and serves nothing until the next push, which goes through
+    pause, pause again, push, resume with that engine stale."""
     await push_next(server, fleet, demo_model, tmp_path, "verified", "--verify")
     async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
         checked = (await http.post("/weight_checker", json={"action": "checksum"})).json()
@@ -295,6 +296,12 @@ async def test_pushes_are_verified_and_an_engine_holding_other_weights_is_held_o
             assert r.status_code == 200 and engine_of(r) == 0
         served_at = time.monotonic()
 
+        # The recovery path with one engine stale: pause, pause again, push, resume; each call
+        # answers per engine, none is half-applied.
+        for _ in range(2):
+            r = await http.post("/pause", params={"mode": "keep"})
+            assert r.status_code == 200 and [e["status"] for e in r.json()["engines"]] == [200, 200], r.text
+        assert [(e["state"], e["paused"]) for e in server.engines()] == [("paused", True), ("stale", True)]
         # A push that does not verify fails loudly, and no engine serves it.
         expect = tmp_path / "stale-checksums.json"
         expect.write_text(json.dumps(sums))
@@ -302,6 +309,10 @@ async def test_pushes_are_verified_and_an_engine_holding_other_weights_is_held_o
         failed = await asyncio.to_thread(run_trainer, server, path, "unverified", "--expect", str(expect))
         assert failed.returncode == 3 and "refused 502" in failed.stdout and "differ" in failed.stdout, failed.stdout
         assert [e["state"] for e in server.engines()] == ["stale", "stale"]
-    await push_next(server, fleet, demo_model, tmp_path, "reverified", "--verify")
+        await push_next(server, fleet, demo_model, tmp_path, "reverified", "--verify", paused=True)
+        assert [e["state"] for e in server.engines()] == ["paused", "paused"]
+        r = await http.post("/resume")
+        assert r.status_code == 200 and [e["status"] for e in r.json()["engines"]] == [200, 200], r.text
     assert [e["state"] for e in server.engines()] == ["ready", "ready"]
+    await asyncio.to_thread(assert_engines_match, server, model_name, demo_model, fleet.weights, fleet.label)
     report("one engine's weights zeroed behind the front's back", serving=served_at - fault_at)

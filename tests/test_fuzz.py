@@ -75,6 +75,8 @@ def seeds(model: str) -> dict[tuple[str, str], list[Any]]:
         ("POST", "/update_weights"): [{"update_info": update_info, "weight_version": "fuzz"}],
         ("POST", "/finish_weight_update"): [{"weight_version": "fuzz"}, {}],
         ("POST", "/update_weight_version"): [{"new_version": "fuzz"}],
+        # (not "reset": it zeroes the engines' weights, as asked)
+        ("POST", "/weight_checker"): [{"action": "checksum"}, {"action": "compare", "baseline": {"w": "0" * 64}}],
         ("GET", "/get_world_size"): [{}],
         ("GET", "/weight_info"): [{}],
         ("GET", "/is_paused"): [{}],

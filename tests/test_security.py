@@ -22,7 +22,7 @@ ADMIN_ROUTES = [
     ("GET", "/is_sleeping"), ("POST", "/reset_prefix_cache"), ("POST", "/abort_requests"), ("GET", "/get_world_size"),
     ("POST", "/init_weight_transfer"), ("POST", "/init_weight_transfer_engine"), ("POST", "/start_weight_update"),
     ("POST", "/update_weights"), ("POST", "/finish_weight_update"), ("GET", "/weight_info"), ("GET", "/engines"),
-    ("POST", "/shutdown_weight_transfer_engine"), ("POST", "/update_weight_version"),
+    ("POST", "/shutdown_weight_transfer_engine"), ("POST", "/update_weight_version"), ("POST", "/weight_checker"),
 ]  # fmt: skip
 PUBLIC_ROUTES = [("GET", "/health"), ("GET", "/ready"), ("GET", "/metrics")]
 
