@@ -53,58 +53,8 @@ async def _timed(task) -> tuple[httpx.Response, float]:
     return r, time.monotonic()
 
 
-async def test_engine_core_killed_mid_receive_aborts_the_update_on_every_engine(crash_server, demo_model, tmp_path):
-    """A push is under way (the trainer has sent two tensors, its rollouts held by a keep-pause)
-    when vLLM's EngineCore under engine 1 is SIGKILLed. Every held request fails with 503 within
-    seconds: engine 1 died, and engine 0, whose weights are part new, is restarted with it (the
-    update is aborted for the whole fleet, not left to the group's timeout). Both come back
-    serving the checkpoint under its label, and the next push works at the first attempt."""
-    body = {"model": crash_server.model, "prompt": "under load", "max_tokens": 600, "ignore_eos": True}
-    weights = modified_weights(demo_model, seed=31)
-    path = save(weights, tmp_path / "w31.safetensors")
-    async with httpx.AsyncClient(base_url=crash_server.url, timeout=120) as http:
-        await wait_for_states(http, ["ready", "ready"])
-        before = [e["pid"] for e in (await http.get("/engines")).json()["engines"]]
-        tasks = await admit_while_paused(http, (http.post("/v1/completions", json=body) for _ in range(32)))
-        trainer = subprocess.Popen(
-            [sys.executable, str(TRAINER), crash_server.url, str(path), "never-served", "--hang-after", "2"],
-            stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        try:
-            assert (await asyncio.to_thread(trainer.stdout.readline)).strip() == "hanging"
-            assert (await http.get("/weight_info")).json()["update_phase"] == "receiving"
-            vllm_process(before[1], "EngineCore").send_signal(signal.SIGKILL)
-            killed_at = time.monotonic()
-            results = await asyncio.gather(*(_timed(t) for t in tasks))
-        finally:
-            trainer.kill()
-            trainer.wait()
-        assert sorted(engine_of(r) for r, _ in results) == [0] * 16 + [1] * 16
-        for r, at in results:
-            assert r.status_code == 503 and r.json()["error"]["type"] == "ServiceUnavailableError", r.text
-            assert at - killed_at < 5, f"a request took {at - killed_at:.1f}s to fail"
-        # Both are replaced: new processes, serving the checkpoint, which is still the fleet's version.
-        deadline = time.monotonic() + 240
-        while True:
-            engines = (await http.get("/engines")).json()["engines"]
-            if all(e["pid"] != pid and e["state"] == "ready" for e, pid in zip(engines, before)):
-                break
-            assert time.monotonic() < deadline, engines
-            await asyncio.sleep(0.5)
-        ready_at = time.monotonic()
-    checkpoint = {n: t.float() for n, t in load_file(str(demo_model / "model.safetensors")).items()}
-    await asyncio.to_thread(assert_engines_match, crash_server, crash_server.model, demo_model, checkpoint, "default")
-    pushed = await asyncio.to_thread(run_trainer, crash_server, path, "after-enginecore-kill")
-    assert pushed.returncode == 0, pushed.stdout + pushed.stderr
-    await asyncio.to_thread(assert_engines_match, crash_server, crash_server.model, demo_model, weights, "after-enginecore-kill")
-    # Back to the checkpoint, which the next test's restarted engines load.
-    restored = await asyncio.to_thread(run_trainer, crash_server, save(checkpoint, tmp_path / "checkpoint.safetensors"), "default")
-    assert restored.returncode == 0, restored.stdout + restored.stderr
-    print(f"\nFAULT EngineCore SIGKILL mid-receive: serving {ready_at - killed_at:.1f}s")
-
-
-# Last but one: its push moves the fleet's weight version past the checkpoint on disk,
-# so an engine restarted after it comes back stale.
+# First: it needs engines that load what the fleet serves (the checkpoint); its push moves the
+# fleet past it.
 async def test_a_hung_engine_and_a_failing_restart_both_end_revived_and_out_of_the_group(crash_server, demo_model):
     """Two faults, one per engine, so that the two restarts overlap.
 
@@ -204,6 +154,56 @@ async def test_a_hung_engine_and_a_failing_restart_both_end_revived_and_out_of_t
         await asyncio.to_thread(trainer.init)
         await asyncio.to_thread(trainer.push, tensors, "v-rejoined")
         assert (await http.get("/weight_info")).json()["weight_version"] == "v-rejoined"
+
+
+# After the hung-engine test, whose push moves the fleet past the checkpoint.
+async def test_engine_core_killed_mid_receive_aborts_the_update_on_every_engine(crash_server, demo_model, tmp_path):
+    """A push is under way (the trainer has sent two tensors, its rollouts held by a keep-pause)
+    when vLLM's EngineCore under engine 1 is SIGKILLed. Every held request fails with 503 within
+    seconds: engine 1 died, and engine 0, whose weights are part new, is restarted with it (the
+    update is aborted for the whole fleet, not left to the group's timeout). Both come back
+    stale (the fleet's version is past the checkpoint they load: the test before pushed), serving
+    nothing, and the next push works at the first attempt."""
+    body = {"model": crash_server.model, "prompt": "under load", "max_tokens": 600, "ignore_eos": True}
+    weights = modified_weights(demo_model, seed=31)
+    path = save(weights, tmp_path / "w31.safetensors")
+    async with httpx.AsyncClient(base_url=crash_server.url, timeout=120) as http:
+        await wait_for_states(http, ["ready", "ready"])
+        before = [e["pid"] for e in (await http.get("/engines")).json()["engines"]]
+        tasks = await admit_while_paused(http, (http.post("/v1/completions", json=body) for _ in range(32)))
+        trainer = subprocess.Popen(
+            [sys.executable, str(TRAINER), crash_server.url, str(path), "never-served", "--hang-after", "2"],
+            stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            assert (await asyncio.to_thread(trainer.stdout.readline)).strip() == "hanging"
+            assert (await http.get("/weight_info")).json()["update_phase"] == "receiving"
+            vllm_process(before[1], "EngineCore").send_signal(signal.SIGKILL)
+            killed_at = time.monotonic()
+            results = await asyncio.gather(*(_timed(t) for t in tasks))
+        finally:
+            trainer.kill()
+            trainer.wait()
+        assert sorted(engine_of(r) for r, _ in results) == [0] * 16 + [1] * 16
+        for r, at in results:
+            assert r.status_code == 503 and r.json()["error"]["type"] == "ServiceUnavailableError", r.text
+            assert at - killed_at < 5, f"a request took {at - killed_at:.1f}s to fail"
+        # Both are replaced by new processes, which serve nothing until a push.
+        deadline = time.monotonic() + 240
+        while True:
+            engines = (await http.get("/engines")).json()["engines"]
+            if all(e["pid"] != pid and e["state"] == "stale" for e, pid in zip(engines, before)):
+                break
+            assert time.monotonic() < deadline, engines
+            r = await http.post("/v1/completions", json={**body, "max_tokens": 2})
+            assert r.status_code == 503, "an engine served weights no push finished"
+            await asyncio.sleep(0.5)
+        ready_at = time.monotonic()
+    pushed = await asyncio.to_thread(run_trainer, crash_server, path, "after-enginecore-kill")
+    assert pushed.returncode == 0, pushed.stdout + pushed.stderr
+    await asyncio.to_thread(assert_engines_match, crash_server, crash_server.model, demo_model, weights, "after-enginecore-kill")
+    print(f"\nFAULT EngineCore SIGKILL mid-receive: ready for a push {ready_at - killed_at:.1f}s, "
+          f"serving {time.monotonic() - killed_at:.1f}s")
 
 
 # Last: it kills this module's server.
