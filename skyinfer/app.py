@@ -17,6 +17,7 @@ from .health import engines_view, health, ready
 from .metrics import METRICS, ServiceMetrics, metrics_view
 from .proxy import DATA_PLANE_GET, DATA_PLANE_POST, REGISTRY, forward
 from .security import AccessPolicy
+from .sessions import FINISH_SESSION_PATH, finish_session
 from .state import EngineRecord, EngineRegistry
 from .supervisor import Supervisor
 from .weights.sync import WEIGHT_SYNC, WeightSync, add_weight_routes
@@ -34,7 +35,7 @@ def build_registry(config: ServeConfig, socket_dir: str) -> EngineRegistry:
         )  # fmt: skip
         for i, plan in enumerate(plans)
     ]
-    return EngineRegistry(records, config.max_sessions)
+    return EngineRegistry(records, config.max_sessions, config.session_idle_ttl_s)
 
 
 def create_app(config: ServeConfig) -> web.Application:
@@ -71,6 +72,7 @@ def create_app(config: ServeConfig) -> web.Application:
         app.router.add_post(path, forward)
     for path in DATA_PLANE_GET:
         app.router.add_get(path, forward)
+    app.router.add_post(FINISH_SESSION_PATH, finish_session)
     add_control_routes(app)
     add_weight_routes(app)
     app.router.add_get("/health", health)

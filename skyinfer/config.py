@@ -84,6 +84,10 @@ class ServeConfig:
     )
     # Sticky sessions remembered at once; the oldest are forgotten first.
     max_sessions: int = 100_000
+    session_idle_ttl_s: float = _option(
+        3600.0, "a session unused this long loses its engine binding (0: never); POST /finish_session ends one",
+        metavar="SECONDS", validator=attrs.validators.ge(0),
+    )  # fmt: skip
     engine_connections: int = _option(
         4096, "requests sent to one engine at once; more wait in the front for a connection", metavar="N",
         validator=_at_least_one,

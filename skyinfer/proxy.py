@@ -17,6 +17,7 @@ from aiohttp import web
 
 from .errors import error_body, error_response, parse_json_object
 from .state import EngineBusy, EngineRecord, EngineRegistry, NoEngineAvailable
+from .wire import checked_session_id
 
 log = logging.getLogger("skyinfer.proxy")
 
@@ -72,6 +73,8 @@ async def forward(request: web.Request) -> web.StreamResponse:
     body = await request.read()
     body, body_session = _session_from_body(body)
     session_id = request.headers.get(SESSION_HEADER) or body_session
+    if session_id:
+        session_id = checked_session_id(session_id, SESSION_HEADER if SESSION_HEADER in request.headers else "session_id")
     headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
     if session_id:
         headers[SESSION_HEADER] = session_id

@@ -2,13 +2,15 @@
 
 Pure logic on plain numbers, so it can be unit-tested without engines.
 A session stays on its engine because that engine holds its prefix cache;
-it moves only when that engine can no longer serve.
+it moves only when that engine can no longer serve, and its binding ends
+when the trajectory finishes or goes idle.
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 
@@ -20,9 +22,16 @@ class Candidate:
 
 
 class SessionRouter:
-    def __init__(self, max_sessions: int = 100_000):
+    """Sessions bound to engines, least recently used first. A binding ends when its trajectory
+    says so (``finish``), when it has been idle for ``idle_ttl_s``, or when more than
+    ``max_sessions`` are bound (the oldest go)."""
+
+    def __init__(self, max_sessions: int = 100_000, idle_ttl_s: float = 0.0, clock: Callable[[], float] = time.monotonic):
         self._max_sessions = max_sessions
+        self._idle_ttl_s = idle_ttl_s
+        self._clock = clock
         self._engine_of: OrderedDict[str, int] = OrderedDict()
+        self._last_used: dict[str, float] = {}
         self._sessions_on: dict[int, int] = {}
         self._turn = 0
 
@@ -32,14 +41,25 @@ class SessionRouter:
             raise ValueError("no candidate engines")
         if session_id is None:
             return self._least_loaded(candidates, by_sessions=False)
+        now = self._clock()
+        self._forget_idle(now)
         bound = self._engine_of.get(session_id)
         if bound is not None and any(c.engine_id == bound for c in candidates):
             self._engine_of.move_to_end(session_id)
+            self._last_used[session_id] = now
             return bound
         # A new session brings more requests later: balance sessions too.
         chosen = self._least_loaded(candidates, by_sessions=True)
         self._bind(session_id, chosen)
         return chosen
+
+    def finish(self, session_id: str) -> int | None:
+        """End a session's binding (its trajectory is over); the engine it was on, if any."""
+        engine = self._engine_of.pop(session_id, None)
+        if engine is not None:
+            del self._last_used[session_id]
+            self._sessions_on[engine] -= 1
+        return engine
 
     def engine_of(self, session_id: str) -> int | None:
         return self._engine_of.get(session_id)
@@ -60,11 +80,17 @@ class SessionRouter:
         return candidates[min(range(n), key=key)].engine_id
 
     def _bind(self, session_id: str, engine_id: int) -> None:
-        previous = self._engine_of.pop(session_id, None)
-        if previous is not None:
-            self._sessions_on[previous] -= 1
+        self.finish(session_id)
         self._engine_of[session_id] = engine_id
+        self._last_used[session_id] = self._clock()
         self._sessions_on[engine_id] = self._sessions_on.get(engine_id, 0) + 1
         while len(self._engine_of) > self._max_sessions:
-            _, evicted_engine = self._engine_of.popitem(last=False)
-            self._sessions_on[evicted_engine] -= 1
+            self.finish(next(iter(self._engine_of)))
+
+    def _forget_idle(self, now: float) -> None:
+        # Least recently used first: stop at the first session still in use.
+        while self._idle_ttl_s and self._engine_of:
+            oldest = next(iter(self._engine_of))
+            if now - self._last_used[oldest] <= self._idle_ttl_s:
+                return
+            self.finish(oldest)

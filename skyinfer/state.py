@@ -223,9 +223,9 @@ class EngineRecord:
 
 
 class EngineRegistry:
-    def __init__(self, records: list[EngineRecord], max_sessions: int):
+    def __init__(self, records: list[EngineRecord], max_sessions: int, session_idle_ttl_s: float = 0.0):
         self.records = records
-        self.router = SessionRouter(max_sessions)
+        self.router = SessionRouter(max_sessions, session_idle_ttl_s)
         # The version of the last completed push; None while engines serve what they loaded.
         self.fleet_weight_version: str | None = None
         # Held across multi-step, awaiting changes to an engine (start, stop,

@@ -37,6 +37,23 @@ def _header_safe(label: str) -> str:
 VersionLabel = Annotated[str, AfterValidator(_header_safe)]
 
 
+def _session_header_safe(session_id: str) -> str:
+    if not (0 < len(session_id) <= 256 and session_id.isascii() and session_id.isprintable()):
+        raise ValueError("a session id is 1 to 256 printable ASCII characters (it travels as the X-Session-ID header)")
+    return session_id
+
+
+SessionId = Annotated[str, AfterValidator(_session_header_safe)]
+
+
+def checked_session_id(value: str, param: str) -> str:
+    """A session id from a request, or a 400 naming where it came from."""
+    try:
+        return _session_header_safe(value)
+    except ValueError as exc:
+        raise WireError(f"{param}: {exc}; got {value[:80]!r}", param) from None
+
+
 class WireError(BadRequest):
     """Bad admin input; the message says what is wrong and how to fix it."""
 
@@ -143,6 +160,12 @@ class WakeUpParams(QueryParams):
 class ResetPrefixCacheParams(QueryParams):
     reset_running_requests: bool = False
     reset_external: bool = False
+
+
+class FinishSessionParams(QueryParams):
+    """``/finish_session?session_id=...`` as SkyRL's and prime-rl's clients send it."""
+
+    session_id: SessionId
 
 
 class AbortParams(WireModel):

@@ -65,6 +65,7 @@ def seeds(model: str) -> dict[tuple[str, str], list[Any]]:
         ("POST", "/tokenize"): [{"model": model, "prompt": "héllo"}, {"model": model, "messages": chat}],
         ("POST", "/detokenize"): [{"model": model, "tokens": [1, 2, 3]}],
         ("GET", "/v1/models"): [{}],
+        ("POST", "/finish_session"): [{"session_id": "fuzz-finished"}],
         ("POST", "/init_weight_transfer"): [
             {"init_info": {"master_address": "trainer.invalid", "master_port": 29500, "rank_offset": 1, "world_size": 3}},
         ],

@@ -15,7 +15,7 @@ from skyinfer.security import is_loopback
 
 DATA_ROUTES = [
     ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/inference/v1/generate"),
-    ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/v1/models"),
+    ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/v1/models"), ("POST", "/finish_session"),
 ]  # fmt: skip
 ADMIN_ROUTES = [
     ("POST", "/pause"), ("POST", "/resume"), ("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_paused"),

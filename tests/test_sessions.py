@@ -68,3 +68,32 @@ def test_body_session_id_is_stripped_on_token_route(server, model_name):
         assert r.status_code == 200, r.text
         first = engine_of(r) if first is None else first
         assert engine_of(r) == first
+
+
+def test_finish_session_ends_the_binding_and_the_next_request_is_routed_as_new(server, model_name):
+    """SkyRL's and prime-rl's clients call ``POST /finish_session?session_id=...`` when a trajectory ends."""
+    first = engine_of(complete(server, model_name, {"X-Session-ID": "done-1"}))
+    r = httpx.post(f"{server.url}/finish_session", params={"session_id": "done-1"}, timeout=30)
+    assert r.status_code == 200 and r.json() == {"status": "finished", "session_id": "done-1", "engine": first}
+    # Finished, it is unknown: a no-op 200, as for an id never seen.
+    for session in ("done-1", "never-seen"):
+        r = httpx.post(f"{server.url}/finish_session", params={"session_id": session}, timeout=30)
+        assert r.status_code == 200 and r.json()["engine"] is None
+    # Its next request binds it afresh (the body form of the call works too).
+    again = engine_of(complete(server, model_name, {"X-Session-ID": "done-1"}))
+    r = httpx.post(f"{server.url}/finish_session", json={"session_id": "done-1"}, timeout=30)
+    assert r.status_code == 200 and r.json()["engine"] == again
+    missing = httpx.post(f"{server.url}/finish_session", timeout=30)
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "session_id"
+
+
+def test_a_session_id_that_cannot_be_a_header_is_a_400(server, model_name):
+    for bad in ("line\r\nbreak", "nul\x00", "x" * 257, "", "tab\there"):
+        r = httpx.post(f"{server.url}/v1/completions", json={"model": model_name, "prompt": "hi", "max_tokens": 2,
+                                                              "session_id": bad}, timeout=30)  # fmt: skip
+        if bad == "":
+            assert r.status_code == 200  # no session: routed as a request without one
+            continue
+        assert r.status_code == 400 and r.json()["error"]["param"] == "session_id", (bad, r.text)
+        assert "printable ASCII" in r.json()["error"]["message"]
+    assert complete(server, model_name, session_id="fine-after").status_code == 200

@@ -59,6 +59,24 @@ def test_router_forgets_oldest_sessions_beyond_limit():
     assert router.session_count(0) + router.session_count(1) == 3
 
 
+def test_router_ends_finished_and_idle_sessions():
+    now = [0.0]
+    router = SessionRouter(idle_ttl_s=60, clock=lambda: now[0])
+    cands = [Candidate(0, 0), Candidate(1, 0)]
+    a, b = router.choose(cands, "a"), router.choose(cands, "b")
+    assert {a, b} == {0, 1}
+    assert router.finish("a") == a and router.finish("a") is None and router.finish("never") is None
+    assert router.engine_of("a") is None and router.session_count(a) == 0
+    now[0] = 50.0
+    router.choose(cands, "b")  # in use: stays
+    now[0] = 100.0
+    router.choose(cands, "c")
+    assert router.engine_of("b") == b
+    now[0] = 111.0  # b idle 61 s, c 11 s
+    router.choose(cands, "c")
+    assert router.engine_of("b") is None and router.session_count(b) == 0 and router.engine_of("c") is not None
+
+
 def test_router_refuses_empty_candidates():
     with pytest.raises(ValueError):
         SessionRouter().choose([], "s")
