@@ -11,7 +11,7 @@ from aiohttp import web
 
 from .errors import json_response, parse_json_object
 from .proxy import REGISTRY
-from .wire import FinishSessionParams
+from .wire import FinishSessionParams, WireError
 
 # A data-plane route: the rollout client that opened the session ends it.
 FINISH_SESSION_PATH = "/finish_session"
@@ -20,5 +20,7 @@ FINISH_SESSION_PATH = "/finish_session"
 async def finish_session(request: web.Request) -> web.Response:
     raw = await request.read()
     p = FinishSessionParams.from_request(request.query, parse_json_object(raw) if raw else None)
+    if p.session_id is None:
+        raise WireError("session_id is required (the query string's or the body's)", "session_id")
     engine = request.app[REGISTRY].router.finish(p.session_id)
     return json_response({"status": "finished", "session_id": p.session_id, "engine": engine})

@@ -165,7 +165,8 @@ class ResetPrefixCacheParams(QueryParams):
 class FinishSessionParams(QueryParams):
     """``/finish_session?session_id=...`` as SkyRL's and prime-rl's clients send it."""
 
-    session_id: SessionId
+    # Optional here, as every query parameter (each place is parsed on its own); required by the route.
+    session_id: SessionId | None = None
 
 
 class AbortParams(WireModel):
