@@ -25,31 +25,28 @@ WakeTag = Literal["weights", "kv_cache", "scheduling"]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 
 
-def _header_safe(label: str) -> str:
-    if not (0 < len(label) <= 256 and label.isascii() and label.isprintable() and label == label.strip()):
-        raise ValueError(
-            "a weight version is 1 to 256 printable ASCII characters, no spaces at either end"
-            " (it travels in every answer's X-Weight-Version header)"
-        )
-    return label
+def _header_value(what: str, header: str, *, strip: bool = False) -> AfterValidator:
+    """Values that travel in a header: 1 to 256 printable ASCII characters."""
+    edges = ", no spaces at either end" if strip else ""
+
+    def check(value: str) -> str:
+        printable = 0 < len(value) <= 256 and value.isascii() and value.isprintable()
+        if not printable or (strip and value != value.strip()):
+            raise ValueError(f"{what} is 1 to 256 printable ASCII characters{edges} (it travels in the {header} header)")
+        return value
+
+    return AfterValidator(check)
 
 
-VersionLabel = Annotated[str, AfterValidator(_header_safe)]
-
-
-def _session_header_safe(session_id: str) -> str:
-    if not (0 < len(session_id) <= 256 and session_id.isascii() and session_id.isprintable()):
-        raise ValueError("a session id is 1 to 256 printable ASCII characters (it travels as the X-Session-ID header)")
-    return session_id
-
-
-SessionId = Annotated[str, AfterValidator(_session_header_safe)]
+VersionLabel = Annotated[str, _header_value("a weight version", "X-Weight-Version", strip=True)]
+_session_id_check = _header_value("a session id", "X-Session-ID")
+SessionId = Annotated[str, _session_id_check]
 
 
 def checked_session_id(value: str, param: str) -> str:
     """A session id from a request, or a 400 naming where it came from."""
     try:
-        return _session_header_safe(value)
+        return _session_id_check.func(value)
     except ValueError as exc:
         raise WireError(f"{param}: {exc}; got {value[:80]!r}", param) from None
 

@@ -40,7 +40,7 @@ from ..wire import (
 )
 from .checkpoint import CheckpointSpec
 from .layout import LayoutError, RankLayout
-from .verify import Verdict, differing, judge
+from .verify import Verdict, judge
 
 log = logging.getLogger("skyinfer.weights")
 
@@ -315,26 +315,31 @@ class WeightSync:
         return {"status": "relabelled", "weight_version": new_version, "engines": [rep.as_json() for rep in replies]}
 
     # -- verifying -----------------------------------------------------------------
-    async def _checksums(self, records: list[EngineRecord]) -> list[EngineReply]:
+    async def _weight_checker(self, records: list[EngineRecord], action: str) -> list[EngineReply]:
         return await asyncio.gather(
-            *(call_engine(r, "/weight_checker", timeout_s=self.timeout_s, body={"action": "checksum"}) for r in records)
+            *(call_engine(r, "/weight_checker", timeout_s=self.timeout_s, body={"action": action}) for r in records)
         )
 
-    async def _verify(self, records: list[EngineRecord], expected: Checksums | None) -> tuple[Verdict, list[dict]]:
-        """Hold each engine to ``expected``, or to what the fleet agreed on under its label; one
-        that differs is held out (stale) until the next push. Called with the registry lock held."""
-        replies = await self._checksums(records)
-        verdict = judge({rep.engine_id: rep.body["checksums"] for rep in replies if rep.ok}, expected or self._known())
-        for record in records:
-            if record.engine_id in verdict.disagreeing and record.up:
-                self.registry.set_conditions(record, stale=True)
-        if verdict.reference is not None and len(verdict.disagreeing) < len(verdict.differing):
-            self._agreed = (self.registry.fleet_weight_version, verdict.reference)
+    async def _judge(self, records: list[EngineRecord], reference: Checksums | None) -> tuple[Verdict, list[dict]]:
+        """Every engine's checksums against ``reference`` (None: the majority's); each engine's result."""
+        replies = await self._weight_checker(records, "checksum")
+        verdict = judge({rep.engine_id: rep.body["checksums"] for rep in replies if rep.ok}, reference)
         checked = [
             {"engine": rep.engine_id, "status": rep.status, "result": verdict.engine_result(rep.engine_id)} if rep.ok
             else rep.as_json()
             for rep in replies
         ]  # fmt: skip
+        return verdict, checked
+
+    async def _verify(self, records: list[EngineRecord], expected: Checksums | None) -> tuple[Verdict, list[dict]]:
+        """Hold each engine to ``expected``, or to what the fleet agreed on under its label; one
+        that differs is held out (stale) until the next push. Called with the registry lock held."""
+        verdict, checked = await self._judge(records, expected or self._known())
+        for record in records:
+            if record.engine_id in verdict.disagreeing and record.up:
+                self.registry.set_conditions(record, stale=True)
+        if verdict.reference is not None and len(verdict.disagreeing) < len(verdict.differing):
+            self._agreed = (self.registry.fleet_weight_version, verdict.reference)
         return verdict, checked
 
     def _known(self) -> Checksums | None:
@@ -373,23 +378,15 @@ class WeightSync:
                 agree = not verdict.disagreeing and all(c["status"] == 200 for c in checked)
                 return {"checksums": verdict.reference or {}, "agree": agree, "weight_version": self.registry.fleet_weight_version,
                         "held_out": verdict.disagreeing, "engines": checked}  # fmt: skip
-            replies = await self._checksums(current)
-        assert request.baseline is not None
-        engines = [
-            {"engine": rep.engine_id, "status": rep.status,
-             "result": {"match": not (names := differing(rep.body["checksums"], request.baseline)), "mismatches": names}}
-            if rep.ok else rep.as_json()
-            for rep in replies
-        ]  # fmt: skip
-        mismatches = sorted({n for e in engines for n in e.get("result", {}).get("mismatches", [])})
-        match = all(e["status"] == 200 and e["result"]["match"] for e in engines)
-        return {"match": match, "mismatches": mismatches, "engines": engines}
+            # compare: against the caller's baseline, nobody held out.
+            verdict, checked = await self._judge(current, request.baseline)
+        mismatches = sorted({name for names in verdict.differing.values() for name in names})
+        match = not verdict.disagreeing and all(c["status"] == 200 for c in checked)
+        return {"match": match, "mismatches": mismatches, "engines": checked}
 
     async def _reset_weights(self) -> dict:
         records = self.registry.up()
-        replies = await asyncio.gather(
-            *(call_engine(r, "/weight_checker", timeout_s=self.timeout_s, body={"action": "reset"}) for r in records)
-        )
+        replies = await self._weight_checker(records, "reset")
         # A failed reset may have zeroed part of the weights: those engines are held out too.
         for record in records:
             if record.up:
