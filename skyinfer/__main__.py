@@ -35,6 +35,11 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
         if field.type == "bool":
             group.add_argument(*flags, dest=field.name, action="store_true", help=option.help)
             continue
+        if field.type == "tuple[str, ...]":
+            group.add_argument(
+                *flags, dest=field.name, action="append", default=[], metavar=option.metavar, help=option.help
+            )
+            continue
         default = os.environ.get(option.env) if option.env else field.default
         shown = f"${option.env}" if option.env else field.default
         group.add_argument(

@@ -20,6 +20,7 @@ from .security import AccessPolicy
 from .sessions import FINISH_SESSION_PATH, finish_session
 from .state import EngineRecord, EngineRegistry
 from .supervisor import Supervisor
+from .vllm_routes import add_vllm_routes
 from .weights.sync import WEIGHT_SYNC, WeightSync, add_weight_routes
 
 SUPERVISOR = web.AppKey("supervisor", Supervisor)
@@ -75,6 +76,7 @@ def create_app(config: ServeConfig) -> web.Application:
     app.router.add_post(FINISH_SESSION_PATH, finish_session)
     add_control_routes(app)
     add_weight_routes(app)
+    add_vllm_routes(app, config.allow_collective_rpc)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/engines", engines_view(config.engine_probe_timeout_s))

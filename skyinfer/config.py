@@ -113,6 +113,12 @@ class ServeConfig:
         metadata={CLI: CliOption("Bearer key for control, weight and engine routes (none: the API key)", metavar="KEY",
                                  env="SKYINFER_ADMIN_KEY", group="security")},
     )  # fmt: skip
+    allow_collective_rpc: tuple[str, ...] = attrs.field(
+        default=(), converter=tuple,
+        metadata={CLI: CliOption("a worker method POST /collective_rpc may run on every engine (repeat the flag for "
+                                 "more; none: the route is refused, as it runs arbitrary code)", metavar="METHOD",
+                                 group="security")},
+    )  # fmt: skip
     allow_unauthenticated_admin: bool = _option(
         False, "allow a non-loopback --host without an admin key (only on a network that is yours alone)",
         group="security",

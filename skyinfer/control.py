@@ -146,6 +146,8 @@ def add_control_routes(app: web.Application) -> None:
     app.router.add_post("/wake_up", _wake_up)
     app.router.add_post("/reset_prefix_cache", _reset_prefix_cache)
     app.router.add_post("/abort_requests", _abort_requests)
+    # vLLM serves its token route's abort under this name too, with the same handler.
+    app.router.add_post("/inference/v1/abort_requests", _abort_requests)
     # A sleeping engine is paused too (vLLM pauses its scheduler before sleeping).
     app.router.add_get("/is_paused", _flag_view("is_paused", "paused"))
     app.router.add_get("/is_sleeping", _flag_view("is_sleeping", "sleeping"))

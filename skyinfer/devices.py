@@ -140,6 +140,9 @@ def platform_engine_args(kind: str, user_args: tuple[str, ...]) -> tuple[str, ..
     if kind == "cuda" and "--enable-sleep-mode" not in user_args:
         # /sleep frees GPU memory only with sleep mode on; vLLM rejects it on CPU.
         args.append("--enable-sleep-mode")
+    if "--enable-scale-out" not in user_args:
+        # vLLM's app behind the engine serves its render and token routes only with it.
+        args.append("--enable-scale-out")
     if "--weight-transfer-config" not in user_args:
         args += ["--weight-transfer-config", f'{{"backend": "{WEIGHT_TRANSFER_BACKEND[kind]}"}}']
     return tuple(args)

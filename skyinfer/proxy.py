@@ -27,14 +27,38 @@ SESSION_HEADER = "X-Session-ID"
 ENGINE_HEADER = "X-Skyinfer-Engine"
 WEIGHT_VERSION_HEADER = "X-Weight-Version"
 
+# Requests one engine answers: every data route of ``vllm serve`` (the pooling
+# ones too: an engine whose model cannot pool answers them 404, as vLLM does).
 DATA_PLANE_POST = (
     "/v1/completions",
     "/v1/chat/completions",
     "/inference/v1/generate",
     "/tokenize",
     "/detokenize",
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/v1/chat/completions/batch",
+    "/v1/chat/completions/render",
+    "/v1/completions/render",
+    "/v1/messages/render",
+    "/v1/responses/render",
+    "/v1/chat/completions/derender",
+    "/v1/completions/derender",
+    "/generative_scoring",
+    "/v1/systemone",
+    "/invocations",
+    "/v1/embeddings",
+    "/v2/embed",
+    "/pooling",
+    "/classify",
+    "/score",
+    "/v1/score",
+    "/rerank",
+    "/v1/rerank",
+    "/v2/rerank",
 )
-DATA_PLANE_GET = ("/v1/models",)
+DATA_PLANE_GET = ("/v1/models", "/version", "/tokenizer_info")
 
 # Hop-by-hop headers, and credentials meant for the front only.
 _NOT_FORWARDED = frozenset(
@@ -69,13 +93,17 @@ class _NotConnected(Exception):
     """No connection to the engine could be opened; nothing of the request was sent."""
 
 
+def _forwarded_headers(request: web.Request) -> dict[str, str]:
+    return {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
+
+
 async def forward(request: web.Request) -> web.StreamResponse:
     body = await request.read()
     body, body_session = _session_from_body(body)
     session_id = request.headers.get(SESSION_HEADER) or body_session
     if session_id:
         session_id = checked_session_id(session_id, SESSION_HEADER if SESSION_HEADER in request.headers else "session_id")
-    headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
+    headers = _forwarded_headers(request)
     if session_id:
         headers[SESSION_HEADER] = session_id
     registry = request.app[REGISTRY]
@@ -121,13 +149,46 @@ async def _relay(request: web.Request, engine: EngineRecord, body: bytes, header
             return await _relay_stream(request, engine, upstream, {**own_headers, "Content-Type": content_type})
     try:
         async with upstream:
-            payload = await upstream.read()
+            return await _buffered(upstream, own_headers)
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         return _engine_failed(request, engine, exc)
-    if upstream.status >= 400 and not content_type.startswith("application/json"):
-        # An error from below vLLM's handlers (aiohttp's own): still the OpenAI shape.
-        return error_response(upstream.status, payload.decode(errors="replace")[:1000], headers=own_headers)
+
+
+async def _buffered(upstream: aiohttp.ClientResponse, own_headers: dict[str, str]) -> web.Response:
+    payload = await upstream.read()
+    content_type = upstream.headers.get("Content-Type", "application/json")
+    if upstream.status >= 400 and (message := _not_openai_error(payload, content_type)) is not None:
+        # An error from below vLLM's handlers (aiohttp's, or FastAPI's 404 for a
+        # route the model lacks): still the OpenAI shape.
+        return error_response(upstream.status, message, headers=own_headers)
     return web.Response(status=upstream.status, body=payload, headers={**own_headers, "Content-Type": content_type})
+
+
+def _not_openai_error(payload: bytes, content_type: str) -> str | None:
+    """The message of an error body that is not in the OpenAI shape; None if it is."""
+    if content_type.startswith("application/json"):
+        try:
+            body = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            body = None
+        if isinstance(body, dict) and isinstance(body.get("error"), dict):
+            return None
+        if isinstance(body, dict) and "detail" in body:
+            return str(body["detail"])[:1000]
+    return payload.decode(errors="replace")[:1000]
+
+
+async def forward_to(request: web.Request, engine: EngineRecord, body: bytes) -> web.Response:
+    """``request`` as ``engine`` answers it, read whole: for lookups asked of several engines at once."""
+    if engine.client is None or engine.client.closed:
+        return error_response(503, f"engine {engine.engine_id} is {engine.state.value}", headers=_own_headers(engine))
+    try:
+        async with engine.client.request(
+            request.method, request.rel_url, data=body or None, headers=_forwarded_headers(request)
+        ) as upstream:
+            return await _buffered(upstream, _own_headers(engine))
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        return _engine_failed(request, engine, exc)
 
 
 def _engine_failed(request: web.Request, engine: EngineRecord, exc: BaseException) -> web.Response:

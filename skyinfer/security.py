@@ -17,9 +17,10 @@ from aiohttp import web
 from .errors import error_response
 from .proxy import DATA_PLANE_GET, DATA_PLANE_POST
 from .sessions import FINISH_SESSION_PATH
+from .vllm_routes import PUBLIC, STORED_RESPONSE_PATHS
 
-PUBLIC_PATHS = frozenset({"/health", "/ready", "/metrics"})
-DATA_PLANE_PATHS = frozenset((*DATA_PLANE_POST, *DATA_PLANE_GET, FINISH_SESSION_PATH))
+PUBLIC_PATHS = frozenset({"/health", "/ready", "/metrics", *PUBLIC})
+DATA_PLANE_PATHS = frozenset((*DATA_PLANE_POST, *DATA_PLANE_GET, *STORED_RESPONSE_PATHS, FINISH_SESSION_PATH))
 
 
 class InsecureBindError(ValueError):

@@ -94,6 +94,9 @@ CONTROL_VERDICTS: dict[str, Callable[[EngineRecord], str]] = {
     "wake_up": _wake_up,
     "reset_prefix_cache": lambda r: APPLY,
     "abort_requests": lambda r: APPLY,
+    "reset_mm_cache": lambda r: APPLY,
+    "reset_encoder_cache": lambda r: APPLY,
+    "collective_rpc": lambda r: APPLY,
 }
 _NOTHING_TO_DO = {"resume": "it is not paused", "wake_up": "it is not sleeping"}
 

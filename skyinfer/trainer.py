@@ -13,7 +13,10 @@ receive is in flight (both are halves of one collective). Three HTTP calls
 per push, however many tensors: start (checks the metadata before any byte
 moves), update, finish. The HTTP side is ``skyinfer.client.Client``, which
 also satisfies vLLM's ``VLLMWeightSyncClient`` protocol, so vLLM's own
-trainer-side engines (nccl, ipc, on GPUs) can drive skyinfer unchanged.
+trainer-side nccl engine (on GPUs) can drive skyinfer unchanged. The
+other way round works too: ``GlooTrainer(url, sync_client=...)`` makes a
+push's calls through any client of that protocol (vLLM's
+``HTTPVLLMWeightSyncClient``, say), in the protocol's shape.
 """
 
 from __future__ import annotations
@@ -68,8 +71,11 @@ class GlooTrainer:
         world_size: int | None = None,
         admin_key: str | None = None,
         client: Client | None = None,
+        # A client of vLLM's VLLMWeightSyncClient protocol to make the push's four calls instead.
+        sync_client: object | None = None,
     ):
         self.client = client or Client(base_url, admin_key=admin_key, timeout_s=timeout_s + 60)
+        self._calls = self.client if sync_client is None else _ProtocolCalls(sync_client)
         self.master_address = master_address
         self.master_port = master_port
         self.timeout_s = timeout_s
@@ -99,7 +105,7 @@ class GlooTrainer:
             # The engines' workers connect to the store this side hosts; building
             # the gloo group waits until all of them have. A refusal from the
             # server means they never will: report it, don't wait out the timeout.
-            joined = pool.submit(self.client.init_weight_transfer_engine, init_info)
+            joined = pool.submit(self._calls.init_weight_transfer_engine, init_info)
             grouped = pool.submit(_gloo_group, self.master_address, port, world_size, timeout)
             joined.result()
             # The group needs its store alive: this side hosts it for every rank.
@@ -135,15 +141,15 @@ class GlooTrainer:
             "packed": self.packed,
         }
         if not one_call:
-            self.client.start_weight_update(update_info)  # a 400 here: nothing moved
+            self._calls.start_weight_update(update_info)  # a 400 here: nothing moved
         with ThreadPoolExecutor(1) as pool:
-            receiving = pool.submit(self.client.update_weights, update_info, version if one_call else None)
+            receiving = pool.submit(self._calls.update_weights, update_info, version if one_call else None)
             if one_call:
                 _raise_if_refused(receiving)
             self._broadcast(tensors, metas)
             receiving.result()
         if not one_call:
-            self.client.finish_weight_update(version, verify)
+            self._calls.finish_weight_update(version, verify)
 
     def _broadcast(self, tensors: list[tuple[str, torch.Tensor]], metas: list[TensorMeta]) -> None:
         if self.packed:
@@ -158,6 +164,30 @@ class GlooTrainer:
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         self._group.broadcast([tensor], opts).wait()
+
+
+class _ProtocolCalls:
+    """A push's calls made through a client of vLLM's ``VLLMWeightSyncClient`` protocol, whose
+    start carries no metadata (the front then checks it at the update) and whose finish has no verify."""
+
+    def __init__(self, client):
+        self._client = client
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self._client.init_weight_transfer_engine(init_info)
+
+    def start_weight_update(self, _update_info: dict) -> None:
+        self._client.start_weight_update()
+
+    def update_weights(self, update_info: dict, weight_version: str | None) -> None:
+        if weight_version is not None:
+            raise ValueError("a one-call push needs skyinfer's client: vLLM's update_weights takes no version")
+        self._client.update_weights(update_info)
+
+    def finish_weight_update(self, weight_version: str, verify: bool) -> None:
+        if verify:
+            raise ValueError("a verified push needs skyinfer's client: vLLM's protocol has no verify")
+        self._client.finish_weight_update(weight_version)
 
 
 # How long a one-call push waits for the server to refuse its metadata before

@@ -36,12 +36,15 @@ class ChildProcess:
     # Answers 200 once the service can take requests.
     ready_path = "/ready"
 
-    def __init__(self, argv: list[str], log_path: Path, port: int, preexec_fn=None):
+    def __init__(self, argv: list[str], log_path: Path, port: int, preexec_fn=None, env: dict | None = None):
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
         self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=preexec_fn)
+        self.proc = subprocess.Popen(
+            argv, stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=preexec_fn,
+            env=None if env is None else {**os.environ, **env},
+        )  # fmt: skip
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout_s
@@ -84,6 +87,7 @@ class ServerProcess(ChildProcess):
         admin_key: str | None = None,
         cpus: set[int] | None = None,
         port: int | None = None,
+        env: dict | None = None,
     ):
         port = port or free_port()
         self.model = str(model)
@@ -92,7 +96,9 @@ class ServerProcess(ChildProcess):
         argv = [sys.executable, "-m", "skyinfer", "serve", "--model", self.model, "--engines", str(engines),
                 "--port", str(port), *extra_args]  # fmt: skip
         # Like `taskset -c`: the server plans its engines on the cores it may use.
-        super().__init__(argv, log_path, port, preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
+        super().__init__(
+            argv, log_path, port, preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None, env=env
+        )
 
     def engines(self) -> list[dict]:
         return httpx.get(f"{self.url}/engines", headers=self.admin_headers, timeout=10).json()["engines"]
@@ -101,7 +107,16 @@ class ServerProcess(ChildProcess):
 def two_float32_engines(model: Path, log_path: Path) -> ServerProcess:
     """The shared server's kind: two engines in float32, so that greedy tokens
     compared across batch shapes do not flip on bf16 rounding."""
-    return ServerProcess(model, engines=2, log_path=log_path, extra_args=("--dtype", "float32"))
+    return ServerProcess(
+        model, engines=2, log_path=log_path,
+        extra_args=("--allow-collective-rpc", COLLECTIVE_RPC_ALLOWED, "--dtype", "float32"),
+        # vLLM keeps Responses API answers (for GET /v1/responses/{id}) only when told to.
+        env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"},
+    )  # fmt: skip
+
+
+# The one worker method the shared server lets /collective_rpc run: a harmless getter of skyinfer's.
+COLLECTIVE_RPC_ALLOWED = "skyinfer_transfer_status"
 
 
 API_KEY = "sk-data-test-0123456789"
@@ -228,6 +243,11 @@ async def admit_while_paused(http: httpx.AsyncClient, coros) -> list[asyncio.Tas
     tasks = [asyncio.create_task(c) for c in coros]
     await wait_unfinished(http, len(tasks))
     return tasks
+
+
+def concrete(path: str) -> str:
+    """A route's path with its variable parts filled in (``/v1/responses/{response_id}``)."""
+    return path.replace("{response_id}", "resp_test")
 
 
 def app_routes(model, socket_dir) -> set[tuple[str, str]]:

@@ -1,7 +1,9 @@
 """Random and mutated request bodies on every route: 4xx, never a crash, and nothing lost.
 
-Each data and weight route gets 500 bodies (each control route 200, each GET route
-50): its valid seed bodies, then mutants of them
+Each data and weight route skyinfer serves with its own code gets 500 bodies, each
+route served by vLLM's own app behind the engine 50 (a pooling route, which the
+demo model lacks, 10), each control route 200, each GET route 50: its valid seed
+bodies, then mutants of them
 (truncated, bytes flipped, invalid UTF-8, values swapped for extreme or
 wrongly typed ones, keys dropped or added, wrong top-level types, deep
 nesting) and plain random bytes. The RNG is seeded, so a failure replays.
@@ -21,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from support import app_routes, engine_of, restore_fleet
+from support import COLLECTIVE_RPC_ALLOWED, app_routes, concrete, engine_of, restore_fleet
 
 BODIES_PER_ROUTE = 500
 # The control routes' seeds are (nearly) empty objects: a couple of hundred mutants
@@ -64,8 +66,30 @@ def seeds(model: str) -> dict[tuple[str, str], list[Any]]:
         ],
         ("POST", "/tokenize"): [{"model": model, "prompt": "héllo"}, {"model": model, "messages": chat}],
         ("POST", "/detokenize"): [{"model": model, "tokens": [1, 2, 3]}],
-        ("GET", "/v1/models"): [{}],
         ("POST", "/finish_session"): [{"session_id": "fuzz-finished"}],
+        # Served by vLLM's own app behind each engine.
+        ("POST", "/v1/responses"): [
+            {"model": model, "input": "fuzz me", "max_output_tokens": 4, "temperature": 0.5},
+            {"model": model, "input": [{"role": "user", "content": "fuzz me"}], "max_output_tokens": 3, "stream": True},
+        ],
+        ("POST", "/v1/messages"): [
+            {"model": model, "max_tokens": 4, "messages": chat, "system": "be brief"},
+            {"model": model, "max_tokens": 3, "messages": chat, "stream": True, "temperature": 0.5},
+        ],
+        ("POST", "/v1/messages/count_tokens"): [{"model": model, "messages": chat}],
+        ("POST", "/v1/chat/completions/batch"): [{"model": model, "messages": [chat, chat], "max_tokens": 2}],
+        ("POST", "/v1/chat/completions/render"): [{"model": model, "messages": chat}],
+        ("POST", "/v1/completions/render"): [{"model": model, "prompt": "fuzz me"}],
+        ("POST", "/v1/messages/render"): [{"model": model, "max_tokens": 4, "messages": chat}],
+        ("POST", "/v1/responses/render"): [{"model": model, "input": "fuzz me"}],
+        ("POST", "/v1/chat/completions/derender"): [{"model": model, "token_ids": [1, 2, 3]}],
+        ("POST", "/v1/completions/derender"): [{"model": model, "token_ids": [1, 2, 3]}],
+        ("POST", "/generative_scoring"): [{"model": model, "query": "fuzz", "items": ["a", "b"]}],
+        ("POST", "/v1/systemone"): [{"model": model, "prompt": "fuzz me"}],
+        ("POST", "/invocations"): [{"model": model, "prompt": "fuzz me", "max_tokens": 2}],
+        **{("POST", path): [{"model": model, "input": "fuzz me"}] for path in POOLING_PATHS},
+        ("POST", "/v1/responses/{response_id}/cancel"): [{}],
+        ("POST", "/ping"): [{}],
         ("POST", "/init_weight_transfer"): [
             {"init_info": {"master_address": "trainer.invalid", "master_port": 29500, "rank_offset": 1, "world_size": 3}},
         ],
@@ -78,15 +102,16 @@ def seeds(model: str) -> dict[tuple[str, str], list[Any]]:
         ("POST", "/update_weight_version"): [{"new_version": "fuzz"}],
         # (not "reset": it zeroes the engines' weights, as asked)
         ("POST", "/weight_checker"): [{"action": "checksum"}, {"action": "compare", "baseline": {"w": "0" * 64}}],
-        ("GET", "/get_world_size"): [{}],
-        ("GET", "/weight_info"): [{}],
-        ("GET", "/is_paused"): [{}],
-        ("GET", "/is_sleeping"): [{}],
-        ("GET", "/health"): [{}],
-        ("GET", "/ready"): [{}],
-        ("GET", "/engines"): [{}],
-        ("GET", "/metrics"): [{}],
+        # GET routes read no body: an empty one, and mutants of it.
+        **{("GET", path): [{}] for path in GET_ROUTES},
     }
+
+
+GET_ROUTES = (
+    "/v1/models", "/get_world_size", "/weight_info", "/is_paused", "/is_sleeping", "/health", "/ready", "/engines",
+    "/metrics", "/v1/responses/{response_id}", "/version", "/tokenizer_info", "/server_info", "/kv_event_sources",
+    "/load", "/ping",
+)  # fmt: skip
 
 
 # Routes that change what the engines do; fuzzed after the others, with no traffic beside them.
@@ -98,7 +123,18 @@ CONTROL_SEEDS: dict[tuple[str, str], list[Any]] = {
     ("POST", "/reset_prefix_cache"): [{}],
     ("POST", "/abort_requests"): [{"request_ids": ["cmpl-fuzz-0"]}, {}],
     ("POST", "/shutdown_weight_transfer_engine"): [{}],
+    ("POST", "/reset_mm_cache"): [{}],
+    ("POST", "/reset_encoder_cache"): [{}],
+    ("POST", "/inference/v1/abort_requests"): [{"request_ids": ["cmpl-fuzz-1"]}],
+    ("POST", "/collective_rpc"): [{"method": COLLECTIVE_RPC_ALLOWED}, {"method": "execute_model", "args": []}],
 }
+POOLING_PATHS = (
+    "/v1/embeddings", "/v2/embed", "/pooling", "/classify", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank",
+)  # fmt: skip
+# vLLM's own handlers behind the engine: fewer bodies each, the front's part of them is one relay;
+# fewer still for the pooling routes, which a generative model does not have (each answer is a 404).
+BODIES_PER_VLLM_APP_ROUTE = 50
+BODIES_PER_POOLING_ROUTE = 10
 
 
 def _paths(value: Any, prefix: tuple = ()) -> list[tuple]:
@@ -172,21 +208,34 @@ def bounded(raw: bytes) -> bytes:
     except (ValueError, RecursionError):  # not JSON, or nested too deep for Python's parser
         return raw
     targets = [body, body.get("sampling_params")] if isinstance(body, dict) else []
-    unbounded = [t for t in targets if isinstance(t, dict) and t.get("max_tokens") is None]
+    limit = "max_output_tokens" if isinstance(body, dict) and "input" in body else "max_tokens"  # Responses API
+    unbounded = [t for t in targets if isinstance(t, dict) and t.get(limit) is None]
     for target in unbounded:
-        target["max_tokens"] = 4
+        target[limit] = 4
     return json.dumps(body).encode() if unbounded else raw
 
 
 def body_count(method: str, path: str) -> int:
     if method == "GET":
         return BODIES_PER_GET_ROUTE
-    return BODIES_PER_CONTROL_ROUTE if (method, path) in CONTROL_SEEDS else BODIES_PER_ROUTE
+    if (method, path) in CONTROL_SEEDS:
+        return BODIES_PER_CONTROL_ROUTE
+    if path in POOLING_PATHS:
+        return BODIES_PER_POOLING_ROUTE
+    return BODIES_PER_ROUTE if path in NATIVE_ROUTES else BODIES_PER_VLLM_APP_ROUTE
+
+
+# Routes the front or the engine answer with skyinfer's own code: the full count.
+NATIVE_ROUTES = {
+    "/v1/completions", "/v1/chat/completions", "/inference/v1/generate", "/tokenize", "/detokenize", "/finish_session",
+    "/init_weight_transfer", "/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
+    "/finish_weight_update", "/update_weight_version", "/weight_checker",
+}  # fmt: skip
 
 
 def bodies(count: int, seed_bodies: list[Any], rng: random.Random) -> list[bytes]:
     mutator = Mutator(rng)
-    generates = any("max_tokens" in json.dumps(s) for s in seed_bodies)
+    generates = any(limit in json.dumps(s) for s in seed_bodies for limit in ("max_tokens", "max_output_tokens"))
     out = [json.dumps(s).encode() for s in seed_bodies]
     while len(out) < count:
         mutant = mutator.body(rng.choice(seed_bodies))
@@ -199,6 +248,10 @@ def is_openai_error(r: httpx.Response) -> bool:
         err = r.json()["error"]
     except (ValueError, KeyError, TypeError):
         return False
+    if r.url.path.startswith("/v1/messages") and r.json().get("type") == "error":
+        # vLLM's Anthropic routes answer their own refusals in Anthropic's error shape, which its SDK
+        # reads (a body that fails validation gets the OpenAI shape, as from vLLM's own server).
+        return isinstance(err, dict) and isinstance(err.get("message"), str)
     return isinstance(err, dict) and isinstance(err.get("message"), str) and err.get("code") == r.status_code
 
 
@@ -209,7 +262,7 @@ async def fuzz(http: httpx.AsyncClient, route_seeds: dict, rng: random.Random) -
 
     async def send(method: str, path: str, body: bytes) -> None:
         async with gate:
-            r = await http.request(method, path, content=body, headers={"Content-Type": "application/json"})
+            r = await http.request(method, concrete(path), content=body, headers={"Content-Type": "application/json"})
         statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
         if r.status_code >= 500 or (r.status_code >= 400 and not is_openai_error(r)):
             offenders.append((method, path, body[:200], r.status_code, r.text[:300]))

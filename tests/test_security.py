@@ -8,14 +8,17 @@ import sys
 import httpx
 import openai
 import pytest
-from support import ADMIN_KEY, API_KEY, app_routes, bearer
+from support import ADMIN_KEY, API_KEY, app_routes, bearer, concrete
 from test_errors import assert_openai_error
 
+from skyinfer.proxy import DATA_PLANE_POST
 from skyinfer.security import is_loopback
 
 DATA_ROUTES = [
     ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/inference/v1/generate"),
     ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/v1/models"), ("POST", "/finish_session"),
+    *(("POST", path) for path in DATA_PLANE_POST[5:]), ("GET", "/tokenizer_info"),
+    ("GET", "/v1/responses/{response_id}"), ("POST", "/v1/responses/{response_id}/cancel"),
 ]  # fmt: skip
 ADMIN_ROUTES = [
     ("POST", "/pause"), ("POST", "/resume"), ("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_paused"),
@@ -23,8 +26,13 @@ ADMIN_ROUTES = [
     ("POST", "/init_weight_transfer"), ("POST", "/init_weight_transfer_engine"), ("POST", "/start_weight_update"),
     ("POST", "/update_weights"), ("POST", "/finish_weight_update"), ("GET", "/weight_info"), ("GET", "/engines"),
     ("POST", "/shutdown_weight_transfer_engine"), ("POST", "/update_weight_version"), ("POST", "/weight_checker"),
+    ("GET", "/server_info"), ("GET", "/kv_event_sources"), ("POST", "/reset_mm_cache"),
+    ("POST", "/reset_encoder_cache"), ("POST", "/collective_rpc"), ("POST", "/inference/v1/abort_requests"),
 ]  # fmt: skip
-PUBLIC_ROUTES = [("GET", "/health"), ("GET", "/ready"), ("GET", "/metrics")]
+PUBLIC_ROUTES = [
+    ("GET", "/health"), ("GET", "/ready"), ("GET", "/metrics"), ("GET", "/ping"), ("POST", "/ping"), ("GET", "/load"),
+    ("GET", "/version"),
+]  # fmt: skip
 
 
 def test_every_protected_route_refuses_wrong_or_missing_keys(keyed_server, demo_model, tmp_path):
@@ -36,7 +44,7 @@ def test_every_protected_route_refuses_wrong_or_missing_keys(keyed_server, demo_
             for method, path in routes:
                 for headers in ({}, bearer("sk-nope"), bearer(API_KEY[:-1]), {"Authorization": API_KEY},
                                 *(bearer(k) for k in wrong_keys)):  # fmt: skip
-                    r = http.request(method, path, headers=headers, json={})
+                    r = http.request(method, concrete(path), headers=headers, json={})
                     assert_openai_error(r, 401)
                     assert r.headers["WWW-Authenticate"] == "Bearer"
         # Nothing was done on the way: the engine is neither paused nor asleep.

@@ -2,12 +2,16 @@
 
     python tests/trainer_process.py URL WEIGHTS.safetensors VERSION [--one-call]
         [--die-after N | --hang-after N | --die-at init|start|finish] [--verify] [--expect CHECKSUMS.json]
+        [--client skyinfer|vllm|trl] [--pause-keep]
 
 Exits 0 after a push; prints a refusal's status and message and exits 3; with
 --die-after it sends N tensors one by one and then dies mid-transfer; with
 --hang-after it sends N and then waits for ever, holding the transfer open;
 with --die-at it dies (exit 9) right after joining the group, right after
-starting the update, or right before finishing it.
+starting the update, or right before finishing it. ``--client`` picks who makes
+the push's HTTP calls: skyinfer's client, vLLM's ``HTTPVLLMWeightSyncClient``, or
+the calls TRL's async GRPO trainer makes (its bodies, sent with ``requests``);
+``--pause-keep`` wraps the push in ``/pause?mode=keep`` and ``/resume`` as TRL does.
 """
 
 import argparse
@@ -18,8 +22,40 @@ import time
 
 from safetensors.torch import load_file
 
+import requests
+
 from skyinfer.client import SkyinferError
 from skyinfer.trainer import GlooTrainer
+
+
+class TrlCalls:
+    """The weight-sync calls of TRL's async GRPO trainer, with the bodies it sends."""
+
+    def __init__(self, url: str):
+        self.url = url
+
+    def post(self, path: str, body: dict | None = None, params: dict | None = None) -> None:
+        requests.post(f"{self.url}{path}", json=body, params=params, timeout=300).raise_for_status()
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.post("/init_weight_transfer_engine", {"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.post("/start_weight_update", {"is_checkpoint_format": True})
+
+    def update_weights(self, update_info: dict) -> None:
+        self.post("/update_weights", {"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.post("/finish_weight_update", {})
+
+
+def sync_client(kind: str, url: str):
+    if kind == "vllm":
+        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+        return HTTPVLLMWeightSyncClient(url)
+    return TrlCalls(url) if kind == "trl" else None
 
 
 def main() -> int:
@@ -34,11 +70,18 @@ def main() -> int:
     p.add_argument("--verify", action="store_true")
     p.add_argument("--expect", help="a JSON file of the checksums every engine must hold after the push")
     p.add_argument("--timeout", type=float, default=60)
+    p.add_argument("--client", choices=["skyinfer", "vllm", "trl"], default="skyinfer")
+    p.add_argument("--pause-keep", action="store_true")
     args = p.parse_args()
     tensors = load_file(args.weights)
     urls = args.url.split(",")
     stop_after = args.die_after if args.die_after is not None else args.hang_after
-    trainer = GlooTrainer(urls if len(urls) > 1 else urls[0], timeout_s=args.timeout, packed=stop_after is None)
+    trainer = GlooTrainer(
+        urls if len(urls) > 1 else urls[0], timeout_s=args.timeout, packed=stop_after is None,
+        sync_client=sync_client(args.client, urls[0]),
+    )  # fmt: skip
+    if args.pause_keep:
+        TrlCalls(urls[0]).post("/pause", params={"mode": "keep"})
     trainer.init()
     client = trainer.client
     if args.die_at == "init":
@@ -73,7 +116,9 @@ def main() -> int:
     except SkyinferError as exc:
         print(f"refused {exc.status}: {exc.message}", flush=True)
         return 3
-    assert "vllm" not in sys.modules, "the trainer must not need vLLM"
+    if args.pause_keep:
+        TrlCalls(urls[0]).post("/resume")
+    assert args.client == "vllm" or "vllm" not in sys.modules, "the trainer must not need vLLM"
     print("pushed", args.version, flush=True)
     return 0
 

@@ -1,4 +1,5 @@
-"""The engine child process: one vLLM AsyncLLM behind a small aiohttp app on a Unix socket."""
+"""The engine child process: one vLLM AsyncLLM behind a small aiohttp app on a Unix socket,
+with vLLM's own app behind that."""
 
 # Named here (not imported from worker_extension, which imports vLLM) so the
 # front can pass it to engines without importing vLLM itself.

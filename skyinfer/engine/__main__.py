@@ -13,8 +13,7 @@ import sys
 
 def parse_engine_args(vllm_argv: list[str]):
     """Parse arguments exactly as ``vllm serve`` does."""
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from .vllm_api import FlexibleArgumentParser, make_arg_parser, validate_parsed_serve_args
 
     parser = make_arg_parser(FlexibleArgumentParser(prog="skyinfer engine"))
     args = parser.parse_args(vllm_argv)
@@ -43,8 +42,11 @@ def main(argv: list[str] | None = None) -> None:
         # starve another engine's control path of CPU.
         os.sched_setaffinity(0, {int(c) for c in ns.cpus.split(",")})
 
-    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
-    from vllm.logger import configure_logging_from_args
+    # vLLM's app behind the engine registers its dev routes (/server_info,
+    # /collective_rpc, ...) only in dev mode; the engine's socket is the
+    # front's alone, and the front decides which of them users may call.
+    os.environ["VLLM_SERVER_DEV_MODE"] = "1"
+    from .vllm_api import cli_env_setup, configure_logging_from_args
 
     cli_env_setup()
     args = parse_engine_args(vllm_argv)

@@ -22,13 +22,9 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
-from vllm.distributed.weight_transfer.base import (
-    WeightTransferEngine,
-    WeightTransferInitInfo,
-    WeightTransferUpdateInfo,
-)
 
 from ..weights.packing import DEFAULT_BUFFER_SIZE_BYTES, TensorMeta, dtype_from_name, plan_chunks, unpack
+from .vllm_api import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
 log = logging.getLogger("skyinfer.gloo_transfer")
 
@@ -98,7 +94,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         self._joining.start()
 
     def _join(self, info: GlooWeightTransferInitInfo, rank: int, attempt: int) -> None:
-        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+        from .vllm_api import stateless_init_torch_distributed_process_group
 
         started = time.monotonic()
         try:
@@ -140,7 +136,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
 
     # -- one update -----------------------------------------------------------
     def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+        from .vllm_api import initialize_layerwise_reload
 
         initialize_layerwise_reload(self.model)
 
@@ -166,14 +162,14 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         self.receive_weights(self.parse_update_info(update_info))
 
     def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+        from .vllm_api import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model, self.model_config)
         _refresh_tied_lm_head(self.model, self.model_config)
 
     def shutdown(self) -> None:
         if self._group is not None:
-            from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
+            from .vllm_api import stateless_destroy_torch_distributed_process_group
 
             try:
                 stateless_destroy_torch_distributed_process_group(self._group)

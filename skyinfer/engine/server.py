@@ -1,8 +1,10 @@
 """One engine: vLLM's ``AsyncLLM`` in this process, served on a Unix socket.
 
-The routes call vLLM's own OpenAI serving classes, built by vLLM's
-``init_app_state``, so request parsing, chat templates, logprobs and SSE
-framing are exactly vLLM's. aiohttp runs with ``handler_cancellation``: when
+The hot routes (completions, chat, the token route, tokenize) call vLLM's own
+OpenAI serving classes, built by vLLM's ``init_app_state``, so request
+parsing, chat templates, logprobs and SSE framing are exactly vLLM's; every
+other route of ``vllm serve`` goes to vLLM's own app (``vllm_app``), which
+shares those serving objects. aiohttp runs with ``handler_cancellation``: when
 the front drops a connection the handler is cancelled, and cancelling the
 generator inside vLLM aborts the request in the engine.
 """
@@ -22,13 +24,12 @@ import prometheus_client
 import pydantic
 from aiohttp import web
 
-from vllm.entrypoints.serve.engine.protocol import ErrorResponse
-from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
-
 from ..errors import error_response, json_response, parse_json_object
 from .admin import add_admin_routes
 from .appkeys import ENGINE_CLIENT, SERVING_STATE
 from .stream_end import choice_count, with_finish_reasons
+from .vllm_api import ErrorResponse, create_error_response
+from .vllm_app import add_vllm_app_routes
 from .weights import add_weight_routes
 
 log = logging.getLogger("skyinfer.engine")
@@ -151,10 +152,7 @@ async def _metrics(_request: web.Request) -> web.Response:
 
 
 def create_engine_app(engine_client: Any, serving_state: Any) -> web.Application:
-    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
-    from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest
-    from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest, TokenizeRequest
+    from .vllm_api import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, GenerateRequest, TokenizeRequest
 
     # Bodies come from the front, which enforces the user-facing limit.
     app = web.Application(client_max_size=1024**3)
@@ -191,9 +189,7 @@ async def _watch_engine_core(stop: asyncio.Event, engine_client: Any) -> None:
 
 
 async def serve_engine(socket_path: str, args: Any) -> None:
-    from starlette.datastructures import State
-    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
-    from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
+    from .vllm_api import build_app, build_async_engine_client, init_app_state
 
     def interrupt_start_up(*_):
         raise KeyboardInterrupt("terminated during start-up")
@@ -202,14 +198,16 @@ async def serve_engine(socket_path: str, args: Any) -> None:
     signal.signal(signal.SIGTERM, interrupt_start_up)
     async with build_async_engine_client(args) as engine_client:
         supported_tasks = await engine_client.get_supported_tasks()
-        state = State()
-        await init_app_state(engine_client, state, args, supported_tasks)
+        vllm_app = build_app(args, supported_tasks, engine_client.model_config)
+        await init_app_state(engine_client, vllm_app.state, args, supported_tasks)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         watcher = asyncio.create_task(_watch_engine_core(stop, engine_client))
-        runner = web.AppRunner(create_engine_app(engine_client, state), handler_cancellation=True, access_log=None)
+        app = create_engine_app(engine_client, vllm_app.state)
+        add_vllm_app_routes(app, vllm_app)
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await runner.setup()
         # The socket appearing is the signal to the front that this engine is ready.
         # As deep as the front's own listener: a burst of connects must queue, not fail with EAGAIN.

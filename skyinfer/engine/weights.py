@@ -37,7 +37,7 @@ async def _wait_for_rendezvous(engine, timeout_s: float) -> web.Response:
 
 
 async def init_weight_transfer(request: web.Request) -> web.Response:
-    from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+    from .vllm_api import WeightTransferInitRequest
 
     engine = request.app[ENGINE_CLIENT]
     init_info = parse_json_object(await request.read())["init_info"]
@@ -55,7 +55,7 @@ async def start_weight_update(request: web.Request) -> web.Response:
 
 
 async def update_weights(request: web.Request) -> web.Response:
-    from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+    from .vllm_api import WeightTransferUpdateRequest
 
     update_info = parse_json_object(await request.read())["update_info"]
     await request.app[ENGINE_CLIENT].update_weights(WeightTransferUpdateRequest(update_info=update_info))

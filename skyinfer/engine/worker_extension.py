@@ -11,7 +11,7 @@ import ctypes
 import platform
 
 import torch
-from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+from .vllm_api import WeightTransferEngineFactory
 
 from . import GLOO_BACKEND
 from .gloo_transfer import GlooWeightTransferEngine

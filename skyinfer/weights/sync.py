@@ -60,6 +60,14 @@ async def _check_trainer_address(info: GlooInitInfo) -> None:
         raise SyncError(400, f"init_info master_address {info.master_address!r} does not resolve: {exc}") from None
 
 
+# vLLM's ipc backend's init_info is {"packed": ...} alone (no rendezvous).
+IPC_REFUSAL = (
+    "init_info has no master_address: this is vLLM's ipc backend, which skyinfer does not serve. Its "
+    "updates carry CUDA IPC handles pickled into the HTTP body (ipc_handles_pickled), and skyinfer never "
+    "unpickles what comes from the network; push over nccl (GPU) or skyinfer's gloo backend instead"
+)
+
+
 class Phase(enum.Enum):
     """Where the fleet is in a weight update; a group may be formed or not in any of them."""
 
@@ -149,6 +157,8 @@ class WeightSync:
 
     # -- init ----------------------------------------------------------------
     async def init(self, init_info: dict) -> dict:
+        if init_info.keys() <= {"packed"}:
+            raise SyncError(400, IPC_REFUSAL)
         info = GlooInitInfo.parse(init_info, ("init_info",))
         try:
             layout = RankLayout.build(

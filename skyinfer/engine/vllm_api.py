@@ -1,0 +1,78 @@
+"""Every vLLM name skyinfer uses, in one table, each with where it lives in each known vLLM release.
+
+skyinfer imports vLLM only from here (``from .vllm_api import build_app``).
+A name is looked up on first use, in its modules in order (newest vLLM's
+first), so a process imports only what it uses: a worker loads the weight
+transfer names, never the HTTP stack. ``tools/check_vllm_api.py`` checks this
+table against each release in ``KNOWN_VERSIONS`` from its source, without
+installing it; CI runs it on every change.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# Releases the table is checked against (tools/check_vllm_api.py); setup.cfg's vLLM range admits these.
+KNOWN_VERSIONS = ("0.32.0", "0.33.0")
+
+_CLI_ARGS = ("vllm.entrypoints.common.cli_args", "vllm.entrypoints.launchers.cli_args")  # 0.33 moved it
+_TRANSFER_BASE = ("vllm.distributed.weight_transfer.base",)
+
+# name -> modules that may define it, newest vLLM first.
+NAMES: dict[str, tuple[str, ...]] = {
+    # Engine start-up: `vllm serve`'s own argument parser, environment and logging.
+    "make_arg_parser": _CLI_ARGS,
+    "validate_parsed_serve_args": _CLI_ARGS,
+    "FlexibleArgumentParser": ("vllm.utils.argparse_utils",),
+    "cli_env_setup": ("vllm.entrypoints.common.startup", "vllm.entrypoints.serve.utils.api_utils"),  # moved in 0.33
+    "configure_logging_from_args": ("vllm.logger",),
+    # The engine and vLLM's app: what `vllm serve` itself builds.
+    "build_async_engine_client": ("vllm.entrypoints.launchers.api_server.entry",),
+    "build_app": ("vllm.entrypoints.launchers.app",),
+    "init_app_state": ("vllm.entrypoints.launchers.api_server.app_state",),
+    # vLLM's routes for a pooling model (tests/test_vllm_surface.py builds that app without an engine).
+    "ModelConfig": ("vllm.config",),
+    # The routes the engine serves natively (the hot path): vLLM's request types and error mapping.
+    "ChatCompletionRequest": ("vllm.entrypoints.openai.chat_completion.protocol",),
+    "CompletionRequest": ("vllm.entrypoints.openai.completion.protocol",),
+    "GenerateRequest": ("vllm.entrypoints.scale_out.token_in_token_out.protocol",),
+    "TokenizeRequest": ("vllm.entrypoints.serve.tokenize.protocol",),
+    "DetokenizeRequest": ("vllm.entrypoints.serve.tokenize.protocol",),
+    "ErrorResponse": ("vllm.entrypoints.serve.engine.protocol",),
+    "create_error_response": ("vllm.entrypoints.serve.exception_handling.error_response",),
+    # Weight transfer: the backend interface skyinfer's gloo backend implements, and its registry.
+    "WeightTransferEngine": _TRANSFER_BASE,
+    "WeightTransferInitInfo": _TRANSFER_BASE,
+    "WeightTransferUpdateInfo": _TRANSFER_BASE,
+    "WeightTransferInitRequest": _TRANSFER_BASE,
+    "WeightTransferUpdateRequest": _TRANSFER_BASE,
+    "WeightTransferEngineFactory": ("vllm.distributed.weight_transfer.factory",),
+    "stateless_init_torch_distributed_process_group": ("vllm.distributed.utils",),
+    "stateless_destroy_torch_distributed_process_group": ("vllm.distributed.utils",),
+    "initialize_layerwise_reload": ("vllm.model_executor.model_loader.reload",),
+    "finalize_layerwise_reload": ("vllm.model_executor.model_loader.reload",),
+}
+
+
+def __getattr__(name: str) -> Any:
+    modules = NAMES.get(name)
+    if modules is None:
+        raise AttributeError(f"{__name__} has no {name!r}: add it to NAMES")
+    for module_name in modules:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name is None or not module_name.startswith(exc.name):
+                raise  # the module exists but one of its own imports failed
+            continue
+        if hasattr(module, name):
+            value = getattr(module, name)
+            globals()[name] = value
+            return value
+    import vllm
+
+    raise ImportError(
+        f"vLLM {vllm.__version__} has {name} in none of {', '.join(modules)}; "
+        f"skyinfer is known to work with vLLM {', '.join(KNOWN_VERSIONS)}"
+    )

@@ -1,0 +1,110 @@
+"""The rest of ``vllm serve``'s route surface, answered for the whole fleet.
+
+Data-plane routes are in ``proxy`` (one engine per request). Here are the
+routes whose answer needs more than one engine: a stored response is looked
+up on the engine that holds it, engine views are gathered per engine, cache
+resets and ``/collective_rpc`` are fanned out like every admin call.
+``NOT_SERVED`` names the few routes of vLLM's app skyinfer leaves out, each
+with the reason (the README lists them; a test holds this module to vLLM's own
+route table).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from .control import CONTROL, aggregate
+from .engine_calls import call_engine
+from .errors import ApiError, json_response, parse_json_object
+from .health import health
+from .proxy import REGISTRY, forward_to
+
+NOT_SERVED = {
+    "/openapi.json": "the OpenAPI schema of vLLM's FastAPI app, not of skyinfer's routes",
+    "/docs": "FastAPI's interactive docs for vLLM's app; skyinfer's routes are in its README",
+    "/docs/oauth2-redirect": "part of FastAPI's interactive docs",
+    "/redoc": "FastAPI's interactive docs for vLLM's app",
+    "/scale_elastic_ep": "elastic expert parallelism rescales one Ray data-parallel engine; skyinfer's is fixed",
+    "/is_scaling_elastic_ep": "elastic expert parallelism: see /scale_elastic_ep",
+    "/start_draft_weight_update": "pushes to a speculative-decoding draft model are not in skyinfer's push protocol",
+    "/release_kv_cache_memory": "leaves an engine paused with its KV cache freed, a condition the fleet does not track; "
+    "use /sleep",
+}
+
+# Data-plane routes: a client reads back or cancels its own response.
+STORED_RESPONSE_PATHS = ("/v1/responses/{response_id}", "/v1/responses/{response_id}/cancel")
+# Liveness and load, open like /health (vLLM's own key guards only /v1 routes).
+PUBLIC = ("/ping", "/load", "/version")
+# Views of one engine's own, answered with each engine's body.
+_PER_ENGINE_VIEWS = ("/server_info", "/kv_event_sources", "/load")
+# Admin calls vLLM answers per engine with nothing to aggregate but success.
+_CACHE_RESETS = ("reset_mm_cache", "reset_encoder_cache")
+COLLECTIVE_RPC_METHODS = web.AppKey("collective_rpc_methods", frozenset)
+
+
+async def _stored_response(request: web.Request) -> web.StreamResponse:
+    """``/v1/responses/{id}`` (and ``/cancel``): only the engine that ran a response stores it."""
+    body = await request.read()
+    serving = request.app[REGISTRY].serving()
+    if not serving:
+        raise ApiError("no engine is serving", status=503)
+    answers = await asyncio.gather(*(forward_to(request, record, body) for record in serving))
+    found = [a for a in answers if a.status < 400]
+    return (found or answers)[0]
+
+
+def _per_engine_view(path: str):
+    async def view(request: web.Request) -> web.Response:
+        registry = request.app[REGISTRY]
+        timeout_s = request.app[CONTROL].timeout_s
+        up = registry.up()
+        replies = await asyncio.gather(*(call_engine(r, path, method="GET", timeout_s=timeout_s) for r in up))
+        body = {"engines": [reply.as_json() for reply in replies]}
+        if path == "/load":
+            # vLLM's own key: what a load-aware client reads, summed over the fleet.
+            body["server_load"] = sum(reply.body.get("server_load", 0) for reply in replies if reply.ok)
+        return json_response(body)
+
+    return view
+
+
+def _cache_reset(operation: str):
+    async def reset(request: web.Request) -> web.Response:
+        outcomes = await request.app[CONTROL].apply(operation)
+        return aggregate(operation, outcomes, {"status": "reset"})
+
+    return reset
+
+
+async def _collective_rpc(request: web.Request) -> web.Response:
+    body = parse_json_object(await request.read())
+    method = body.get("method")
+    if not isinstance(method, str) or not method:
+        raise ApiError("'method' must be the name of a worker method", param="method")
+    allowed = request.app[COLLECTIVE_RPC_METHODS]
+    if method not in allowed:
+        hint = f"allowed: {', '.join(sorted(allowed))}" if allowed else "none is allowed"
+        raise ApiError(
+            f"/collective_rpc runs arbitrary methods in every worker; {method!r} is not on the allow-list ({hint}). "
+            f"Start skyinfer with --allow-collective-rpc {method} to allow it.",
+            status=403, param="method",
+        )  # fmt: skip
+    outcomes = await request.app[CONTROL].apply("collective_rpc", body=body)
+    return aggregate("collective_rpc", outcomes, {"status": "done"})
+
+
+def add_vllm_routes(app: web.Application, collective_rpc_methods: tuple[str, ...]) -> None:
+    app[COLLECTIVE_RPC_METHODS] = frozenset(collective_rpc_methods)
+    get_path, cancel_path = STORED_RESPONSE_PATHS
+    app.router.add_get(get_path, _stored_response)
+    app.router.add_post(cancel_path, _stored_response)
+    for path in _PER_ENGINE_VIEWS:
+        app.router.add_get(path, _per_engine_view(path))
+    for operation in _CACHE_RESETS:
+        app.router.add_post(f"/{operation}", _cache_reset(operation))
+    app.router.add_post("/collective_rpc", _collective_rpc)
+    # SageMaker's liveness route is vLLM's /health.
+    app.router.add_get("/ping", health)
+    app.router.add_post("/ping", health)

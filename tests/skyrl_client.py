@@ -1,0 +1,80 @@
+"""SkyRL's ``RemoteInferenceClient`` (PyPI ``skyrl`` 0.4.0) against a skyinfer server, as a SkyRL trainer calls it.
+
+    python tests/skyrl_client.py URL MODEL
+
+Prints one JSON object: per method, what it returned or the error it raised.
+skyinfer is given as both SkyRL's data-plane proxy and its one control-plane
+server (skyinfer fans admin calls out to its engines itself).
+
+SkyRL 0.4.0 declares Python >= 3.12; on 3.11 the one thing it lacks is pydantic
+accepting ``typing.TypedDict`` in its models, so that name is pointed at
+typing_extensions' (which pydantic accepts) before SkyRL is imported.
+"""
+
+import asyncio
+import json
+import sys
+import typing
+
+import typing_extensions
+
+typing.TypedDict = typing_extensions.TypedDict
+
+from skyrl.backends.skyrl_train.inference_servers.remote_inference_client import RemoteInferenceClient  # noqa: E402
+
+
+async def main(url: str, model: str) -> dict:
+    client = RemoteInferenceClient(proxy_url=url, server_urls=[url], data_parallel_size=1, model_name=model)
+    results: dict = {}
+
+    async def call(name: str, coro):
+        try:
+            value = await coro
+            results[name] = {"ok": json.loads(json.dumps(value, default=str))}
+        except Exception as exc:  # what the client raises is the finding
+            results[name] = {"error": f"{type(exc).__name__}: {exc}", "status": getattr(exc, "status", None)}
+        return results[name].get("ok")
+
+    chat = [{"role": "user", "content": "Say something."}]
+    ids = await call("tokenize", client.tokenize(["Hello there", "RL"]))
+    await call("detokenize", client.detokenize([ids[0]]))
+    greedy = {"max_tokens": 5, "temperature": 0, "logprobs": 0, "ignore_eos": True}
+    await call("generate", client.generate(
+        {"prompt_token_ids": [ids[0], ids[0]], "sampling_params": greedy, "session_ids": ["skyrl-a", "skyrl-b"]}
+    ))  # fmt: skip
+    await call("sample", client.sample({"json": {
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": ids[0]}]}, "num_samples": 2,
+        "sampling_params": {"max_tokens": 4, "temperature": 1.0}, "session_id": "skyrl-c",
+        "include_prompt_logprobs": True,
+    }}))  # fmt: skip
+    await call("chat_completion", client.chat_completion(
+        {"json": {"messages": chat, "max_tokens": 4, "ignore_eos": True, "session_id": "skyrl-a"}}
+    ))  # fmt: skip
+    render = {"json": {"messages": chat, "session_id": "skyrl-a"}}
+    await call("render_chat_completion", client.render_chat_completion(render))
+    await call("completion", client.completion({"json": {"prompt": "Hello", "max_tokens": 4, "ignore_eos": True}}))
+    await call("finish_session", client.finish_session("skyrl-a"))
+    await call("get_world_size", client.get_world_size())
+    await call("pause", client.pause(mode="keep"))
+    await call("resume", client.resume())
+    await call("pause_generation", client.pause_generation())
+    await call("resume_generation", client.resume_generation())
+    await call("sleep", client.sleep(level=1))
+    await call("is_sleeping", client.is_sleeping())
+    await call("wake_up", client.wake_up())
+    await call("is_sleeping_after_wake", client.is_sleeping())
+    await call("reset_prefix_cache", client.reset_prefix_cache(reset_running_requests=True))
+    # Outside a push (no transfer group): refused with the reason, nothing changes.
+    norm = {"names": ["model.norm.weight"], "dtype_names": ["float32"], "shapes": [[128]]}
+    await call("update_named_weights", client.update_named_weights(norm))
+    # Calls that need SkyRL's own server or worker extension (see the README).
+    await call("sleep_for_weight_sync", client.sleep_for_weight_sync())
+    await call("load_lora_adapter", client.load_lora_adapter("skyrl-lora", "/nonexistent"))
+    await call("unload_lora_adapter", client.unload_lora_adapter("skyrl-lora"))
+    await call("fetch_weights", client.fetch_weights(target_version=1))
+    await client.teardown()
+    return results
+
+
+if __name__ == "__main__":
+    print(json.dumps(asyncio.run(main(sys.argv[1], sys.argv[2]))))
