@@ -75,6 +75,12 @@ def test_vllm_http_weight_sync_client_drives_a_push(server, model_name, demo_mod
     done = run_trainer(server, save(weights, tmp_path / "w.safetensors"), "vllm-client", "--client", "vllm")
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert_engines_match(server, model_name, demo_model, weights, "vllm-client")
+    # The client's fifth call: every engine leaves the group (the trainer process has exited).
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+    HTTPVLLMWeightSyncClient(server.url).shutdown_weight_transfer_engine()
+    engines = httpx.get(f"{server.url}/weight_info", timeout=30).json()["engines"]
+    assert [e["in_transfer_group"] for e in engines] == [False, False]
 
 
 def test_trl_async_grpo_push_sequence(server, model_name, demo_model, tmp_path):
