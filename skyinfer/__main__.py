@@ -93,14 +93,18 @@ def _status(args) -> int:
     import json
 
     from .client import Client, SkyinferError
+    from .metrics import read_hit_rates
 
     with Client(args.url, admin_key=args.admin_key, retries=0, timeout_s=30) as client:
         try:
             engines = client.engines()
             fleet = client.weight_info()["weight_version"]
+            hit_rates = read_hit_rates(client.metrics())
         except SkyinferError as exc:
             print(f"skyinfer status: {args.url}: {exc.message}", file=sys.stderr)
             return 1
+    for e in engines:
+        e["prefix_cache_hit_rate"] = hit_rates.get(e["id"])
     if args.json:
         print(json.dumps({"weight_version": fleet, "engines": engines}, indent=2))
         return 0
@@ -109,13 +113,14 @@ def _status(args) -> int:
 
 
 def format_engine_table(engines: list[dict], fleet_version: str | None) -> str:
-    header = ("ENGINE", "STATE", "DEVICES", "WEIGHTS", "IN FLIGHT", "UNFINISHED", "RESTARTS", "PID")
+    header = ("ENGINE", "STATE", "DEVICES", "WEIGHTS", "IN FLIGHT", "UNFINISHED", "PREFIX HITS", "RESTARTS", "PID")
     rows = [header]
     for e in engines:
         devices = e["devices"]
         rows.append((
             str(e["id"]), e["state"], f"{devices['kind']}:{','.join(map(str, devices['ids']))}",
             str(e["weight_version"]), str(e["in_flight"]), str(e.get("unfinished_requests", "")),
+            "-" if (rate := e.get("prefix_cache_hit_rate")) is None else f"{rate:.0%}",
             str(e.get("restarts", 0)), str(e["pid"]),
         ))  # fmt: skip
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]

@@ -140,9 +140,39 @@ async def _engine_metrics(engine_id: int, client: aiohttp.ClientSession, timeout
         return engine_id, None
 
 
+HIT_RATE = "skyinfer_engine_prefix_cache_hit_rate"
+# vLLM's counters of prompt tokens looked up in, and found in, an engine's prefix cache.
+_PREFIX_QUERIES, _PREFIX_HITS = "vllm:prefix_cache_queries", "vllm:prefix_cache_hits"
+
+
+def prefix_cache_hit_rates(engine_families: list[Metric]) -> GaugeMetricFamily:
+    """Each engine's share of prompt tokens served from its prefix cache since it started, from vLLM's counters."""
+    counts: dict[str, dict[str, float]] = {}
+    for family in engine_families:
+        if family.name in (_PREFIX_QUERIES, _PREFIX_HITS):
+            for s in family.samples:
+                if s.name.endswith("_total"):
+                    per_engine = counts.setdefault(s.labels["engine"], {})
+                    per_engine[family.name] = per_engine.get(family.name, 0.0) + s.value
+    gauge = GaugeMetricFamily(HIT_RATE, "prompt tokens found in the engine's prefix cache / looked up", labels=["engine"])
+    for engine, count in sorted(counts.items()):
+        if count.get(_PREFIX_QUERIES):
+            gauge.add_metric([engine], count.get(_PREFIX_HITS, 0.0) / count[_PREFIX_QUERIES])
+    return gauge
+
+
+def read_hit_rates(metrics_text: str) -> dict[int, float]:
+    """The hit-rate gauge out of a ``/metrics`` page: engine id -> rate."""
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name == HIT_RATE:
+            return {int(s.labels["engine"]): s.value for s in family.samples}
+    return {}
+
+
 def _render(metrics: ServiceMetrics, engine_texts: dict[int, str]) -> bytes:
+    engine_families = relabel_engine_metrics(engine_texts)
     return prometheus_client.generate_latest(metrics.prom) + prometheus_client.generate_latest(
-        _Families(relabel_engine_metrics(engine_texts))
+        _Families([prefix_cache_hit_rates(engine_families), *engine_families])
     )
 
 

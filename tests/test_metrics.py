@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import httpx
 
 from support import scrape, total
@@ -43,3 +46,22 @@ def test_metrics_parse_and_count_traffic(server, model_name):
     assert engines == {"0", "1"}
     assert sum(moved("vllm:request_success", "vllm:request_success_total", engine=e) for e in engines) == 6
     assert sum(moved("vllm:generation_tokens", "vllm:generation_tokens_total", engine=e) for e in engines) == 30
+
+
+def test_prefix_cache_hit_rate_per_engine_in_metrics_and_status(server, model_name):
+    prompt = "A long shared system prompt for every turn of the trajectory. " * 60
+    body = {"model": model_name, "prompt": prompt, "max_tokens": 2}
+    for _ in range(3):  # the same session, the same engine: the prompt's blocks are found from the second on
+        r = httpx.post(f"{server.url}/v1/completions", json=body, headers={"X-Session-ID": "prefix-hits"}, timeout=60)
+        assert r.status_code == 200
+    engine = r.headers["X-Skyinfer-Engine"]
+    after = scrape(server)
+    hits = total(after, "vllm:prefix_cache_hits", "vllm:prefix_cache_hits_total", engine=engine)
+    queries = total(after, "vllm:prefix_cache_queries", "vllm:prefix_cache_queries_total", engine=engine)
+    rate = total(after, "skyinfer_engine_prefix_cache_hit_rate", "skyinfer_engine_prefix_cache_hit_rate", engine=engine)
+    assert hits > 0 and rate == hits / queries
+    argv = [sys.executable, "-m", "skyinfer", "status", server.url]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    header, *rows = done.stdout.splitlines()
+    cells = {row.split()[0]: row.split() for row in rows if row[:1].isdigit()}
+    assert "PREFIX HITS" in header and f"{rate:.0%}" in cells[engine], done.stdout
