@@ -16,6 +16,7 @@ from .errors import openai_errors_middleware
 from .health import engines_view, health, ready
 from .metrics import METRICS, ServiceMetrics, metrics_view
 from .proxy import DATA_PLANE_GET, DATA_PLANE_POST, REGISTRY, forward
+from .routing import SessionRouter
 from .security import AccessPolicy
 from .sessions import FINISH_SESSION_PATH, finish_session
 from .state import EngineRecord, EngineRegistry
@@ -36,7 +37,8 @@ def build_registry(config: ServeConfig, socket_dir: str) -> EngineRegistry:
         )  # fmt: skip
         for i, plan in enumerate(plans)
     ]
-    return EngineRegistry(records, config.max_sessions, config.session_idle_ttl_s)
+    router = SessionRouter(config.max_sessions, config.session_idle_ttl_s, config.session_rebalance_factor)
+    return EngineRegistry(records, router)
 
 
 def create_app(config: ServeConfig) -> web.Application:

@@ -36,6 +36,11 @@ def _option(default, help: str, *, validator=None, **cli) -> attrs.Attribute:
 _at_least_one = attrs.validators.ge(1)
 
 
+def _never_or_at_least_one(_instance, attribute: attrs.Attribute, value: float) -> None:
+    if value != 0 and value < 1:
+        raise ValueError(f"{attribute.name} must be 0 (never) or at least 1, not {value}")
+
+
 @attrs.frozen
 class ServeConfig:
     model: str
@@ -87,6 +92,10 @@ class ServeConfig:
     session_idle_ttl_s: float = _option(
         3600.0, "a session unused this long loses its engine binding (0: never); POST /finish_session ends one",
         metavar="SECONDS", validator=attrs.validators.ge(0),
+    )  # fmt: skip
+    session_rebalance_factor: float = _option(
+        2.0, "a session moves to the least-loaded engine at its next request when its own engine has more than "
+        "FACTOR x (that one's + 1) requests in flight (0: never)", metavar="FACTOR", validator=_never_or_at_least_one,
     )  # fmt: skip
     engine_connections: int = _option(
         4096, "requests sent to one engine at once; more wait in the front for a connection", metavar="N",

@@ -49,6 +49,9 @@ class _EngineCollector:
         version = GaugeMetricFamily(
             "skyinfer_engine_weight_version_info", "the weight version each engine serves", labels=["engine", "version"]
         )
+        moves = CounterMetricFamily(
+            "skyinfer_session_moves", "sessions moved off the engine at a request, it being far busier", labels=["engine"]
+        )
         for r in self.registry.records:
             engine = str(r.engine_id)
             for s in EngineState:
@@ -60,7 +63,8 @@ class _EngineCollector:
             refused.add_metric([engine], r.refused)
             restarts.add_metric([engine], r.restarts)
             version.add_metric([engine, r.weight_version or ""], 1)
-        return [state, paused, sleeping, in_flight, queued, refused, restarts, version]
+            moves.add_metric([engine], self.registry.router.moves.get(r.engine_id, 0))
+        return [state, paused, sleeping, in_flight, queued, refused, restarts, version, moves]
 
 
 class ServiceMetrics:

@@ -2,8 +2,10 @@
 
 Pure logic on plain numbers, so it can be unit-tested without engines.
 A session stays on its engine because that engine holds its prefix cache;
-it moves only when that engine can no longer serve, and its binding ends
-when the trajectory finishes or goes idle.
+it moves only when that engine can no longer serve, or, at its next request,
+when that engine is far busier than the least-loaded one (recomputing the
+prefix elsewhere costs less than queueing behind a long tail); its binding
+ends when the trajectory finishes or goes idle.
 """
 
 from __future__ import annotations
@@ -24,12 +26,24 @@ class Candidate:
 class SessionRouter:
     """Sessions bound to engines, least recently used first. A binding ends when its trajectory
     says so (``finish``), when it has been idle for ``idle_ttl_s``, or when more than
-    ``max_sessions`` are bound (the oldest go)."""
+    ``max_sessions`` are bound (the oldest go).
 
-    def __init__(self, max_sessions: int = 100_000, idle_ttl_s: float = 0.0, clock: Callable[[], float] = time.monotonic):
+    A session moves at a request when its engine has more than
+    ``rebalance_factor`` x (the least-loaded engine's + 1) requests in flight
+    (0: never); ``moves`` counts them by the engine moved off."""
+
+    def __init__(
+        self,
+        max_sessions: int = 100_000,
+        idle_ttl_s: float = 0.0,
+        rebalance_factor: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self._max_sessions = max_sessions
         self._idle_ttl_s = idle_ttl_s
+        self._rebalance_factor = rebalance_factor
         self._clock = clock
+        self.moves: dict[int, int] = {}
         self._engine_of: OrderedDict[str, int] = OrderedDict()
         self._last_used: dict[str, float] = {}
         self._sessions_on: dict[int, int] = {}
@@ -44,10 +58,13 @@ class SessionRouter:
         now = self._clock()
         self._forget_idle(now)
         bound = self._engine_of.get(session_id)
-        if bound is not None and any(c.engine_id == bound for c in candidates):
+        load = next((c.in_flight for c in candidates if c.engine_id == bound), None)
+        if load is not None and not self._overloaded(load, candidates):
             self._engine_of.move_to_end(session_id)
             self._last_used[session_id] = now
             return bound
+        if load is not None:
+            self.moves[bound] = self.moves.get(bound, 0) + 1
         # A new session brings more requests later: balance sessions too.
         chosen = self._least_loaded(candidates, by_sessions=True)
         self._bind(session_id, chosen)
@@ -66,6 +83,10 @@ class SessionRouter:
 
     def session_count(self, engine_id: int) -> int:
         return self._sessions_on.get(engine_id, 0)
+
+    def _overloaded(self, load: int, candidates: Sequence[Candidate]) -> bool:
+        least = min(c.in_flight for c in candidates)
+        return bool(self._rebalance_factor) and load > self._rebalance_factor * (least + 1)
 
     def _least_loaded(self, candidates: Sequence[Candidate], by_sessions: bool) -> int:
         # Ties go round-robin, so that sequential traffic (nothing in flight) still spreads.

@@ -226,9 +226,9 @@ class EngineRecord:
 
 
 class EngineRegistry:
-    def __init__(self, records: list[EngineRecord], max_sessions: int, session_idle_ttl_s: float = 0.0):
+    def __init__(self, records: list[EngineRecord], router: SessionRouter | None = None):
         self.records = records
-        self.router = SessionRouter(max_sessions, session_idle_ttl_s)
+        self.router = router or SessionRouter()
         # The version of the last completed push; None while engines serve what they loaded.
         self.fleet_weight_version: str | None = None
         # Held across multi-step, awaiting changes to an engine (start, stop,

@@ -40,6 +40,7 @@ def test_metrics_parse_and_count_traffic(server, model_name):
         assert total(after, "skyinfer_engine_state", "skyinfer_engine_state", engine=engine, state="dead") == 0
         assert total(after, "skyinfer_engine_paused", "skyinfer_engine_paused", engine=engine) == 0
     assert "skyinfer_engine_restarts" in after and "skyinfer_engine_weight_version_info" in after
+    assert {s.labels["engine"] for s in after["skyinfer_session_moves"]} == {"0", "1"}
     assert "skyinfer_weight_update_duration_seconds" in after
     # Each engine's own vLLM metrics, labelled by engine: both engines finished requests.
     engines = {s.labels["engine"] for s in after["vllm:request_success"]}

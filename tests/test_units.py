@@ -77,6 +77,25 @@ def test_router_ends_finished_and_idle_sessions():
     assert router.engine_of("b") is None and router.session_count(b) == 0 and router.engine_of("c") is not None
 
 
+def test_router_moves_a_session_off_a_far_busier_engine_at_its_next_request():
+    router = SessionRouter(rebalance_factor=2)
+    bound = router.choose(candidates(0, 0), "s")
+    other = 1 - bound
+
+    def loads(on_bound: int, on_other: int) -> list[Candidate]:
+        return sorted([Candidate(bound, on_bound), Candidate(other, on_other)], key=lambda c: c.engine_id)
+
+    assert router.choose(loads(4, 1), "s") == bound  # 4 <= 2 x (1 + 1): its prefix cache is worth the wait
+    assert router.moves == {}
+    assert router.choose(loads(5, 1), "s") == other
+    assert router.moves == {bound: 1} and router.session_count(bound) == 0 and router.session_count(other) == 1
+    assert router.choose(loads(0, 2), "s") == other  # 2 <= 2 x (0 + 1): stays where it moved
+    # Factor 0: sessions never move for load.
+    never = SessionRouter()
+    first = never.choose(candidates(0, 0), "t")
+    assert never.choose([Candidate(first, 100), Candidate(1 - first, 0)], "t") == first and never.moves == {}
+
+
 def test_router_refuses_empty_candidates():
     with pytest.raises(ValueError):
         SessionRouter().choose([], "s")
@@ -214,7 +233,7 @@ async def test_engine_connections_queue_in_arrival_order_and_refuse_past_the_cap
     record = EngineRecord(
         0, EngineDevices("cpu", ((0,),), {}), "/nonexistent.sock", connection_limit=2, queue_limit=2
     )
-    registry = EngineRegistry([record], max_sessions=10)
+    registry = EngineRegistry([record])
     sent, release = [], asyncio.Event()
 
     async def request(i: int) -> None:
