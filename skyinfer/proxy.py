@@ -15,6 +15,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from .engine import ENGINE_DIED_HEADER
 from .errors import error_body, error_response, parse_json_object
 from .state import EngineBusy, EngineRecord, EngineRegistry, NoEngineAvailable
 from .wire import checked_session_id
@@ -26,6 +27,8 @@ REGISTRY = web.AppKey("registry", EngineRegistry)
 SESSION_HEADER = "X-Session-ID"
 ENGINE_HEADER = "X-Skyinfer-Engine"
 WEIGHT_VERSION_HEADER = "X-Weight-Version"
+# On an answer from a second engine: the id of the engine that died under the request first.
+RETRIED_FROM_HEADER = "X-Skyinfer-Retried-From"
 
 # Requests one engine answers: every data route of ``vllm serve`` (the pooling
 # ones too: an engine whose model cannot pool answers them 404, as vLLM does).
@@ -93,6 +96,16 @@ class _NotConnected(Exception):
     """No connection to the engine could be opened; nothing of the request was sent."""
 
 
+class _EngineDied(Exception):
+    """The engine died under the request before any byte of its answer reached the caller."""
+
+    def __init__(self, engine_id: int, answer: web.Response):
+        super().__init__(engine_id)
+        self.engine_id = engine_id
+        # What the caller gets if the request is not sent again.
+        self.answer = answer
+
+
 def _forwarded_headers(request: web.Request) -> dict[str, str]:
     return {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
 
@@ -106,14 +119,34 @@ async def forward(request: web.Request) -> web.StreamResponse:
     headers = _forwarded_headers(request)
     if session_id:
         headers[SESSION_HEADER] = session_id
+    try:
+        return await _send(request, session_id, body, headers)
+    except _EngineDied as died:
+        first_death = died
+    dead = first_death.engine_id
+    if not any(r.serves for r in request.app[REGISTRY].records if r.engine_id != dead):
+        return first_death.answer
+    log.warning("engine %d died under %s %s: sending it to another engine", dead, request.method, request.path)
+    # Once, and never to the engine that died: a request that kills engines must not walk through the fleet.
+    try:
+        return await _send(request, session_id, body, headers, retried_from=dead)
+    except _EngineDied as again:
+        return again.answer
+
+
+async def _send(
+    request: web.Request, session_id: str | None, body: bytes, headers: dict, retried_from: int | None = None
+) -> web.StreamResponse:
     registry = request.app[REGISTRY]
+    exclude = () if retried_from is None else (retried_from,)
+    retried = {} if retried_from is None else {RETRIED_FROM_HEADER: str(retried_from)}
     for delay_s in (*CONNECT_RETRY_DELAYS_S, None):
         try:
             # Picked afresh each time: a session stays on its engine while that
             # one serves; a request without a session may go to another.
-            engine = registry.pick(session_id)
+            engine = registry.pick(session_id, exclude)
             async with engine.in_flight():
-                return await _relay(request, engine, body, headers)
+                return await _relay(request, engine, body, headers, retried)
         except NoEngineAvailable as exc:
             return error_response(503, str(exc))
         except EngineBusy as exc:
@@ -130,7 +163,9 @@ def _own_headers(engine: EngineRecord) -> dict[str, str]:
     return {ENGINE_HEADER: str(engine.engine_id), WEIGHT_VERSION_HEADER: engine.weight_version or ""}
 
 
-async def _relay(request: web.Request, engine: EngineRecord, body: bytes, headers: dict) -> web.StreamResponse:
+async def _relay(
+    request: web.Request, engine: EngineRecord, body: bytes, headers: dict, retried: dict[str, str]
+) -> web.StreamResponse:
     client = engine.client
     # The engine may have gone down while the request waited for a connection.
     if client is None or client.closed or not engine.serves:
@@ -139,19 +174,26 @@ async def _relay(request: web.Request, engine: EngineRecord, body: bytes, header
         upstream = await client.request(request.method, request.rel_url, data=body or None, headers=headers)
     except aiohttp.ClientConnectorError as exc:
         raise _NotConnected(repr(exc.os_error)) from None
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+    except aiohttp.ClientError as exc:
+        raise _EngineDied(engine.engine_id, _engine_failed(request, engine, exc)) from None
+    except asyncio.TimeoutError as exc:
         return _engine_failed(request, engine, exc)
     # Read once the engine answers: the version a kept request finished with.
-    own_headers = _own_headers(engine)
+    own_headers = {**_own_headers(engine), **retried}
     content_type = upstream.headers.get("Content-Type", "application/json")
     if content_type.startswith("text/event-stream"):
         async with upstream:
             return await _relay_stream(request, engine, upstream, {**own_headers, "Content-Type": content_type})
     try:
         async with upstream:
-            return await _buffered(upstream, own_headers)
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            answer = await _buffered(upstream, own_headers)
+    except aiohttp.ClientError as exc:
+        raise _EngineDied(engine.engine_id, _engine_failed(request, engine, exc)) from None
+    except asyncio.TimeoutError as exc:
         return _engine_failed(request, engine, exc)
+    if ENGINE_DIED_HEADER in upstream.headers:
+        raise _EngineDied(engine.engine_id, answer)
+    return answer
 
 
 async def _buffered(upstream: aiohttp.ClientResponse, own_headers: dict[str, str]) -> web.Response:
@@ -200,9 +242,15 @@ def _engine_failed(request: web.Request, engine: EngineRecord, exc: BaseExceptio
 async def _relay_stream(
     request: web.Request, engine: EngineRecord, upstream: aiohttp.ClientResponse, headers: dict
 ) -> web.StreamResponse:
+    try:
+        first = await upstream.content.readany()
+    except aiohttp.ClientError as exc:
+        # Nothing has reached the caller: the request may still go to another engine.
+        raise _EngineDied(engine.engine_id, _engine_failed(request, engine, exc)) from None
     response = web.StreamResponse(status=upstream.status, headers={**headers, "Cache-Control": "no-cache"})
     await response.prepare(request)
     try:
+        await response.write(first)
         async for chunk in upstream.content.iter_any():
             await response.write(chunk)
     except (ConnectionResetError, asyncio.CancelledError):

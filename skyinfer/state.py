@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import enum
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import aiohttp
 import attrs
@@ -263,8 +263,8 @@ class EngineRegistry:
     def serving(self) -> list[EngineRecord]:
         return [r for r in self.records if r.serves]
 
-    def pick(self, session_id: str | None = None) -> EngineRecord:
-        live = self.serving()
+    def pick(self, session_id: str | None = None, exclude: Collection[int] = ()) -> EngineRecord:
+        live = [r for r in self.serving() if r.engine_id not in exclude]
         if not live:
             states = ", ".join(f"engine {r.engine_id} {r.state.value}" for r in self.records)
             raise NoEngineAvailable(f"no engine can serve right now ({states})")

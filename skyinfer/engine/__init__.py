@@ -4,6 +4,9 @@ with vLLM's own app behind that."""
 # Named here (not imported from worker_extension, which imports vLLM) so the
 # front can pass it to engines without importing vLLM itself.
 EXTENSION_PATH = "skyinfer.engine.worker_extension.SkyinferWorkerExtension"
+# On an answer whose request the engine could not finish because its EngineCore died:
+# the request may be re-sent to another engine (the front does, once).
+ENGINE_DIED_HEADER = "X-Skyinfer-Engine-Died"
 # The weight-transfer backend skyinfer registers into vLLM on CPU.
 # Named for skyinfer, so that a gloo backend vLLM may ship one day cannot collide with it.
 GLOO_BACKEND = "skyinfer_gloo"

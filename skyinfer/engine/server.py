@@ -25,6 +25,7 @@ import pydantic
 from aiohttp import web
 
 from ..errors import error_response, json_response, parse_json_object
+from . import ENGINE_DIED_HEADER
 from .admin import add_admin_routes
 from .appkeys import ENGINE_CLIENT, SERVING_STATE
 from .stream_end import choice_count, with_finish_reasons
@@ -95,7 +96,8 @@ def _serving_route(
 async def _respond(request: web.Request, result: Any) -> web.StreamResponse:
     if isinstance(result, ErrorResponse) and request.app[ENGINE_CLIENT].errored:
         # The engine died under this request: a retry elsewhere will do.
-        return error_response(503, f"the engine died while serving this request: {result.error.message}")
+        message = f"the engine died while serving this request: {result.error.message}"
+        return error_response(503, message, headers={ENGINE_DIED_HEADER: "1"})
     if isinstance(result, ErrorResponse):
         return web.Response(
             status=result.error.code, body=result.model_dump_json(), content_type="application/json"
