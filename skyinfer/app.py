@@ -37,7 +37,10 @@ def build_registry(config: ServeConfig, socket_dir: str) -> EngineRegistry:
         )  # fmt: skip
         for i, plan in enumerate(plans)
     ]
-    router = SessionRouter(config.max_sessions, config.session_idle_ttl_s, config.session_rebalance_factor)
+    router = SessionRouter(
+        config.max_sessions, config.session_idle_ttl_s, config.session_rebalance_factor,
+        config.group_prefix_chars, config.group_slack,
+    )  # fmt: skip
     return EngineRegistry(records, router)
 
 

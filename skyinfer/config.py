@@ -97,6 +97,15 @@ class ServeConfig:
         2.0, "a session moves to the least-loaded engine at its next request when its own engine has more than "
         "FACTOR x (that one's + 1) requests in flight (0: never)", metavar="FACTOR", validator=_never_or_at_least_one,
     )  # fmt: skip
+    group_prefix_chars: int = _option(
+        1024, "requests without a session whose prompts' first CHARS characters match (a GRPO group's samples) go "
+        "to the same engine while it is not overloaded (0: no group affinity)", metavar="CHARS",
+        validator=attrs.validators.ge(0),
+    )  # fmt: skip
+    group_slack: int = _option(
+        8, "a prompt group leaves its engine when that one has more than N requests in flight beyond the "
+        "least-loaded engine's", metavar="N", validator=attrs.validators.ge(0),
+    )  # fmt: skip
     engine_connections: int = _option(
         4096, "requests sent to one engine at once; more wait in the front for a connection", metavar="N",
         validator=_at_least_one,

@@ -12,7 +12,7 @@ import os
 
 import attrs
 
-from .engine import GLOO_BACKEND
+from .engine import CPU_WORKER_PATH, GLOO_BACKEND
 
 
 class LayoutError(ValueError):
@@ -137,6 +137,8 @@ def platform_engine_args(kind: str, user_args: tuple[str, ...]) -> tuple[str, ..
     if kind == "cpu" and "--enforce-eager" not in user_args:
         # CPU has no graph capture worth its start-up cost for these engines.
         args.append("--enforce-eager")
+    if kind == "cpu" and "--worker-cls" not in user_args:
+        args += ["--worker-cls", CPU_WORKER_PATH]
     if kind == "cuda" and "--enable-sleep-mode" not in user_args:
         # /sleep frees GPU memory only with sleep mode on; vLLM rejects it on CPU.
         args.append("--enable-sleep-mode")

@@ -106,6 +106,23 @@ class _EngineDied(Exception):
         self.answer = answer
 
 
+# Where a request's prompt is, by route: chat, completions, the token route, Responses.
+_PROMPT_FIELDS = ("messages", "prompt", "token_ids", "input")
+
+
+def _group_key(body: bytes, prefix_chars: int) -> int | None:
+    """A hash of the first ``prefix_chars`` characters of the prompt's JSON text; None where the body has none
+    (its engine answers a body that is not JSON)."""
+    if not prefix_chars:
+        return None
+    try:
+        payload = orjson.loads(body)
+        prompt = next((payload[f] for f in _PROMPT_FIELDS if f in payload), None) if isinstance(payload, dict) else None
+        return None if prompt is None else hash(orjson.dumps(prompt)[:prefix_chars])
+    except (orjson.JSONDecodeError, orjson.JSONEncodeError):
+        return None
+
+
 def _forwarded_headers(request: web.Request) -> dict[str, str]:
     return {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
 
@@ -119,23 +136,30 @@ async def forward(request: web.Request) -> web.StreamResponse:
     headers = _forwarded_headers(request)
     if session_id:
         headers[SESSION_HEADER] = session_id
+    registry = request.app[REGISTRY]
+    group = None if session_id else _group_key(body, registry.router.group_prefix_chars)
     try:
-        return await _send(request, session_id, body, headers)
+        return await _send(request, session_id, group, body, headers)
     except _EngineDied as died:
         first_death = died
     dead = first_death.engine_id
-    if not any(r.serves for r in request.app[REGISTRY].records if r.engine_id != dead):
+    if not any(r.serves for r in registry.records if r.engine_id != dead):
         return first_death.answer
     log.warning("engine %d died under %s %s: sending it to another engine", dead, request.method, request.path)
     # Once, and never to the engine that died: a request that kills engines must not walk through the fleet.
     try:
-        return await _send(request, session_id, body, headers, retried_from=dead)
+        return await _send(request, session_id, group, body, headers, retried_from=dead)
     except _EngineDied as again:
         return again.answer
 
 
 async def _send(
-    request: web.Request, session_id: str | None, body: bytes, headers: dict, retried_from: int | None = None
+    request: web.Request,
+    session_id: str | None,
+    group: int | None,
+    body: bytes,
+    headers: dict,
+    retried_from: int | None = None,
 ) -> web.StreamResponse:
     registry = request.app[REGISTRY]
     exclude = () if retried_from is None else (retried_from,)
@@ -144,7 +168,7 @@ async def _send(
         try:
             # Picked afresh each time: a session stays on its engine while that
             # one serves; a request without a session may go to another.
-            engine = registry.pick(session_id, exclude)
+            engine = registry.pick(session_id, exclude, group)
             async with engine.in_flight():
                 return await _relay(request, engine, body, headers, retried)
         except NoEngineAvailable as exc:

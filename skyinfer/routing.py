@@ -1,4 +1,4 @@
-"""Routing policy: sticky sessions, otherwise the least-loaded engine.
+"""Routing policy: sticky sessions, prompt groups, otherwise the least-loaded engine.
 
 Pure logic on plain numbers, so it can be unit-tested without engines.
 A session stays on its engine because that engine holds its prefix cache;
@@ -6,6 +6,13 @@ it moves only when that engine can no longer serve, or, at its next request,
 when that engine is far busier than the least-loaded one (recomputing the
 prefix elsewhere costs less than queueing behind a long tail); its binding
 ends when the trajectory finishes or goes idle.
+
+Requests without a session whose prompts begin alike (the samples of one GRPO
+group sent one by one) share a group key, and go to the engine that served the
+key last while that one has at most ``group_slack`` more requests in flight
+than the least-loaded engine: the shared prefill is computed once, and a key
+that covers much of the traffic (a long common system prompt) cannot pile it
+all on one engine, the collapse plain consistent hashing shows under load.
 """
 
 from __future__ import annotations
@@ -37,11 +44,19 @@ class SessionRouter:
         max_sessions: int = 100_000,
         idle_ttl_s: float = 0.0,
         rebalance_factor: float = 0.0,
+        group_prefix_chars: int = 0,
+        group_slack: int = 8,
         clock: Callable[[], float] = time.monotonic,
+        max_groups: int = 4096,
     ):
         self._max_sessions = max_sessions
         self._idle_ttl_s = idle_ttl_s
         self._rebalance_factor = rebalance_factor
+        # How much of a prompt (its JSON text) makes its group key; 0: no group affinity.
+        self.group_prefix_chars = group_prefix_chars
+        self._group_slack = group_slack
+        self._max_groups = max_groups
+        self._engine_of_group: OrderedDict[int, int] = OrderedDict()
         self._clock = clock
         self.moves: dict[int, int] = {}
         self._engine_of: OrderedDict[str, int] = OrderedDict()
@@ -49,12 +64,16 @@ class SessionRouter:
         self._sessions_on: dict[int, int] = {}
         self._turn = 0
 
-    def choose(self, candidates: Sequence[Candidate], session_id: str | None = None) -> int:
+    def choose(
+        self, candidates: Sequence[Candidate], session_id: str | None = None, group_key: int | None = None
+    ) -> int:
         """Return the engine id for a request; ``candidates`` are the engines that can serve now."""
         if not candidates:
             raise ValueError("no candidate engines")
         if session_id is None:
-            return self._least_loaded(candidates, by_sessions=False)
+            return self._least_loaded(candidates, by_sessions=False) if group_key is None else self._for_group(
+                candidates, group_key
+            )
         now = self._clock()
         self._forget_idle(now)
         bound = self._engine_of.get(session_id)
@@ -83,6 +102,17 @@ class SessionRouter:
 
     def session_count(self, engine_id: int) -> int:
         return self._sessions_on.get(engine_id, 0)
+
+    def _for_group(self, candidates: Sequence[Candidate], group_key: int) -> int:
+        bound = self._engine_of_group.get(group_key)
+        load = next((c.in_flight for c in candidates if c.engine_id == bound), None)
+        if load is None or load > min(c.in_flight for c in candidates) + self._group_slack:
+            bound = self._least_loaded(candidates, by_sessions=False)
+        self._engine_of_group[group_key] = bound
+        self._engine_of_group.move_to_end(group_key)
+        if len(self._engine_of_group) > self._max_groups:
+            self._engine_of_group.popitem(last=False)
+        return bound
 
     def _overloaded(self, load: int, candidates: Sequence[Candidate]) -> bool:
         least = min(c.in_flight for c in candidates)

@@ -263,10 +263,12 @@ class EngineRegistry:
     def serving(self) -> list[EngineRecord]:
         return [r for r in self.records if r.serves]
 
-    def pick(self, session_id: str | None = None, exclude: Collection[int] = ()) -> EngineRecord:
+    def pick(
+        self, session_id: str | None = None, exclude: Collection[int] = (), group_key: int | None = None
+    ) -> EngineRecord:
         live = [r for r in self.serving() if r.engine_id not in exclude]
         if not live:
             states = ", ".join(f"engine {r.engine_id} {r.state.value}" for r in self.records)
             raise NoEngineAvailable(f"no engine can serve right now ({states})")
-        chosen = self.router.choose([Candidate(r.engine_id, r.in_flight_count) for r in live], session_id)
+        chosen = self.router.choose([Candidate(r.engine_id, r.in_flight_count) for r in live], session_id, group_key)
         return self.records[chosen]

@@ -233,7 +233,7 @@ async def wait_unfinished(http: httpx.AsyncClient, n: int, timeout_s: float = 30
         await asyncio.sleep(0.05)
 
 
-async def admit_while_paused(http: httpx.AsyncClient, coros) -> list[asyncio.Task]:
+async def admit_while_paused(http: httpx.AsyncClient, coros, already_in_flight: int = 0) -> list[asyncio.Task]:
     """Start requests while the engines are paused (keep), so all are in flight at once.
 
     The demo model decodes a batch so fast that requests started on a running
@@ -241,7 +241,7 @@ async def admit_while_paused(http: httpx.AsyncClient, coros) -> list[asyncio.Tas
     """
     assert (await http.post("/pause", params={"mode": "keep"})).status_code == 200
     tasks = [asyncio.create_task(c) for c in coros]
-    await wait_unfinished(http, len(tasks))
+    await wait_unfinished(http, already_in_flight + len(tasks))
     return tasks
 
 

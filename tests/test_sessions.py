@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import collections
 
 import httpx
@@ -46,7 +47,8 @@ def test_new_sessions_spread_over_both_engines(server, model_name):
 
 
 def test_requests_without_session_use_both_engines(server, model_name):
-    served = collections.Counter(engine_of(complete(server, model_name)) for _ in range(10))
+    # Different prompts: no group affinity between them.
+    served = collections.Counter(engine_of(complete(server, model_name, prompt=f"{i} hi")) for i in range(10))
     assert set(served) == {0, 1}
 
 
@@ -97,3 +99,20 @@ def test_a_session_id_that_cannot_be_a_header_is_a_400(server, model_name):
         assert r.status_code == 400 and r.json()["error"]["param"] == "session_id", (bad, r.text)
         assert "printable ASCII" in r.json()["error"]["message"]
     assert complete(server, model_name, session_id="fine-after").status_code == 200
+
+
+async def test_the_samples_of_a_prompt_group_go_to_one_engine(server, model_name):
+    """Two GRPO groups of 8 samples, sent at once as separate requests without a session (each
+    sample its own seed): each group is served by one engine (its prompt's prefill is computed
+    once there), and the two groups by different engines."""
+    prompts = {g: f"group {g}: " + "a question every sample of the group shares " * 8 for g in "AB"}
+    async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
+        results = await asyncio.gather(*(
+            http.post("/v1/completions", json={"model": model_name, "prompt": prompts[g], "max_tokens": 4,
+                                               "temperature": 1.0, "seed": i})
+            for i in range(8) for g in "AB"
+        ))  # fmt: skip
+    assert all(r.status_code == 200 for r in results)
+    served = {g: collections.Counter(engine_of(r) for r in results[k::2]) for k, g in enumerate("AB")}
+    assert [len(served[g]) for g in "AB"] == [1, 1], served
+    assert set(served["A"]) != set(served["B"]), served

@@ -54,25 +54,55 @@ async def _timed(task) -> tuple[httpx.Response, float]:
     return r, time.monotonic()
 
 
-# First: engine 1 restarts twice, and comes back ready only while the fleet serves the checkpoint.
+async def _stream_past_first_token(http: httpx.AsyncClient, body: dict) -> tuple[int, asyncio.Task]:
+    """A chat stream that has sent the caller a token: its engine, and a task reading the rest."""
+    r = await http.send(http.build_request("POST", "/v1/chat/completions", json=body), stream=True)
+    lines = r.aiter_lines()
+    first = await anext(line async for line in lines if line.startswith("data: {"))
+
+    async def rest() -> list[str]:
+        try:
+            return [first, *[line async for line in lines if line.startswith("data: ")]]
+        finally:
+            await r.aclose()
+
+    return engine_of(r), asyncio.create_task(rest())
+
+
+# First: engine 1 restarts four times, and comes back ready only while the fleet serves the checkpoint.
 async def test_requests_on_a_killed_engine_are_answered_by_the_other(crash_server):
-    """32 requests over both engines (token route and chat), then SIGKILL of engine 1's EngineCore
-    while they run, and of engine 1's whole process while the fleet is paused (keep): every
-    request is answered 200 in full, those engine 1 held by engine 0, saying so."""
+    """32 requests over both engines (token route and chat) and 4 chat streams that have sent
+    tokens, then SIGKILL of engine 1's EngineCore, or of its whole process, while they run or
+    while the fleet is paused (keep): every request is answered 200 in full, those engine 1 held by
+    engine 0, saying so; engine 1's streams end with an error event, engine 0's finish; none hangs."""
+    # Long enough that none finishes before the kill: the demo model decodes hundreds of tokens a second.
+    tokens = 1500
     prompt_ids = list(range(5, 25))
-    gen = {"token_ids": prompt_ids, "sampling_params": {"max_tokens": 300, "ignore_eos": True, "temperature": 0}}
-    chat = {"model": crash_server.model, "messages": [{"role": "user", "content": "Go on."}], "max_tokens": 300,
+    gen = {"token_ids": prompt_ids, "sampling_params": {"max_tokens": tokens, "ignore_eos": True, "temperature": 0}}
+    chat = {"model": crash_server.model, "messages": [{"role": "user", "content": "Go on."}], "max_tokens": tokens,
             "ignore_eos": True}  # fmt: skip
     async with httpx.AsyncClient(base_url=crash_server.url, timeout=300) as http:
-        for kill, paused in (("EngineCore", False), ("process", True)):
+        cases = (("EngineCore", False), ("process", False), ("EngineCore", True), ("process", True))
+        for case, (kill, paused) in enumerate(cases):
             await wait_for_states(http, ["ready", "ready"])
             pid = (await http.get("/engines")).json()["engines"][1]["pid"]
-            requests = [http.post("/inference/v1/generate", json=gen) for _ in range(16)]
-            requests += [http.post("/v1/chat/completions", json=chat) for _ in range(16)]
-            tasks = await admit_while_paused(http, requests)
+            streams = [
+                await _stream_past_first_token(http, {**chat, "max_tokens": 2 * tokens, "stream": True,
+                                                      "messages": [{"role": "user", "content": f"Stream {case}.{i}."}]})
+                for i in range(4)
+            ]  # fmt: skip
+            assert {engine for engine, _ in streams} == {0, 1}
+            # Each prompt its own, in each case too (no group affinity, which would keep a prompt on the
+            # engine that answered it last): the least-loaded engine takes every other request.
+            requests = [http.post("/inference/v1/generate", json={**gen, "token_ids": [100 + 16 * case + i, *prompt_ids]})
+                        for i in range(16)]  # fmt: skip
+            requests += [http.post("/v1/chat/completions",
+                                   json={**chat, "messages": [{"role": "user", "content": f"{case}.{i}. Go on."}]})
+                         for i in range(16)]  # fmt: skip
+            tasks = await admit_while_paused(http, requests, already_in_flight=len(streams))
             if not paused:
                 assert (await http.post("/resume")).status_code == 200
-                await asyncio.sleep(0.5)  # decoding on both engines
+                await asyncio.sleep(0.3)  # decoding on both engines
             if kill == "EngineCore":
                 vllm_process(pid, "EngineCore").send_signal(signal.SIGKILL)
             else:
@@ -82,13 +112,21 @@ async def test_requests_on_a_killed_engine_are_answered_by_the_other(crash_serve
                 while (await http.get("/engines")).json()["engines"][1]["state"] == "paused":
                     await asyncio.sleep(0.1)
                 assert (await http.post("/resume")).status_code == 503  # engine 1 is down: said, not hidden
-            results = await asyncio.gather(*tasks)
+            results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=240)
             retried = [r for r in results if r.headers.get("X-Skyinfer-Retried-From") == "1"]
-            assert len(retried) == 16, (kill, [r.headers.get("X-Skyinfer-Engine") for r in results])
+            assert len(retried) == 16, (kill, paused, [(engine_of(r), r.headers.get("X-Skyinfer-Retried-From"))
+                                                       for r in results])  # fmt: skip
             for r in results:
-                assert r.status_code == 200 and engine_of(r) == 0, (kill, r.text)
-                tokens = r.json()["choices"][0]["token_ids"] if "token_ids" in r.json()["choices"][0] else None
-                assert (len(tokens) if tokens is not None else r.json()["usage"]["completion_tokens"]) == 300
+                assert r.status_code == 200 and engine_of(r) == 0, (kill, paused, r.text)
+                answered = r.json()["choices"][0].get("token_ids")
+                assert (len(answered) if answered is not None else r.json()["usage"]["completion_tokens"]) == tokens
+            for engine, stream in streams:
+                events = await asyncio.wait_for(stream, timeout=240)
+                errors = [e for e in events if '"error"' in e]
+                if engine == 1:
+                    assert errors, (kill, paused, events[-3:])
+                else:
+                    assert not errors and '"finish_reason":"length"' in "".join(events), (kill, paused, events[-3:])
         await wait_for_states(http, ["ready", "ready"])
 
 
@@ -175,7 +213,8 @@ async def test_a_hung_engine_and_a_failing_restart_both_end_revived_and_out_of_t
         log = crash_server.log_path.read_text(errors="replace")[log_start:]
         delays = [float(d) for d in re.findall(r"engine 0: restarting in ([0-9.]+)s", log)]
         assert len(delays) >= 2 and all(b == 2 * a for a, b in zip(delays, delays[1:])), delays
-        served = {engine_of(await http.post("/v1/completions", json={**body, "max_tokens": 2})) for _ in range(6)}
+        served = {engine_of(await http.post("/v1/completions", json={**body, "prompt": f"{i}", "max_tokens": 2}))
+                  for i in range(6)}  # fmt: skip
         assert served == {0, 1}
         restarts = total(scrape(crash_server), "skyinfer_engine_restarts", "skyinfer_engine_restarts_total", engine="1")
         assert restarts == restarts_before + 1

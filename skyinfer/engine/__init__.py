@@ -4,6 +4,8 @@ with vLLM's own app behind that."""
 # Named here (not imported from worker_extension, which imports vLLM) so the
 # front can pass it to engines without importing vLLM itself.
 EXTENSION_PATH = "skyinfer.engine.worker_extension.SkyinferWorkerExtension"
+# vLLM's CPU worker without its seeded-chunked-prefill crash (cpu_worker.py says why).
+CPU_WORKER_PATH = "skyinfer.engine.cpu_worker.SkyinferCPUWorker"
 # On an answer whose request the engine could not finish because its EngineCore died:
 # the request may be re-sent to another engine (the front does, once).
 ENGINE_DIED_HEADER = "X-Skyinfer-Engine-Died"

@@ -28,6 +28,7 @@ from ..errors import error_response, json_response, parse_json_object
 from . import ENGINE_DIED_HEADER
 from .admin import add_admin_routes
 from .appkeys import ENGINE_CLIENT, SERVING_STATE
+from .refusals import constraints_conflict
 from .stream_end import choice_count, with_finish_reasons
 from .vllm_api import ErrorResponse, create_error_response
 from .vllm_app import add_vllm_app_routes
@@ -71,6 +72,8 @@ def _serving_route(
     async def handler(request: web.Request) -> web.StreamResponse:
         try:
             payload = parse_json_object(await request.read())
+            if conflict := constraints_conflict(payload):
+                return error_response(400, conflict, "allowed_token_ids")
             parsed = adapter.validate_python(payload)
             result = await call(request.app[SERVING_STATE])(parsed, VllmRequestView(request))
             if chunk_object is not None and isinstance(result, AsyncGenerator):

@@ -50,6 +50,8 @@ NAMES: dict[str, tuple[str, ...]] = {
     "WeightTransferEngineFactory": ("vllm.distributed.weight_transfer.factory",),
     "stateless_init_torch_distributed_process_group": ("vllm.distributed.utils",),
     "stateless_destroy_torch_distributed_process_group": ("vllm.distributed.utils",),
+    # The CPU worker skyinfer's own CPU worker class extends (cpu_worker.py).
+    "CPUWorker": ("vllm.v1.worker.cpu_worker",),
     "initialize_layerwise_reload": ("vllm.model_executor.model_loader.reload",),
     "finalize_layerwise_reload": ("vllm.model_executor.model_loader.reload",),
 }

@@ -15,15 +15,29 @@ generator abort the request in the engine, as under uvicorn.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
+import orjson
 from aiohttp import web
 from multidict import CIMultiDict
+
+from ..errors import error_response
+from .refusals import constraints_conflict, nested_too_deep
+
+log = logging.getLogger(__name__)
 
 VLLM_APP = web.AppKey("vllm_app", Any)  # vLLM's FastAPI (ASGI) application
 
 # Hop-by-hop headers belong to one connection; aiohttp frames the answer itself.
 _HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length"})
+
+
+def _conflict(body: bytes) -> str | None:
+    try:
+        return constraints_conflict(orjson.loads(body))
+    except orjson.JSONDecodeError:
+        return None  # vLLM's app answers a body that is not JSON
 
 
 def _scope(request: web.Request) -> dict[str, Any]:
@@ -46,6 +60,8 @@ def _scope(request: web.Request) -> dict[str, Any]:
 async def serve_with_vllm_app(request: web.Request) -> web.StreamResponse:
     """Answer ``request`` with vLLM's app."""
     body = await request.read()
+    if refusal := nested_too_deep(body) or (b'"allowed_token_ids"' in body and _conflict(body)):
+        return error_response(400, refusal)
     body_sent = False
     finished = asyncio.Event()
     response: web.StreamResponse | None = None
@@ -76,6 +92,12 @@ async def serve_with_vllm_app(request: web.Request) -> web.StreamResponse:
 
     try:
         await request.app[VLLM_APP](_scope(request), receive, send)
+    except Exception:
+        # Starlette answers an unhandled error with a 500 and then raises it for the
+        # server to log: log it, and finish that answer rather than break the connection.
+        if response is None:
+            raise
+        log.exception("vLLM's app failed on %s %s after answering %d", request.method, request.path, response.status)
     finally:
         finished.set()
     if response is None:

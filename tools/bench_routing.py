@@ -1,0 +1,215 @@
+#!/usr/bin/env python
+"""Routing policies under an agentic RL workload on two engines: skyinfer's, plain
+least-loaded, and vllm-router's consistent hashing in front of two `vllm serve`.
+
+Three set-ups, one after another, each on the same model, one core and the same
+KV cache per engine:
+
+- skyinfer: its defaults (sticky sessions by X-Session-ID with load-aware moves,
+  group affinity for session-less requests with a common prompt start);
+- least-loaded: skyinfer with ``--group-prefix-chars 0`` and no session ids sent;
+- vllm-router: ``vllm-router --policy consistent_hash`` (session id in
+  X-Session-ID) in front of two ``vllm serve``, one per core.
+
+The workload is the same seeded list of trajectories for each: multi-turn chat
+sessions (an agent's trajectory: each turn sends the conversation so far, a long
+system prompt that every trajectory shares, the earlier turns, a new user message)
+with long-tailed turn counts (most 2-3 turns, a few 16-20), and GRPO groups
+(8 samples of one prompt, sent at once as separate requests, no session).
+``--concurrency`` trajectories run at a time. Measured per set-up: output tokens
+per second over the whole run, p50/p99 trajectory latency (a session: first
+send to last answer; a group: send to its last sample), and the prefix-cache
+hit rate over the run from vLLM's own counters (``vllm:prefix_cache_hits`` /
+``vllm:prefix_cache_queries``, summed over both engines).
+
+    .venv/bin/python tools/bench_routing.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchlib import free_port, start_reference, start_skyinfer, start_vllm_router, stop, wait_servers  # noqa: E402
+
+from skyinfer.demo_model import build_demo_model  # noqa: E402
+
+GROUP_SIZE = 8
+WORDS = ["tool", "call", "result", "file", "test", "patch", "error", "plan", "step", "search", "read", "write"]
+
+
+def text(rng: random.Random, words: int) -> str:
+    return " ".join(f"{rng.choice(WORDS)}{rng.randrange(100)}" for _ in range(words))
+
+
+def workload(args) -> list[dict]:
+    """Trajectories, shuffled: sessions with long-tailed turn counts, and GRPO groups."""
+    rng = random.Random(args.seed)
+    system = {"role": "system", "content": text(rng, args.system_words)}
+    trajectories = []
+    for i in range(args.sessions):
+        kind = rng.random()
+        turns = rng.randint(2, 3) if kind < 0.7 else rng.randint(4, 8) if kind < 0.9 else rng.randint(16, 20)
+        users = [text(rng, args.turn_words) for _ in range(turns)]
+        trajectories.append({"kind": "session", "id": f"traj-{i}", "system": system, "users": users})
+    for i in range(args.groups):
+        question = f"Problem {i}: " + text(rng, args.turn_words)
+        trajectories.append({"kind": "group", "id": f"group-{i}", "system": system, "question": question})
+    rng.shuffle(trajectories)
+    return trajectories
+
+
+class Client:
+    def __init__(self, http: aiohttp.ClientSession, url: str, model: str, args, send_sessions: bool):
+        self.http, self.url, self.model, self.args = http, url, model, args
+        self.send_sessions = send_sessions
+        self.tokens = 0
+
+    async def chat(self, messages: list[dict], session: str | None) -> str:
+        body = {"model": self.model, "messages": messages, "max_tokens": self.args.max_tokens, "ignore_eos": True,
+                "temperature": 1.0}  # fmt: skip
+        headers = {"Content-Type": "application/json"}
+        if session and self.send_sessions:
+            headers["X-Session-ID"] = session
+        async with self.http.post(f"{self.url}/v1/chat/completions", data=orjson.dumps(body), headers=headers) as r:
+            answer = await r.read()
+            if r.status != 200:
+                raise RuntimeError(f"{r.status}: {answer[:300]!r}")
+        payload = orjson.loads(answer)
+        self.tokens += payload["usage"]["completion_tokens"]
+        return payload["choices"][0]["message"]["content"]
+
+    async def run(self, trajectory: dict) -> float:
+        started = time.perf_counter()
+        if trajectory["kind"] == "group":
+            messages = [trajectory["system"], {"role": "user", "content": trajectory["question"]}]
+            await asyncio.gather(*(self.chat(messages, None) for _ in range(GROUP_SIZE)))
+        else:
+            messages = [trajectory["system"]]
+            for user in trajectory["users"]:
+                messages.append({"role": "user", "content": user})
+                messages.append({"role": "assistant", "content": await self.chat(messages, trajectory["id"])})
+        return time.perf_counter() - started
+
+
+async def prefix_counters(http: aiohttp.ClientSession, metrics_urls: list[str]) -> tuple[float, float]:
+    """(hits, queries) of vLLM's prefix cache, summed over the engines behind ``metrics_urls``."""
+    totals = {"vllm:prefix_cache_hits_total": 0.0, "vllm:prefix_cache_queries_total": 0.0}
+    for url in metrics_urls:
+        async with http.get(url) as r:
+            for line in (await r.text()).splitlines():
+                name = line.split("{", 1)[0].split(" ", 1)[0]
+                if name in totals:
+                    totals[name] += float(line.rsplit(" ", 1)[1])
+    return totals["vllm:prefix_cache_hits_total"], totals["vllm:prefix_cache_queries_total"]
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def measure(url: str, metrics_urls: list[str], model: str, args, send_sessions: bool) -> dict:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as http:
+        client = Client(http, url, model, args, send_sessions)
+        # One short request per engine-ish, so that start-up effects are not in the run.
+        await asyncio.gather(*(client.chat([{"role": "user", "content": f"warm {i}"}], None) for i in range(4)))
+        client.tokens = 0
+        hits0, queries0 = await prefix_counters(http, metrics_urls)
+        gate = asyncio.Semaphore(args.concurrency)
+
+        async def one(trajectory: dict) -> float:
+            async with gate:
+                return await client.run(trajectory)
+
+        started = time.perf_counter()
+        latencies = await asyncio.gather(*(one(t) for t in workload(args)))
+        elapsed = time.perf_counter() - started
+        hits1, queries1 = await prefix_counters(http, metrics_urls)
+    return {
+        "tokens_per_s": client.tokens / elapsed,
+        "seconds": elapsed,
+        "p50": percentile(latencies, 0.5),
+        "p99": percentile(latencies, 0.99),
+        "hit_rate": (hits1 - hits0) / max(1.0, queries1 - queries0),
+    }
+
+
+def run_skyinfer(model: str, args, env: dict, extra: list[str], send_sessions: bool, name: str) -> dict:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_skyinfer(model, port, ["--cpu-kvcache-gib", str(args.kvcache_gib), *extra, *args.engine_args], env,
+                          engines=2, log_name=f"bench-routing-{name}.log")  # fmt: skip
+    try:
+        asyncio.run(wait_servers([(url, proc)], path="/ready"))
+        return asyncio.run(measure(url, [f"{url}/metrics"], model, args, send_sessions))
+    finally:
+        stop(proc)
+
+
+def run_vllm_router(model: str, args, env: dict) -> dict:
+    cores = sorted(os.sched_getaffinity(0))
+    ports = [free_port() for _ in range(2)]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    servers = [
+        start_reference(model, port, args.engine_args, {**env, "VLLM_CPU_OMP_THREADS_BIND": str(cores[k % len(cores)])},
+                        log_name=f"bench-routing-vllm{k}.log", cores={cores[k % len(cores)]})
+        for k, port in enumerate(ports)
+    ]  # fmt: skip
+    router, router_url = start_vllm_router(urls, "bench-routing-router.log")
+    try:
+        asyncio.run(wait_servers(list(zip(urls, servers))))
+        asyncio.run(wait_servers([(router_url, router)], path="/v1/models"))
+        return asyncio.run(measure(router_url, [f"{u}/metrics" for u in urls], model, args, send_sessions=True))
+    finally:
+        for proc in [router, *servers]:
+            stop(proc)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="model directory (default: a freshly built demo model)")
+    p.add_argument("--sessions", type=int, default=40, help="multi-turn trajectories")
+    p.add_argument("--groups", type=int, default=16, help=f"GRPO groups of {GROUP_SIZE} samples")
+    p.add_argument("--concurrency", type=int, default=16, help="trajectories at a time")
+    p.add_argument("--system-words", type=int, default=300, help="the shared system prompt's length")
+    p.add_argument("--turn-words", type=int, default=40, help="each user message's length")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens per answer")
+    p.add_argument("--kvcache-gib", type=int, default=2, help="KV cache per engine")
+    p.add_argument("--seed", type=int, default=20261122)
+    p.add_argument("engine_args", nargs=argparse.REMAINDER, help="after --: vLLM engine arguments for every engine")
+    args = p.parse_args()
+    args.engine_args = [a for a in args.engine_args if a != "--"]
+    model = args.model or str(build_demo_model(Path(tempfile.mkdtemp(prefix="bench-routing-"))))
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.kvcache_gib)}
+    results = {
+        "skyinfer": run_skyinfer(model, args, env, [], send_sessions=True, name="skyinfer"),
+        "least-loaded": run_skyinfer(model, args, env, ["--group-prefix-chars", "0"], send_sessions=False,
+                                     name="least-loaded"),
+        "vllm-router": run_vllm_router(model, args, env),
+    }  # fmt: skip
+    print(f"{args.sessions} sessions (long-tailed turns) + {args.groups} GRPO groups x {GROUP_SIZE}, "
+          f"{args.concurrency} trajectories at a time, {args.max_tokens} tokens per answer, 2 engines, 1 core each")
+    print(f"{'':14s} {'tok/s':>8s} {'run s':>8s} {'p50 s':>8s} {'p99 s':>8s} {'prefix hits':>12s}")
+    for name, m in results.items():
+        print(f"{name:14s} {m['tokens_per_s']:8.1f} {m['seconds']:8.1f} {m['p50']:8.2f} {m['p99']:8.2f} "
+              f"{m['hit_rate']:12.1%}")  # fmt: skip
+    sky = results["skyinfer"]
+    for name in ("least-loaded", "vllm-router"):
+        m = results[name]
+        print(f"skyinfer / {name}: throughput {sky['tokens_per_s'] / m['tokens_per_s']:.2f}, "
+              f"p99 {sky['p99'] / m['p99']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
