@@ -14,9 +14,13 @@ KV cache per engine:
 The workload is the same seeded list of trajectories for each: multi-turn chat
 sessions (an agent's trajectory: each turn sends the conversation so far, a long
 system prompt that every trajectory shares, the earlier turns, a new user message)
-with long-tailed turn counts (most 2-3 turns, a few 16-20), and GRPO groups
+with long-tailed turn counts (most 2-3 turns, a few 12-16), and GRPO groups
 (8 samples of one prompt, sent at once as separate requests, no session).
-``--concurrency`` trajectories run at a time. Measured per set-up: output tokens
+``--concurrency`` trajectories run at a time. Each engine gets ``--kv-blocks``
+KV-cache blocks (128 tokens each on CPU; a few times what the running
+trajectories need), so that cached prefixes compete for room as they do on a
+GPU under RL load: with the CPU default (millions of tokens) every prefix
+stays cached on every engine and no policy can miss. Measured per set-up: output tokens
 per second over the whole run, p50/p99 trajectory latency (a session: first
 send to last answer; a group: send to its last sample), and the prefix-cache
 hit rate over the run from vLLM's own counters (``vllm:prefix_cache_hits`` /
@@ -59,7 +63,7 @@ def workload(args) -> list[dict]:
     trajectories = []
     for i in range(args.sessions):
         kind = rng.random()
-        turns = rng.randint(2, 3) if kind < 0.7 else rng.randint(4, 8) if kind < 0.9 else rng.randint(16, 20)
+        turns = rng.randint(2, 3) if kind < 0.7 else rng.randint(4, 8) if kind < 0.9 else rng.randint(12, 16)
         users = [text(rng, args.turn_words) for _ in range(turns)]
         trajectories.append({"kind": "session", "id": f"traj-{i}", "system": system, "users": users})
     for i in range(args.groups):
@@ -179,17 +183,20 @@ def run_vllm_router(model: str, args, env: dict) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="model directory (default: a freshly built demo model)")
-    p.add_argument("--sessions", type=int, default=40, help="multi-turn trajectories")
-    p.add_argument("--groups", type=int, default=16, help=f"GRPO groups of {GROUP_SIZE} samples")
+    p.add_argument("--sessions", type=int, default=64, help="multi-turn trajectories")
+    p.add_argument("--groups", type=int, default=24, help=f"GRPO groups of {GROUP_SIZE} samples")
     p.add_argument("--concurrency", type=int, default=16, help="trajectories at a time")
-    p.add_argument("--system-words", type=int, default=300, help="the shared system prompt's length")
-    p.add_argument("--turn-words", type=int, default=40, help="each user message's length")
+    p.add_argument("--system-words", type=int, default=100, help="the shared system prompt's length")
+    p.add_argument("--turn-words", type=int, default=30, help="each user message's length")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens per answer")
-    p.add_argument("--kvcache-gib", type=int, default=2, help="KV cache per engine")
+    p.add_argument("--kvcache-gib", type=int, default=2, help="KV cache memory per engine")
+    p.add_argument("--kv-blocks", type=int, default=256, help="KV-cache blocks per engine (0: all that fit)")
     p.add_argument("--seed", type=int, default=20261122)
     p.add_argument("engine_args", nargs=argparse.REMAINDER, help="after --: vLLM engine arguments for every engine")
     args = p.parse_args()
     args.engine_args = [a for a in args.engine_args if a != "--"]
+    if args.kv_blocks:
+        args.engine_args += ["--num-gpu-blocks-override", str(args.kv_blocks)]
     model = args.model or str(build_demo_model(Path(tempfile.mkdtemp(prefix="bench-routing-"))))
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.kvcache_gib)}
     results = {
@@ -199,7 +206,7 @@ def main() -> None:
         "vllm-router": run_vllm_router(model, args, env),
     }  # fmt: skip
     print(f"{args.sessions} sessions (long-tailed turns) + {args.groups} GRPO groups x {GROUP_SIZE}, "
-          f"{args.concurrency} trajectories at a time, {args.max_tokens} tokens per answer, 2 engines, 1 core each")
+          f"{args.concurrency} trajectories at a time, {args.max_tokens} tokens per answer, 2 engines, 1 core and {args.kv_blocks or 'all'} KV blocks each")
     print(f"{'':14s} {'tok/s':>8s} {'run s':>8s} {'p50 s':>8s} {'p99 s':>8s} {'prefix hits':>12s}")
     for name, m in results.items():
         print(f"{name:14s} {m['tokens_per_s']:8.1f} {m['seconds']:8.1f} {m['p50']:8.2f} {m['p99']:8.2f} "
