@@ -1,9 +1,8 @@
 """Random and mutated request bodies on every route: 4xx, never a crash, and nothing lost.
 
-Each route whose requests reach vLLM's engine core (the generating routes) gets
-1,000 bodies, each other route skyinfer serves with its own code (tokenize,
-weight routes) 500, each other route served by vLLM's own app behind the engine
-(render, pooling: they never reach the core) 200, each control route 200, each
+Each data-plane route (the front's DATA_PLANE_POST: generating, tokenizing,
+rendering, pooling) gets 1,000 bodies, each weight route 500, each other route
+served by vLLM's own app behind the engine 200, each control route 200, each
 GET route 50: its valid seed bodies, then mutants of them
 (truncated, bytes flipped, invalid UTF-8, values swapped for extreme or
 wrongly typed ones, keys dropped or added, wrong top-level types, deep
@@ -24,15 +23,13 @@ import random
 from typing import Any
 
 import httpx
+import pytest
 
+from skyinfer.proxy import DATA_PLANE_POST
 from support import COLLECTIVE_RPC_ALLOWED, app_routes, concrete, engine_of, restore_fleet
 
-BODIES_PER_GENERATING_ROUTE = 1000
+BODIES_PER_DATA_ROUTE = 1000
 BODIES_PER_ROUTE = 500
-GENERATING_ROUTES = {
-    "/v1/completions", "/v1/chat/completions", "/inference/v1/generate", "/v1/responses", "/v1/messages",
-    "/v1/chat/completions/batch", "/invocations", "/generative_scoring",
-}  # fmt: skip
 # The control routes' seeds are (nearly) empty objects: a couple of hundred mutants
 # cover what can be made of them.
 BODIES_PER_CONTROL_ROUTE = 200
@@ -158,7 +155,7 @@ CONTROL_SEEDS: dict[tuple[str, str], list[Any]] = {
 POOLING_PATHS = (
     "/v1/embeddings", "/v2/embed", "/pooling", "/classify", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank",
 )  # fmt: skip
-# vLLM's own handlers behind the engine that do not generate: the front's part of them is one relay.
+# vLLM's own handlers behind the engine off the data plane: the front's part of them is one relay.
 BODIES_PER_VLLM_APP_ROUTE = 200
 
 
@@ -267,15 +264,15 @@ def body_count(method: str, path: str) -> int:
         return BODIES_PER_GET_ROUTE
     if (method, path) in CONTROL_SEEDS:
         return BODIES_PER_CONTROL_ROUTE
-    if path in GENERATING_ROUTES:
-        return BODIES_PER_GENERATING_ROUTE
+    if path in DATA_PLANE_POST:
+        return BODIES_PER_DATA_ROUTE
     return BODIES_PER_ROUTE if path in NATIVE_ROUTES else BODIES_PER_VLLM_APP_ROUTE
 
 
 # Other routes the front or the engine answer with skyinfer's own code.
 NATIVE_ROUTES = {
-    "/tokenize", "/detokenize", "/finish_session", "/init_weight_transfer", "/init_weight_transfer_engine",
-    "/start_weight_update", "/update_weights", "/finish_weight_update", "/update_weight_version", "/weight_checker",
+    "/finish_session", "/init_weight_transfer", "/init_weight_transfer_engine", "/start_weight_update",
+    "/update_weights", "/finish_weight_update", "/update_weight_version", "/weight_checker",
 }  # fmt: skip
 
 
@@ -331,6 +328,7 @@ def greedy(server, model: str, session: str) -> tuple[int, list[str]]:
     return engine_of(r), r.json()["choices"][0]["logprobs"]["tokens"]
 
 
+@pytest.mark.timeout(1500)  # 34,400 bodies: 8 to 10 minutes on two cores
 async def test_fuzzed_bodies_get_4xx_and_change_nothing(server, model_name, demo_model, tmp_path):
     # Every route the app has is fuzzed: a new route needs seeds here.
     assert set(seeds(model_name)) | set(CONTROL_SEEDS) == app_routes(demo_model, tmp_path)

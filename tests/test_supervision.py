@@ -158,7 +158,10 @@ async def test_a_hung_engine_and_a_failing_restart_both_end_revived_and_out_of_t
             r = await http.post("/v1/completions", json={**body, "max_tokens": 2}, headers={"X-Session-ID": f"hung-{i}"})
             sticky.setdefault(engine_of(r), f"hung-{i}")
         assert set(sticky) == {0, 1}
-        tasks = await admit_while_paused(http, (http.post("/v1/completions", json=body) for _ in range(16)))
+        # Each prompt its own (no group affinity): half of them on each engine.
+        tasks = await admit_while_paused(
+            http, (http.post("/v1/completions", json={**body, "prompt": f"hang on {i}"}) for i in range(16))
+        )
         assert (await http.post("/resume")).status_code == 200
         os.kill(before[1]["pid"], signal.SIGSTOP)
         hung_at = time.monotonic()
