@@ -119,7 +119,7 @@ def _group_key(body: bytes, prefix_chars: int) -> int | None:
         payload = orjson.loads(body)
         prompt = next((payload[f] for f in _PROMPT_FIELDS if f in payload), None) if isinstance(payload, dict) else None
         return None if prompt is None else hash(orjson.dumps(prompt)[:prefix_chars])
-    except (orjson.JSONDecodeError, orjson.JSONEncodeError):
+    except orjson.JSONDecodeError:
         return None
 
 

@@ -30,6 +30,11 @@ class Candidate:
     in_flight: int  # requests the front holds for that engine
 
 
+def _in_flight_on(candidates: Sequence[Candidate], engine_id: int | None) -> int | None:
+    """Requests in flight on ``engine_id``; None if it is not a candidate (it cannot serve now)."""
+    return next((c.in_flight for c in candidates if c.engine_id == engine_id), None)
+
+
 class SessionRouter:
     """Sessions bound to engines, least recently used first. A binding ends when its trajectory
     says so (``finish``), when it has been idle for ``idle_ttl_s``, or when more than
@@ -70,14 +75,14 @@ class SessionRouter:
         """Return the engine id for a request; ``candidates`` are the engines that can serve now."""
         if not candidates:
             raise ValueError("no candidate engines")
+        if session_id is None and group_key is None:
+            return self._least_loaded(candidates, by_sessions=False)
         if session_id is None:
-            return self._least_loaded(candidates, by_sessions=False) if group_key is None else self._for_group(
-                candidates, group_key
-            )
+            return self._for_group(candidates, group_key)
         now = self._clock()
         self._forget_idle(now)
         bound = self._engine_of.get(session_id)
-        load = next((c.in_flight for c in candidates if c.engine_id == bound), None)
+        load = _in_flight_on(candidates, bound)
         if load is not None and not self._overloaded(load, candidates):
             self._engine_of.move_to_end(session_id)
             self._last_used[session_id] = now
@@ -105,7 +110,7 @@ class SessionRouter:
 
     def _for_group(self, candidates: Sequence[Candidate], group_key: int) -> int:
         bound = self._engine_of_group.get(group_key)
-        load = next((c.in_flight for c in candidates if c.engine_id == bound), None)
+        load = _in_flight_on(candidates, bound)
         if load is None or load > min(c.in_flight for c in candidates) + self._group_slack:
             bound = self._least_loaded(candidates, by_sessions=False)
         self._engine_of_group[group_key] = bound

@@ -41,14 +41,13 @@ def constraints_conflict(payload: Any) -> str | None:
     if not isinstance(payload, dict):
         return None
     nested = payload.get("sampling_params")  # the token route's
+    response_format = payload.get("response_format")
+    grammar_outside_params = (isinstance(response_format, dict) and response_format.get("type", "text") != "text") or (
+        payload.get("tool_choice") not in (None, "none", "auto")
+    )
     for params in (payload, nested) if isinstance(nested, dict) else (payload,):
-        if not params.get("allowed_token_ids"):
-            continue
-        response_format = payload.get("response_format")
-        if (
-            params.get("structured_outputs") is not None
-            or (isinstance(response_format, dict) and response_format.get("type", "text") != "text")
-            or payload.get("tool_choice") not in (None, "none", "auto")
+        if params.get("allowed_token_ids") and (
+            grammar_outside_params or params.get("structured_outputs") is not None
         ):
             return "allowed_token_ids cannot be combined with structured outputs (a grammar may admit none of them)"
     return None
