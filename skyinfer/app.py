@@ -8,6 +8,7 @@ import tempfile
 
 from aiohttp import web
 
+from .adapters import ADAPTERS, AdapterFleet, add_adapter_routes
 from .config import ServeConfig
 from .control import CONTROL, ControlPlane, add_control_routes
 from .draining import IN_FLIGHT, InFlight
@@ -65,6 +66,13 @@ def create_app(config: ServeConfig) -> web.Application:
         registry, config.workers_per_engine, config.model, config.weight_transfer_timeout_s,
         supervisor.restart_in_background, metrics,
     )  # fmt: skip
+    adapter_dir = config.adapter_dir or tempfile.mkdtemp(prefix="skyinfer-adapters-")
+    app[ADAPTERS] = AdapterFleet(
+        registry, app[WEIGHT_SYNC], config.model, adapter_dir, config.weight_transfer_timeout_s,
+        supervisor.restart_in_background,
+    )  # fmt: skip
+    # A new engine process takes the fleet's adapters before it serves.
+    supervisor.before_serving = app[ADAPTERS].restore
 
     async def engines_ctx(_app: web.Application):
         supervisor.start()
@@ -72,6 +80,8 @@ def create_app(config: ServeConfig) -> web.Application:
         await supervisor.stop(config.shutdown_budget_s[1])
         if config.socket_dir is None:
             shutil.rmtree(socket_dir, ignore_errors=True)
+        if config.adapter_dir is None:
+            shutil.rmtree(adapter_dir, ignore_errors=True)
 
     app.cleanup_ctx.append(engines_ctx)
     for path in DATA_PLANE_POST:
@@ -81,6 +91,7 @@ def create_app(config: ServeConfig) -> web.Application:
     app.router.add_post(FINISH_SESSION_PATH, finish_session)
     add_control_routes(app)
     add_weight_routes(app)
+    add_adapter_routes(app)
     add_vllm_routes(app, config.allow_collective_rpc)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)

@@ -84,6 +84,10 @@ class ServeConfig:
     health_failures: int = attrs.field(default=3, validator=_at_least_one)
     # Where engine Unix sockets live; None means a fresh temporary directory.
     socket_dir: str | None = None
+    adapter_dir: str | None = _option(
+        None, "where each version of each LoRA adapter is kept for the engines (None: a temporary directory)",
+        metavar="DIR",
+    )
     max_request_mb: float = _option(
         32.0, "largest request body accepted, MiB", metavar="MIB", validator=attrs.validators.ge(1 / 1024)
     )

@@ -12,6 +12,7 @@ import asyncio
 import logging
 
 import aiohttp
+import attrs
 import orjson
 from aiohttp import web
 
@@ -110,17 +111,19 @@ class _EngineDied(Exception):
 _PROMPT_FIELDS = ("messages", "prompt", "token_ids", "input")
 
 
-def _group_key(body: bytes, prefix_chars: int) -> int | None:
-    """A hash of the first ``prefix_chars`` characters of the prompt's JSON text; None where the body has none
-    (its engine answers a body that is not JSON)."""
-    if not prefix_chars:
-        return None
+def _json_object(body: bytes) -> dict | None:
+    """The body as a JSON object, or None (its engine answers a body that is not one)."""
     try:
         payload = orjson.loads(body)
-        prompt = next((payload[f] for f in _PROMPT_FIELDS if f in payload), None) if isinstance(payload, dict) else None
-        return None if prompt is None else hash(orjson.dumps(prompt)[:prefix_chars])
     except orjson.JSONDecodeError:
         return None
+    return payload if isinstance(payload, dict) else None
+
+
+def _group_key(payload: dict, prefix_chars: int) -> int | None:
+    """A hash of the first ``prefix_chars`` characters of the prompt's JSON text; None where there is none."""
+    prompt = next((payload[f] for f in _PROMPT_FIELDS if f in payload), None)
+    return None if prompt is None else hash(orjson.dumps(prompt)[:prefix_chars])
 
 
 def _forwarded_headers(request: web.Request) -> dict[str, str]:
@@ -137,9 +140,14 @@ async def forward(request: web.Request) -> web.StreamResponse:
     if session_id:
         headers[SESSION_HEADER] = session_id
     registry = request.app[REGISTRY]
-    group = None if session_id else _group_key(body, registry.router.group_prefix_chars)
+    prefix_chars = registry.router.group_prefix_chars
+    # Parsed only when routing needs what is inside: a prompt's prefix, or an adapter's name.
+    payload = _json_object(body) if body and (registry.has_adapters or (prefix_chars and not session_id)) else None
+    group = _group_key(payload, prefix_chars) if payload and prefix_chars and not session_id else None
+    adapter = await registry.adapter_for(payload.get("model")) if payload and registry.has_adapters else None
+    target = _Target(session_id, group, adapter)
     try:
-        return await _send(request, session_id, group, body, headers)
+        return await _send(request, target, body, headers)
     except _EngineDied as died:
         first_death = died
     dead = first_death.engine_id
@@ -148,18 +156,23 @@ async def forward(request: web.Request) -> web.StreamResponse:
     log.warning("engine %d died under %s %s: sending it to another engine", dead, request.method, request.path)
     # Once, and never to the engine that died: a request that kills engines must not walk through the fleet.
     try:
-        return await _send(request, session_id, group, body, headers, retried_from=dead)
+        return await _send(request, target, body, headers, retried_from=dead)
     except _EngineDied as again:
         return again.answer
 
 
+@attrs.frozen
+class _Target:
+    """What a request's engine is picked by."""
+
+    session_id: str | None
+    group: int | None
+    # The LoRA adapter it asks for; only engines holding the fleet's version of it serve it.
+    adapter: str | None
+
+
 async def _send(
-    request: web.Request,
-    session_id: str | None,
-    group: int | None,
-    body: bytes,
-    headers: dict,
-    retried_from: int | None = None,
+    request: web.Request, target: _Target, body: bytes, headers: dict, retried_from: int | None = None
 ) -> web.StreamResponse:
     registry = request.app[REGISTRY]
     exclude = () if retried_from is None else (retried_from,)
@@ -168,9 +181,9 @@ async def _send(
         try:
             # Picked afresh each time: a session stays on its engine while that
             # one serves; a request without a session may go to another.
-            engine = registry.pick(session_id, exclude, group)
+            engine = registry.pick(target.session_id, exclude, target.group, target.adapter)
             async with engine.in_flight():
-                return await _relay(request, engine, body, headers, retried)
+                return await _relay(request, engine, body, headers, {**retried, **_version_header(engine, target.adapter)})
         except NoEngineAvailable as exc:
             return error_response(503, str(exc))
         except EngineBusy as exc:
@@ -187,8 +200,13 @@ def _own_headers(engine: EngineRecord) -> dict[str, str]:
     return {ENGINE_HEADER: str(engine.engine_id), WEIGHT_VERSION_HEADER: engine.weight_version or ""}
 
 
+def _version_header(engine: EngineRecord, adapter: str | None) -> dict[str, str]:
+    """An adapter's answer carries the adapter's version (the base weights' is in ``/weight_info``)."""
+    return {} if adapter is None else {WEIGHT_VERSION_HEADER: engine.adapters.get(adapter, "")}
+
+
 async def _relay(
-    request: web.Request, engine: EngineRecord, body: bytes, headers: dict, retried: dict[str, str]
+    request: web.Request, engine: EngineRecord, body: bytes, headers: dict, extra_headers: dict[str, str]
 ) -> web.StreamResponse:
     client = engine.client
     # The engine may have gone down while the request waited for a connection.
@@ -203,7 +221,7 @@ async def _relay(
     except asyncio.TimeoutError as exc:
         return _engine_failed(request, engine, exc)
     # Read once the engine answers: the version a kept request finished with.
-    own_headers = {**_own_headers(engine), **retried}
+    own_headers = {**_own_headers(engine), **extra_headers}
     content_type = upstream.headers.get("Content-Type", "application/json")
     if content_type.startswith("text/event-stream"):
         async with upstream:

@@ -157,6 +157,10 @@ class EngineRecord:
     weight_version: str | None = None
     # The dtype it serves weights in; pushed tensors must match.
     model_dtype: str | None = None
+    # The largest LoRA rank it takes; None: started without --enable-lora.
+    max_lora_rank: int | None = None
+    # The LoRA adapters it holds: name -> version (a new process holds none).
+    adapters: dict[str, str] = attrs.field(factory=dict)
     # Whether its workers are in the current trainer's weight-transfer group
     # (a new process never is).
     in_transfer_group: bool = False
@@ -221,6 +225,7 @@ class EngineRecord:
             "queued": self.queued,
             "weight_version": self.weight_version,
             "model_dtype": self.model_dtype,
+            "adapters": dict(self.adapters),
             "restarts": self.restarts,
         }
 
@@ -231,6 +236,11 @@ class EngineRegistry:
         self.router = router or SessionRouter()
         # The version of the last completed push; None while engines serve what they loaded.
         self.fleet_weight_version: str | None = None
+        # The LoRA adapters the fleet serves: name -> version. A request for one goes
+        # only to an engine that holds it at that version.
+        self.fleet_adapters: dict[str, str] = {}
+        # Adapters being loaded across the fleet: their requests wait until every engine has it.
+        self._adapters_changing: dict[str, asyncio.Event] = {}
         # Held across multi-step, awaiting changes to an engine (start, stop,
         # restart). Routing itself never awaits, so it needs no lock.
         self.lock = asyncio.Lock()
@@ -245,6 +255,7 @@ class EngineRegistry:
         if new is not Lifecycle.UP:
             # Whatever the old process was, the next one starts fresh.
             record.paused = record.sleeping = record.stale = False
+            record.adapters = {}
         log.info("engine %d: %s -> %s", record.engine_id, old.value, new.value)
 
     def set_conditions(self, record: EngineRecord, **conditions: bool) -> None:
@@ -257,18 +268,48 @@ class EngineRegistry:
             log.info("engine %d: %s (%s)", record.engine_id, record.state.value,
                      ", ".join(f"{k}={v}" for k, v in changed.items()))  # fmt: skip
 
+    def holds_adapter(self, record: EngineRecord, adapter: str | None) -> bool:
+        return adapter is None or record.adapters.get(adapter) == self.fleet_adapters.get(adapter, "")
+
     def up(self) -> list[EngineRecord]:
         return [r for r in self.records if r.up]
 
     def serving(self) -> list[EngineRecord]:
         return [r for r in self.records if r.serves]
 
+    @contextlib.contextmanager
+    def changing_adapter(self, name: str):
+        """While an adapter changes on the engines, its new requests wait (``adapter_for``)."""
+        changed = self._adapters_changing[name] = asyncio.Event()
+        try:
+            yield
+        finally:
+            del self._adapters_changing[name]
+            changed.set()
+
+    @property
+    def has_adapters(self) -> bool:
+        return bool(self.fleet_adapters or self._adapters_changing)
+
+    async def adapter_for(self, model: object) -> str | None:
+        """The fleet adapter a request's ``model`` names, once it has settled; None if none."""
+        if not isinstance(model, str):
+            return None
+        while (changing := self._adapters_changing.get(model)) is not None:
+            await changing.wait()
+        return model if model in self.fleet_adapters else None
+
     def pick(
-        self, session_id: str | None = None, exclude: Collection[int] = (), group_key: int | None = None
+        self,
+        session_id: str | None = None,
+        exclude: Collection[int] = (),
+        group_key: int | None = None,
+        adapter: str | None = None,
     ) -> EngineRecord:
-        live = [r for r in self.serving() if r.engine_id not in exclude]
+        live = [r for r in self.serving() if r.engine_id not in exclude and self.holds_adapter(r, adapter)]
         if not live:
             states = ", ".join(f"engine {r.engine_id} {r.state.value}" for r in self.records)
-            raise NoEngineAvailable(f"no engine can serve right now ({states})")
+            serving = f" adapter {adapter!r} at version {self.fleet_adapters.get(adapter)}" if adapter else ""
+            raise NoEngineAvailable(f"no engine can serve{serving} right now ({states})")
         chosen = self.router.choose([Candidate(r.engine_id, r.in_flight_count) for r in live], session_id, group_key)
         return self.records[chosen]

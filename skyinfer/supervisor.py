@@ -13,6 +13,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 
@@ -217,6 +218,9 @@ class Supervisor:
         # when it dies, however it dies, they die with it (engine/lifeline.py).
         self._lifeline: tuple[int, int] | None = None
         self._start_task: asyncio.Task | None = None
+        # Brings a new engine process to what the fleet serves beyond its checkpoint (LoRA
+        # adapters), called with the registry's lock held before the engine is routed to.
+        self.before_serving: Callable[[EngineRecord], Awaitable[None]] | None = None
         # Exit watchers and restarts running in the background.
         self._tasks: set[asyncio.Task] = set()
 
@@ -283,11 +287,18 @@ class Supervisor:
         record.in_transfer_group = False
         record.weight_version = info["weight_version"]
         record.model_dtype = info["model_dtype"]
-        fleet = self.registry.fleet_weight_version
-        # An engine loads the checkpoint from disk: behind a fleet that has had pushes.
-        stale = fleet is not None and record.weight_version != fleet
-        self.registry.set_lifecycle(record, Lifecycle.UP)
-        self.registry.set_conditions(record, stale=stale)
+        record.max_lora_rank = info["max_lora_rank"]
+        # Under the lock: no adapter may change between this engine taking the fleet's and serving.
+        async with self.registry.lock:
+            fleet = self.registry.fleet_weight_version
+            # An engine loads the checkpoint from disk: behind a fleet that has had pushes.
+            stale = fleet is not None and record.weight_version != fleet
+            if self.before_serving is not None:
+                await self.before_serving(record)
+            if record.lifecycle not in (Lifecycle.STARTING, Lifecycle.RESTARTING):
+                return  # stopped or killed meanwhile
+            self.registry.set_lifecycle(record, Lifecycle.UP)
+            self.registry.set_conditions(record, stale=stale)
         self._in_background(self._probe(process), process)
 
     async def _probe(self, process: EngineProcess) -> None:

@@ -1,4 +1,4 @@
-"""The trainer's side of weight sync: join skyinfer's transfer group, push named tensors.
+"""The trainer's side of weight sync: join skyinfer's transfer group, push named tensors or a LoRA adapter.
 
 Needs torch and skyinfer's HTTP client, never vLLM::
 
@@ -7,6 +7,8 @@ Needs torch and skyinfer's HTTP client, never vLLM::
     trainer = GlooTrainer("http://127.0.0.1:8000")
     trainer.init()                                   # once: joins every engine's workers
     trainer.push(model.state_dict().items(), version="step-17")
+    # or, for a LoRA policy (peft), the adapter alone:
+    trainer.push_adapter("policy", get_peft_model_state_dict(peft_model).items(), lora_config, version="step-17")
 
 ``push`` runs the broadcast while the HTTP call that makes the engines
 receive is in flight (both are halves of one collective). Three HTTP calls
@@ -128,18 +130,9 @@ class GlooTrainer:
         ``verify`` has the engines' weights checked against each other at the
         finish: one that differs is held out and the push raises.
         """
-        if self._group is None:
-            raise RuntimeError("call init() first")
         if one_call and verify:
             raise ValueError("verify needs the finish call: push with one_call=False")
-        tensors = [(name, t.detach().contiguous().cpu()) for name, t in named_tensors]
-        metas = [TensorMeta(name, t.dtype, tuple(t.shape)) for name, t in tensors]
-        update_info = {
-            "names": [m.name for m in metas],
-            "dtype_names": [dtype_name(m.dtype) for m in metas],
-            "shapes": [list(m.shape) for m in metas],
-            "packed": self.packed,
-        }
+        tensors, metas, update_info = self._prepare(named_tensors)
         if not one_call:
             self._calls.start_weight_update(update_info)  # a 400 here: nothing moved
         with ThreadPoolExecutor(1) as pool:
@@ -150,6 +143,37 @@ class GlooTrainer:
             receiving.result()
         if not one_call:
             self._calls.finish_weight_update(version, verify)
+
+    def push_adapter(
+        self, lora_name: str, named_tensors: Iterable[tuple[str, torch.Tensor]], peft_config, version: str
+    ) -> None:
+        """Send a LoRA adapter to every engine, which then serves it as ``lora_name`` at ``version``
+        (replacing the version it served). ``named_tensors``: PEFT's names, as
+        ``peft.get_peft_model_state_dict`` gives them; ``peft_config``: its ``LoraConfig`` or that as a
+        dict. Nothing is written to a disk the trainer and the server share."""
+        tensors, metas, update_info = self._prepare(named_tensors)
+        config = _json_ready(peft_config.to_dict() if hasattr(peft_config, "to_dict") else dict(peft_config))
+        # Checked first (bad shapes, no group: a refusal, and nothing moves), so that the
+        # broadcast below never waits on engines that will not receive.
+        self.client.update_lora_adapter(lora_name, config, update_info, version, check_only=True)
+        with ThreadPoolExecutor(1) as pool:
+            receiving = pool.submit(self.client.update_lora_adapter, lora_name, config, update_info, version)
+            self._broadcast(tensors, metas)
+            receiving.result()
+
+    def _prepare(self, named_tensors: Iterable[tuple[str, torch.Tensor]]):
+        """The tensors as they are sent, their metadata, and vLLM's ``update_info`` for them."""
+        if self._group is None:
+            raise RuntimeError("call init() first")
+        tensors = [(name, t.detach().contiguous().cpu()) for name, t in named_tensors]
+        metas = [TensorMeta(name, t.dtype, tuple(t.shape)) for name, t in tensors]
+        update_info = {
+            "names": [m.name for m in metas],
+            "dtype_names": [dtype_name(m.dtype) for m in metas],
+            "shapes": [list(m.shape) for m in metas],
+            "packed": self.packed,
+        }
+        return tensors, metas, update_info
 
     def _broadcast(self, tensors: list[tuple[str, torch.Tensor]], metas: list[TensorMeta]) -> None:
         if self.packed:
@@ -188,6 +212,17 @@ class _ProtocolCalls:
         if verify:
             raise ValueError("a verified push needs skyinfer's client: vLLM's protocol has no verify")
         self._client.finish_weight_update(weight_version)
+
+
+def _json_ready(value):
+    """A PEFT config as JSON can carry it (PEFT keeps target modules as a set)."""
+    if isinstance(value, dict):
+        return {str(k): _json_ready(v) for k, v in value.items()}
+    if isinstance(value, (set, frozenset)):
+        return sorted(_json_ready(v) for v in value)
+    if isinstance(value, (list, tuple)):
+        return [_json_ready(v) for v in value]
+    return value
 
 
 # How long a one-call push waits for the server to refuse its metadata before

@@ -263,3 +263,34 @@ class RelabelRequest(WireModel):
     """vLLM's ``/update_weight_version``: a new label for the weights the fleet serves."""
 
     new_version: VersionLabel
+
+
+# -- LoRA adapters -------------------------------------------------------------------
+
+
+class LoadAdapterRequest(WireModel):
+    """vLLM's ``/v1/load_lora_adapter`` body, plus the version label the adapter then serves as."""
+
+    lora_name: NonEmptyStr
+    lora_path: NonEmptyStr
+    load_inplace: bool = False
+    version: VersionLabel | None = None
+
+
+class UnloadAdapterRequest(WireModel):
+    """vLLM's ``/v1/unload_lora_adapter`` body (its ``lora_int_id`` is accepted and not needed)."""
+
+    lora_name: NonEmptyStr
+    lora_int_id: int | None = None
+
+
+class PushAdapterRequest(WireModel):
+    """An adapter pushed over the weight-transfer group: its PEFT config, and which tensors follow."""
+
+    lora_name: NonEmptyStr
+    peft_config: dict
+    update_info: dict
+    version: VersionLabel | None = None
+    # Only check the adapter and the group (nothing moves): a trainer asks first, so that it
+    # never broadcasts into a push the server refuses.
+    check_only: bool = False

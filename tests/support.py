@@ -162,11 +162,27 @@ def process_tree(srv: ServerProcess) -> list[psutil.Process]:
     return tree
 
 
+def vllm_process(engine_pid: int, role: str) -> psutil.Process:
+    """vLLM's EngineCore or worker process under one engine."""
+    (proc,) = [p for p in psutil.Process(engine_pid).children(recursive=True) if role in " ".join(p.cmdline())]
+    return proc
+
+
 def engine_socket(srv: ServerProcess, engine: int) -> str:
     """The Unix socket an engine serves on, from its command line: for reaching one engine
     behind the front's back."""
     argv = psutil.Process(srv.engines()[engine]["pid"]).cmdline()
     return argv[argv.index("--socket") + 1]
+
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def run_example(name: str, *args: str, timeout_s: float = 600) -> subprocess.CompletedProcess:
+    """One of examples/ run as a user runs it; it must exit 0."""
+    done = subprocess.run([sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True, timeout=timeout_s)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
 
 
 def engine_of(response) -> int:

@@ -3,24 +3,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import httpx
 import pytest
-
+from support import run_example
 
 # The RL loop pushes weights into the shared server.
 pytestmark = pytest.mark.usefixtures("restores_checkpoint")
-
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-
-
-def run_example(name: str, *args: str, timeout_s: float = 600) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True, timeout=timeout_s)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done
 
 
 def test_agent_keeps_exact_tokens_on_one_engine(server, demo_model, tmp_path):

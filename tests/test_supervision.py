@@ -21,7 +21,17 @@ import pytest
 from pushes import assert_engines_match, modified_weights, run_trainer, save
 from safetensors.torch import load_file
 
-from support import TRAINER, ServerProcess, admit_while_paused, engine_of, process_tree, running, scrape, total
+from support import (
+    TRAINER,
+    ServerProcess,
+    admit_while_paused,
+    engine_of,
+    process_tree,
+    running,
+    scrape,
+    total,
+    vllm_process,
+)
 
 
 @pytest.fixture(scope="module")
@@ -34,12 +44,6 @@ def crash_server(demo_model, tmp_path_factory):
     )  # fmt: skip
     with running(srv):
         yield srv
-
-
-def vllm_process(engine_pid: int, role: str) -> psutil.Process:
-    """vLLM's EngineCore or worker process under one engine."""
-    (proc,) = [p for p in psutil.Process(engine_pid).children(recursive=True) if role in " ".join(p.cmdline())]
-    return proc
 
 
 async def wait_for_states(http, states: list[str], timeout_s: float = 240) -> None:

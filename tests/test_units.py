@@ -1,4 +1,4 @@
-"""Fast unit tests of routing policy, device layout and the demo model; no engines."""
+"""Fast unit tests of routing policy, device layout, adapter checks and the demo model; no engines."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import collections
 import inspect
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -15,7 +16,7 @@ import pytest
 
 from skyinfer.demo_model import VOCAB_SIZE, build_demo_model
 from skyinfer.devices import LayoutError, plan_engine_devices, split_cores, split_gpus
-from skyinfer.proxy import _group_key
+from skyinfer.proxy import _group_key, _json_object
 from skyinfer.routing import Candidate, SessionRouter
 
 
@@ -119,22 +120,25 @@ def test_router_keeps_a_prompt_group_on_one_engine_within_its_slack():
 
 
 def test_group_key_is_the_prompts_first_characters():
+    def key_of(body: bytes, prefix_chars: int):
+        payload = _json_object(body)
+        return None if payload is None else _group_key(payload, prefix_chars)
+
     body = {"model": "m", "prompt": "p" * 40 + "tail A", "seed": 1, "max_tokens": 4}
-    key = _group_key(orjson.dumps(body), 30)
+    key = key_of(orjson.dumps(body), 30)
     # Same prompt, other sampling fields and key order: the same group.
-    assert _group_key(orjson.dumps({"seed": 2, **body, "temperature": 1.0}), 30) == key
+    assert key_of(orjson.dumps({"seed": 2, **body, "temperature": 1.0}), 30) == key
     # A prompt that differs after the first 30 characters too; one that differs early does not.
-    assert _group_key(orjson.dumps({**body, "prompt": "p" * 40 + "tail B"}), 30) == key
-    assert _group_key(orjson.dumps({**body, "prompt": "q" + "p" * 40}), 30) != key
+    assert key_of(orjson.dumps({**body, "prompt": "p" * 40 + "tail B"}), 30) == key
+    assert key_of(orjson.dumps({**body, "prompt": "q" + "p" * 40}), 30) != key
     messages = [{"role": "user", "content": "same question"}]
-    assert _group_key(orjson.dumps({"messages": messages, "n": 1}), 1024) == _group_key(
+    assert key_of(orjson.dumps({"messages": messages, "n": 1}), 1024) == key_of(
         orjson.dumps({"messages": messages, "seed": 3}), 1024
     )
-    # No prompt, not JSON, not an object, or group affinity off: no key.
-    assert _group_key(b'{"model": "m"}', 30) is None
-    assert _group_key(b'{"prompt": ', 30) is None
-    assert _group_key(b"[1, 2]", 30) is None
-    assert _group_key(orjson.dumps(body), 0) is None
+    # No prompt, not JSON, or not an object: no key.
+    assert key_of(b'{"model": "m"}', 30) is None
+    assert key_of(b'{"prompt": ', 30) is None
+    assert key_of(b"[1, 2]", 30) is None
 
 
 def test_router_refuses_empty_candidates():
@@ -383,3 +387,29 @@ def test_every_vllm_name_resolves_in_the_installed_vllm():
     assert resolved["make_arg_parser"].__module__ in vllm_api.NAMES["make_arg_parser"]
     with pytest.raises(AttributeError, match="add it to NAMES"):
         vllm_api.AsyncLLM  # noqa: B018 - not in the table: skyinfer does not use it
+
+
+def test_adapter_checks_name_the_first_problem():
+    from skyinfer.adapters import AdapterError, check_adapter
+    from skyinfer.weights.checkpoint import CheckpointSpec
+
+    base = CheckpointSpec({"model.layers.0.self_attn.q_proj.weight": (256, 128)})
+    config = {"peft_type": "LORA", "r": 8}
+    a, b = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight", "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+    check_adapter(config, {a: (8, 128), b: (256, 8)}, base, max_rank=16)
+    # PEFT's names with the adapter's own name in them are the same tensors.
+    check_adapter(config, {a.replace("lora_A.", "lora_A.default."): (8, 128), b: (256, 8)}, base, max_rank=16)
+    refused = {
+        "rank 8; the engines take at most --max-lora-rank 4": ({a: (8, 128), b: (256, 8)}, config, 4),
+        "do not fit its weight [256, 128]": ({a: (8, 64), b: (256, 8)}, config, 16),
+        "not both lora_A and lora_B": ({a: (8, 128)}, config, 16),
+        "not a LoRA A or B matrix": ({a: (8, 128), b: (256, 8), "model.norm.weight": (128,)}, config, 16),
+        "does not have": ({a.replace("q_proj", "x_proj"): (8, 128), b.replace("q_proj", "x_proj"): (256, 8)}, config, 16),
+        "the adapter config says r=4": ({a: (8, 128), b: (256, 8)}, {"r": 4}, 16),
+        "only LoRA adapters": ({a: (8, 128), b: (256, 8)}, {"peft_type": "IA3", "r": 8}, 16),
+        "DoRA": ({a: (8, 128), b: (256, 8)}, {**config, "use_dora": True}, 16),
+        "no tensors": ({}, config, 16),
+    }
+    for says, (shapes, cfg, max_rank) in refused.items():
+        with pytest.raises(AdapterError, match=re.escape(says)):
+            check_adapter(cfg, shapes, base, max_rank)

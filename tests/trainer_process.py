@@ -3,6 +3,9 @@
     python tests/trainer_process.py URL WEIGHTS.safetensors VERSION [--one-call]
         [--die-after N | --hang-after N | --die-at init|start|finish] [--verify] [--expect CHECKSUMS.json]
         [--client skyinfer|vllm|trl] [--pause-keep]
+    python tests/trainer_process.py URL ADAPTER_DIR VERSION --adapter NAME [--die-after N]
+
+With ``--adapter`` it pushes a PEFT adapter directory's tensors and config as LoRA adapter NAME.
 
 Exits 0 after a push; prints a refusal's status and message and exits 3; with
 --die-after it sends N tensors one by one and then dies mid-transfer; with
@@ -72,8 +75,14 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=60)
     p.add_argument("--client", choices=["skyinfer", "vllm", "trl"], default="skyinfer")
     p.add_argument("--pause-keep", action="store_true")
+    p.add_argument("--adapter", help="push WEIGHTS (a PEFT adapter directory) as this LoRA adapter")
     args = p.parse_args()
-    tensors = load_file(args.weights)
+    if args.adapter:
+        tensors = load_file(os.path.join(args.weights, "adapter_model.safetensors"))
+        with open(os.path.join(args.weights, "adapter_config.json")) as f:
+            peft_config = json.load(f)
+    else:
+        tensors = load_file(args.weights)
     urls = args.url.split(",")
     stop_after = args.die_after if args.die_after is not None else args.hang_after
     trainer = GlooTrainer(
@@ -112,7 +121,10 @@ def main() -> int:
 
         trainer._send = send_then_stop
     try:
-        trainer.push(tensors.items(), version=args.version, one_call=args.one_call, verify=args.verify)
+        if args.adapter:
+            trainer.push_adapter(args.adapter, tensors.items(), peft_config, version=args.version)
+        else:
+            trainer.push(tensors.items(), version=args.version, one_call=args.one_call, verify=args.verify)
     except SkyinferError as exc:
         print(f"refused {exc.status}: {exc.message}", flush=True)
         return 3

@@ -184,6 +184,20 @@ class MultiNodeClient:
             "nodes": [{"node": n.base_url, **i} for n, i in zip(self.nodes, infos)],
         }
 
+    async def load_lora_adapter(
+        self, lora_name: str, lora_path: str, load_inplace: bool = False, version: str | None = None
+    ) -> dict:
+        """Each node loads from its own disk: the path must hold the adapter on every node."""
+        return await self._fanout_report("load_lora_adapter", lora_name, lora_path, load_inplace, version)
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict:
+        return await self._fanout_report("unload_lora_adapter", lora_name)
+
+    async def update_lora_adapter(
+        self, lora_name: str, peft_config: dict, update_info: dict, version: str | None = None, check_only: bool = False
+    ) -> dict:
+        return await self._fanout_report("update_lora_adapter", lora_name, peft_config, update_info, version, check_only)
+
     # -- status ----------------------------------------------------------------------
     async def engines(self) -> list[dict]:
         per_node = await self._fanout("engines")

@@ -251,6 +251,25 @@ class AsyncClient:
     async def weight_info(self) -> dict:
         return await self._read("/weight_info")
 
+    # -- LoRA adapters (vLLM's routes, plus a push over the transfer group) -------------
+    async def load_lora_adapter(
+        self, lora_name: str, lora_path: str, load_inplace: bool = False, version: str | None = None
+    ) -> dict:
+        """Load (``load_inplace``: reload) an adapter from a directory on the server's disk, on every engine."""
+        body = {"lora_name": lora_name, "lora_path": lora_path, "load_inplace": load_inplace}
+        return await self._admin("/v1/load_lora_adapter", json={**body, **({"version": version} if version else {})})
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict:
+        return await self._admin("/v1/unload_lora_adapter", json={"lora_name": lora_name})
+
+    async def update_lora_adapter(
+        self, lora_name: str, peft_config: dict, update_info: dict, version: str | None = None, check_only: bool = False
+    ) -> dict:
+        """The HTTP half of an adapter push: the engines receive while the trainer broadcasts.
+        ``check_only``: the server checks the adapter and the group, and nothing moves."""
+        body = {"lora_name": lora_name, "peft_config": peft_config, "update_info": update_info, "check_only": check_only}
+        return await self._admin("/update_lora_adapter", json={**body, **({"version": version} if version else {})})
+
     # -- status ----------------------------------------------------------------------
     async def engines(self) -> list[dict]:
         return (await self._read("/engines"))["engines"]

@@ -12,3 +12,8 @@ ENGINE_DIED_HEADER = "X-Skyinfer-Engine-Died"
 # The weight-transfer backend skyinfer registers into vLLM on CPU.
 # Named for skyinfer, so that a gloo backend vLLM may ship one day cannot collide with it.
 GLOO_BACKEND = "skyinfer_gloo"
+# LoRA adapters: the worker call that receives a pushed adapter's tensors, and the
+# file of PEFT's layout its config is written to.
+RECEIVE_ADAPTER_RPC = "skyinfer_receive_adapter"
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"

@@ -26,6 +26,7 @@ from aiohttp import web
 
 from ..errors import error_response, json_response, parse_json_object
 from . import ENGINE_DIED_HEADER
+from .adapters import add_adapter_routes
 from .admin import add_admin_routes
 from .appkeys import ENGINE_CLIENT, SERVING_STATE
 from .refusals import constraints_conflict
@@ -146,6 +147,8 @@ async def _info(request: web.Request) -> web.Response:
             "weight_version": await engine.get_weight_version(),
             # The dtype weights are served in: pushed tensors must match it.
             "model_dtype": str(engine.model_config.dtype).removeprefix("torch."),
+            # None: started without --enable-lora.
+            "max_lora_rank": lora_config.max_lora_rank if (lora_config := engine.vllm_config.lora_config) else None,
         }
     )
 
@@ -180,6 +183,7 @@ def create_engine_app(engine_client: Any, serving_state: Any) -> web.Application
     app.router.add_get("/metrics", _metrics)
     add_admin_routes(app)
     add_weight_routes(app)
+    add_adapter_routes(app)
     return app
 
 

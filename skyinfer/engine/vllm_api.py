@@ -54,6 +54,8 @@ NAMES: dict[str, tuple[str, ...]] = {
     "CPUWorker": ("vllm.v1.worker.cpu_worker",),
     "initialize_layerwise_reload": ("vllm.model_executor.model_loader.reload",),
     "finalize_layerwise_reload": ("vllm.model_executor.model_loader.reload",),
+    # LoRA: the request an adapter is loaded and served with.
+    "LoRARequest": ("vllm.lora.request",),
 }
 
 

@@ -2,19 +2,21 @@
 
 vLLM imports this module in every worker process before the model loads,
 which is the supported moment to register the gloo weight-transfer backend;
-the class adds the one worker call the front needs beyond vLLM's own.
+the class adds the worker calls the front needs beyond vLLM's own.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import platform
 
 import torch
-from .vllm_api import WeightTransferEngineFactory
+from safetensors.torch import save_file
 
-from . import GLOO_BACKEND
+from . import ADAPTER_WEIGHTS_FILE, GLOO_BACKEND
 from .gloo_transfer import GlooWeightTransferEngine
+from .vllm_api import WeightTransferEngineFactory
 
 WeightTransferEngineFactory.register_engine(GLOO_BACKEND, GlooWeightTransferEngine)
 
@@ -42,6 +44,20 @@ def _request_amx_permission() -> None:
 _request_amx_permission()
 
 
+class _TensorCollector(torch.nn.Module):
+    """A weight-update target that keeps what it is given instead of loading it into a model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.received: dict[str, torch.Tensor] = {}
+
+    def load_weights(self, weights) -> set[str]:
+        for name, tensor in weights:
+            # Packed transfers hand out views of a buffer that is reused.
+            self.received[name] = tensor.detach().to("cpu", copy=True).contiguous()
+        return set(self.received)
+
+
 class SkyinferWorkerExtension:
     """Mixed into vLLM's worker class; ``self`` is the worker."""
 
@@ -56,3 +72,21 @@ class SkyinferWorkerExtension:
         # vLLM's own backends join inside init_weight_transfer_engine, so by the
         # time this call is served their rendezvous is over.
         return {"state": "ready"}
+
+    def skyinfer_receive_adapter(self, update_info: dict, directory: str) -> dict:
+        """Receive a LoRA adapter's tensors over the weight-transfer group, whatever its backend,
+        and write them where the engine loads the adapter from. The model's own weights are
+        never touched: vLLM's supported way to aim an update elsewhere points it at a collector."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        if engine is None:
+            raise RuntimeError("no weight-transfer group: POST /init_weight_transfer first")
+        collector = _TensorCollector()
+        engine.set_weight_update_target(collector, engine.model_config)
+        try:
+            engine.receive_weights(engine.parse_update_info(update_info))
+        finally:
+            engine.reset_weight_update_target()
+        # Every worker of the engine takes part in the broadcast; one writes the file.
+        if self.rank == 0:
+            save_file(collector.received, os.path.join(directory, ADAPTER_WEIGHTS_FILE))
+        return {"tensors": len(collector.received)}

@@ -15,6 +15,14 @@ import attrs
 from ..wire import UpdateMetadata
 
 
+def safetensors_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape, from a safetensors file's header (no tensor data is read)."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    return {name: tuple(entry["shape"]) for name, entry in header.items() if name != "__metadata__"}
+
+
 @attrs.frozen
 class CheckpointSpec:
     shapes: dict[str, tuple[int, ...]]
@@ -27,12 +35,7 @@ class CheckpointSpec:
             return None
         shapes: dict[str, tuple[int, ...]] = {}
         for path in files:
-            with open(path, "rb") as f:
-                (length,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(length))
-            for name, entry in header.items():
-                if name != "__metadata__":
-                    shapes[name] = tuple(entry["shape"])
+            shapes.update(safetensors_shapes(path))
         config = Path(model_dir) / "config.json"
         if config.exists() and json.loads(config.read_text()).get("tie_word_embeddings"):
             # Tied models store no lm_head; trainers' state dicts still carry it.

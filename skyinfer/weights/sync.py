@@ -210,6 +210,21 @@ class WeightSync:
         if missing:
             raise SyncError(409, f"engines {missing} are not in the trainer's group; POST /init_weight_transfer first")
 
+    def transfer_members(self) -> list[EngineRecord]:
+        """The engines, for a transfer outside a weight update (an adapter push): every one up
+        and in the trainer's group."""
+        self._refuse_unless(Phase.IDLE)
+        records = self._engines()
+        self._check_group(records)
+        return records
+
+    def group_broken(self, reason: str) -> None:
+        """A transfer that touched no weights failed: the group is gone, the engines serve on."""
+        log.warning("weight-transfer group broken: %s; the trainer must POST /init_weight_transfer again", reason)
+        self.metrics.push_failures.inc()
+        for record in self.registry.records:
+            record.in_transfer_group = False
+
     def start(self, update_info: dict | None) -> dict:
         self._refuse_unless(Phase.IDLE)
         self._check_group(self._engines())
@@ -425,9 +440,11 @@ class WeightSync:
             "update_in_progress": self.phase is not Phase.IDLE,
             "update_phase": self.phase.value,
             "last_update_seconds": self.last_update_s,
+            # LoRA adapters: name -> the version the fleet serves it at.
+            "adapters": dict(self.registry.fleet_adapters),
             "engines": [
                 {"engine": r.engine_id, "weight_version": r.weight_version, "state": r.state.value,
-                 "in_transfer_group": r.in_transfer_group}  # fmt: skip
+                 "in_transfer_group": r.in_transfer_group, "adapters": dict(r.adapters)}  # fmt: skip
                 for r in self.registry.records
             ],
         }

@@ -1,0 +1,82 @@
+"""Engine-side LoRA routes: load, unload and receive an adapter on this engine's AsyncLLM.
+
+The front decides what every engine holds (versions, directories, rollback);
+these carry one call out. vLLM's own ``/v1/load_lora_adapter`` keeps the
+request it loaded with, ``load_inplace`` included, and its workers reload an
+adapter from disk whenever a request carries that flag (vLLM #33791). Here an
+adapter is loaded in place once, and the request that serves traffic carries
+no flag.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+from aiohttp import web
+
+from ..errors import error_response, json_response, parse_json_object
+from . import ADAPTER_CONFIG_FILE, RECEIVE_ADAPTER_RPC
+from .appkeys import ENGINE_CLIENT, SERVING_STATE
+
+log = logging.getLogger("skyinfer.engine.adapters")
+
+
+async def _load(request: web.Request) -> dict:
+    from .vllm_api import LoRARequest
+
+    body = parse_json_object(await request.read())
+    name, path = body["lora_name"], body["lora_path"]
+    models = request.app[SERVING_STATE].openai_serving_models
+    previous = models.lora_requests.get(name)
+    lora_id = previous.lora_int_id if previous is not None else models.lora_id_counter.inc(1)
+    # vLLM loads the new weights before it drops the old: a load that fails leaves the old adapter serving.
+    await request.app[ENGINE_CLIENT].add_lora(
+        LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=path, load_inplace=True)
+    )
+    models.lora_requests[name] = LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=path)
+    return {"status": "loaded", "lora_name": name, "lora_int_id": lora_id}
+
+
+async def _unload(request: web.Request) -> dict:
+    name = parse_json_object(await request.read())["lora_name"]
+    loaded = request.app[SERVING_STATE].openai_serving_models.lora_requests.pop(name, None)
+    if loaded is None:
+        return {"status": "absent", "lora_name": name}
+    await request.app[ENGINE_CLIENT].remove_lora(loaded.lora_int_id)
+    return {"status": "unloaded", "lora_name": name}
+
+
+async def _receive(request: web.Request) -> dict:
+    """Receive an adapter's tensors from the trainer's group into ``directory``, with its PEFT config."""
+    body = parse_json_object(await request.read())
+    directory = body["directory"]
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, ADAPTER_CONFIG_FILE), "w") as f:
+        json.dump(body["peft_config"], f)
+    per_worker = await request.app[ENGINE_CLIENT].collective_rpc(
+        RECEIVE_ADAPTER_RPC, args=(body["update_info"], directory)
+    )
+    return {"status": "received", "tensors": per_worker[0]["tensors"]}
+
+
+def _adapter_route(call):
+    async def handler(request: web.Request) -> web.Response:
+        try:
+            return json_response(await call(request))
+        except (KeyError, TypeError) as exc:
+            return error_response(400, f"{request.path}: malformed body: {exc!r}")
+        except Exception as exc:
+            # A bad adapter is refused by vLLM's loader with a ValueError or the like; the
+            # front checks adapters first, so what reaches here is worth the log.
+            log.exception("%s failed", request.path)
+            return error_response(400 if isinstance(exc, ValueError) else 500, f"{request.path} failed in the engine: {exc}")
+
+    return handler
+
+
+def add_adapter_routes(app: web.Application) -> None:
+    app.router.add_post("/adapters/load", _adapter_route(_load))
+    app.router.add_post("/adapters/unload", _adapter_route(_unload))
+    app.router.add_post("/adapters/receive", _adapter_route(_receive))
