@@ -185,6 +185,18 @@ def run_example(name: str, *args: str, timeout_s: float = 600) -> subprocess.Com
     return done
 
 
+def is_openai_error(r: httpx.Response) -> bool:
+    try:
+        err = r.json()["error"]
+    except (ValueError, KeyError, TypeError):
+        return False
+    if r.url.path.startswith("/v1/messages") and r.json().get("type") == "error":
+        # vLLM's Anthropic routes answer their own refusals in Anthropic's error shape, which its SDK
+        # reads (a body that fails validation gets the OpenAI shape, as from vLLM's own server).
+        return isinstance(err, dict) and isinstance(err.get("message"), str)
+    return isinstance(err, dict) and isinstance(err.get("message"), str) and err.get("code") == r.status_code
+
+
 def engine_of(response) -> int:
     """The engine that served a response, from skyinfer's response header."""
     return int(response.headers["X-Skyinfer-Engine"])

@@ -26,7 +26,7 @@ import httpx
 import pytest
 
 from skyinfer.proxy import DATA_PLANE_POST
-from support import COLLECTIVE_RPC_ALLOWED, app_routes, concrete, engine_of, restore_fleet
+from support import COLLECTIVE_RPC_ALLOWED, app_routes, concrete, engine_of, is_openai_error, restore_fleet
 
 BODIES_PER_DATA_ROUTE = 1000
 BODIES_PER_ROUTE = 500
@@ -284,18 +284,6 @@ def bodies(count: int, seed_bodies: list[Any], rng: random.Random) -> list[bytes
         mutant = mutator.body(rng.choice(seed_bodies))
         out.append(bounded(mutant) if generates else mutant)
     return out
-
-
-def is_openai_error(r: httpx.Response) -> bool:
-    try:
-        err = r.json()["error"]
-    except (ValueError, KeyError, TypeError):
-        return False
-    if r.url.path.startswith("/v1/messages") and r.json().get("type") == "error":
-        # vLLM's Anthropic routes answer their own refusals in Anthropic's error shape, which its SDK
-        # reads (a body that fails validation gets the OpenAI shape, as from vLLM's own server).
-        return isinstance(err, dict) and isinstance(err.get("message"), str)
-    return isinstance(err, dict) and isinstance(err.get("message"), str) and err.get("code") == r.status_code
 
 
 async def fuzz(http: httpx.AsyncClient, route_seeds: dict, rng: random.Random) -> tuple[dict, list]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import shutil
 import signal
 import time
@@ -21,7 +22,7 @@ import pytest
 import torch
 from lora_support import LONG_PROMPT, assert_serves, complete, make_adapter, served_vs_reference, write_adapter
 from pushes import run_trainer, sessions_per_engine
-from support import ServerProcess, engine_socket, run_example, running, vllm_process
+from support import ServerProcess, engine_socket, is_openai_error, run_example, running, vllm_process
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -179,6 +180,51 @@ def test_bad_adapters_are_refused_naming_the_problem_and_nothing_is_loaded(
     assert fleet_adapters(lora_server) == {"policy": "policy-3", "critic": "critic-1"}
     for engine in (0, 1):
         assert engine_models(lora_server, engine) == {model_name, "policy", "critic"}
+
+
+def fuzzed_adapter_bodies(rng: random.Random, paths: list[str], model_name: str) -> list[tuple[str, object]]:
+    """Bodies of every wrong kind for the adapter routes, and some right ones for names nobody uses."""
+    names = ["", "policy", "critic", model_name, "x" * 5000, "../../etc", "é💥", None, 7, ["policy"], "fuzz-new"]
+    values = [None, True, 3, -1, 1e308, "", "x" * 5000, [], {}, "a\r\nX-Evil: 1", "\u0000", "%00", "é💥"]
+    out = []
+    for _ in range(200):
+        route = rng.choice(["/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/update_lora_adapter"])
+        # Unloading a name the fleet serves would succeed: those names only go to the load routes.
+        name = rng.choice(names if route != "/v1/unload_lora_adapter" else [n for n in names if n not in ("policy", "critic")])
+        body = {"lora_name": name, "lora_path": rng.choice(paths + values),
+                "load_inplace": rng.choice([True, False, "yes", None]), "version": rng.choice(values + ["ok-1"]),
+                "peft_config": rng.choice([{}, {"r": 8}, {"r": "8"}, None, []]),
+                "update_info": rng.choice([{}, {"names": ["x"], "dtype_names": ["float32"], "shapes": [[2]]}, None, []])}  # fmt: skip
+        for key in rng.sample(list(body), rng.randint(0, 3)):
+            del body[key]
+        out.append((route, rng.choice([body, body, body, [body], "not json", b"\xff\xfe"])))
+    return out
+
+
+def test_fuzzed_adapter_calls_get_4xx_and_change_nothing(lora_server, model_name, adapters, tmp_path):
+    pids = [e["pid"] for e in lora_server.engines()]
+    before = fleet_adapters(lora_server)
+    (tmp_path / "file").write_text("not a directory")
+    (tmp_path / "garbage").mkdir()
+    (tmp_path / "garbage" / "adapter_config.json").write_text("{not json")
+    (tmp_path / "garbage" / "adapter_model.safetensors").write_bytes(b"\x00" * 7)
+    paths = [str(tmp_path / "file"), str(tmp_path / "garbage"), "/nonexistent", "relative/dir", "/tmp\x00x", "/"]
+    statuses, offenders = {}, []
+    with httpx.Client(base_url=lora_server.url, timeout=60) as http:
+        for route, body in fuzzed_adapter_bodies(random.Random(1122), paths, model_name):
+            if isinstance(body, (str, bytes)):
+                r = http.post(route, content=body)
+            else:
+                r = http.post(route, json=body)
+            statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+            if not (400 <= r.status_code < 500 and is_openai_error(r)):
+                offenders.append((route, str(body)[:200], r.status_code, r.text[:300]))
+    print("adapter routes:", sorted(statuses.items()))
+    assert not offenders, offenders[:10]
+    assert fleet_adapters(lora_server) == before
+    assert [e["pid"] for e in lora_server.engines()] == pids
+    for engine in (0, 1):
+        assert engine_models(lora_server, engine) == {model_name, *before}
 
 
 def test_trainer_killed_mid_push_leaves_the_fleet_serving_and_the_next_push_works(

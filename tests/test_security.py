@@ -26,6 +26,7 @@ ADMIN_ROUTES = [
     ("POST", "/init_weight_transfer"), ("POST", "/init_weight_transfer_engine"), ("POST", "/start_weight_update"),
     ("POST", "/update_weights"), ("POST", "/finish_weight_update"), ("GET", "/weight_info"), ("GET", "/engines"),
     ("POST", "/shutdown_weight_transfer_engine"), ("POST", "/update_weight_version"), ("POST", "/weight_checker"),
+    ("POST", "/v1/load_lora_adapter"), ("POST", "/v1/unload_lora_adapter"), ("POST", "/update_lora_adapter"),
     ("GET", "/server_info"), ("GET", "/kv_event_sources"), ("POST", "/reset_mm_cache"),
     ("POST", "/reset_encoder_cache"), ("POST", "/collective_rpc"), ("POST", "/inference/v1/abort_requests"),
 ]  # fmt: skip
