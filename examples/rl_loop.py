@@ -131,8 +131,9 @@ async def run(args) -> dict:
     return summary
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def loop_arguments(description: str) -> argparse.ArgumentParser:
+    """The options every variant of the loop takes."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--api-key")
     p.add_argument("--admin-key")
@@ -140,8 +141,13 @@ def main() -> int:
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--group", type=int, default=4, help="samples per prompt")
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--straggler-tokens", type=int, default=1024)
     p.add_argument("--lr", type=float, default=3e-3)
+    return p
+
+
+def main() -> int:
+    p = loop_arguments(__doc__.split("\n\n")[0])
+    p.add_argument("--straggler-tokens", type=int, default=1024)
     args = p.parse_args()
     summary = asyncio.run(run(args))
     print(json.dumps(summary))

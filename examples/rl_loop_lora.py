@@ -16,7 +16,6 @@ Prints per-iteration timings and, last, a JSON summary.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import sys
@@ -25,7 +24,7 @@ import time
 import aiohttp
 import torch
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
-from rl_loop import PROMPTS, train_step
+from rl_loop import PROMPTS, loop_arguments, train_step
 from transformers import AutoModelForCausalLM
 
 from skyinfer.client import AsyncClient
@@ -95,17 +94,9 @@ async def run(args) -> dict:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--url", default="http://127.0.0.1:8000")
-    p.add_argument("--api-key")
-    p.add_argument("--admin-key")
+    p = loop_arguments(__doc__.split("\n\n")[0])
     p.add_argument("--adapter", default="rl-policy", help="the name the adapter is served as")
     p.add_argument("--rank", type=int, default=8)
-    p.add_argument("--iterations", type=int, default=3)
-    p.add_argument("--prompts", type=int, default=4)
-    p.add_argument("--group", type=int, default=4, help="samples per prompt")
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--lr", type=float, default=3e-3)
     args = p.parse_args()
     print(json.dumps(asyncio.run(run(args))))
     return 0
