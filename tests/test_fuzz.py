@@ -91,6 +91,10 @@ def seeds(model: str) -> dict[tuple[str, str], list[Any]]:
         ("POST", "/tokenize"): [{"model": model, "prompt": "héllo"}, {"model": model, "messages": chat}],
         ("POST", "/detokenize"): [{"model": model, "tokens": [1, 2, 3]}],
         ("POST", "/finish_session"): [{"session_id": "fuzz-finished"}],
+        # LoRA adapter routes (this server runs without --enable-lora: refusals all).
+        ("POST", "/v1/load_lora_adapter"): [{"lora_name": "fuzz-lora", "lora_path": "/nonexistent", "load_inplace": True}],
+        ("POST", "/v1/unload_lora_adapter"): [{"lora_name": "fuzz-lora"}],
+        ("POST", "/update_lora_adapter"): [{"lora_name": "fuzz-lora", "peft_config": {"r": 8}, "update_info": update_info}],
         # Served by vLLM's own app behind each engine.
         ("POST", "/v1/responses"): [
             {"model": model, "input": "fuzz me", "max_output_tokens": 4, "temperature": 0.5},
@@ -273,6 +277,7 @@ def body_count(method: str, path: str) -> int:
 NATIVE_ROUTES = {
     "/finish_session", "/init_weight_transfer", "/init_weight_transfer_engine", "/start_weight_update",
     "/update_weights", "/finish_weight_update", "/update_weight_version", "/weight_checker",
+    "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/update_lora_adapter",
 }  # fmt: skip
 
 

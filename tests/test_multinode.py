@@ -11,7 +11,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from pushes import assert_engines_match, modified_weights, run_trainer, save
+from lora_support import assert_serves, make_adapter
+from pushes import assert_engines_match, modified_weights, run_trainer, save, sessions_per_engine
 
 from skyinfer.client import MultiNodeClient, SkyinferError
 from support import ChildProcess, ServerProcess, free_port, running, scrape, total
@@ -37,7 +38,8 @@ def nodes(demo_model, tmp_path_factory):
     # Each node on a core of its own, as separate machines would be: nodes sharing
     # cores starve each other's weight-transfer threads.
     servers = [
-        ServerProcess(demo_model, engines=1, log_path=logs / f"node{k}.log", extra_args=("--dtype", "float32"), cpus={k})
+        ServerProcess(demo_model, engines=1, log_path=logs / f"node{k}.log", cpus={k},
+                      extra_args=("--dtype", "float32", "--enable-lora", "--max-lora-rank", "8"))  # fmt: skip
         for k in range(2)
     ]
     with running(servers[0]), running(servers[1]):
@@ -84,6 +86,17 @@ def test_router_serves_openai_clients_with_session_affinity(nodes, router):
     for node, session in session_on.items():
         moved = send(session, 20)
         assert moved[node] == 20 and sum(moved) == 20, f"session {session} spread over nodes: {moved}"
+
+
+def test_one_trainer_pushes_an_adapter_to_both_nodes_without_a_shared_disk(nodes, demo_model, model_name, tmp_path):
+    """Each node keeps its adapters in a directory of its own (a temporary one each): the
+    adapter travels over the one gloo group, never through a file both nodes see."""
+    adapter = make_adapter(demo_model, tmp_path / "adapter", seed=11)
+    trainer = run_trainer(nodes[0], adapter, "multi-node-lora-1", "--adapter", "policy", url=",".join(n.url for n in nodes))
+    assert trainer.returncode == 0, trainer.stdout + trainer.stderr[-3000:]
+    for node in nodes:
+        assert httpx.get(f"{node.url}/weight_info", timeout=30).json()["adapters"] == {"policy": "multi-node-lora-1"}
+        assert_serves(node, model_name, demo_model, "policy", adapter, "multi-node-lora-1", sessions_per_engine(node, model_name))
 
 
 def test_one_trainer_push_updates_both_nodes(nodes, demo_model, tmp_path):

