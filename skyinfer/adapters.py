@@ -94,8 +94,12 @@ def check_adapter(config: dict, shapes: dict[str, tuple[int, ...]], base: Checkp
 
 def _read_adapter_dir(path: str) -> tuple[dict, dict[str, tuple[int, ...]]]:
     directory = Path(path)
-    if not directory.is_dir():
-        raise AdapterError(f"lora_path {path!r} does not exist or is not a directory", param="lora_path")
+    try:
+        is_directory = directory.is_dir()
+    except (OSError, ValueError) as exc:  # a name too long, a NUL in it
+        raise AdapterError(f"lora_path {path[:200]!r} is not a usable path: {exc}", param="lora_path") from None
+    if not is_directory:
+        raise AdapterError(f"lora_path {path[:200]!r} does not exist or is not a directory", param="lora_path")
     weights = directory / ADAPTER_WEIGHTS_FILE
     if not weights.is_file():
         found = ", ".join(sorted(p.name for p in directory.iterdir())[:10]) or "nothing"
