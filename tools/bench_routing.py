@@ -196,15 +196,17 @@ def main() -> None:
     p.add_argument("--kvcache-gib", type=int, default=2, help="KV cache memory per engine")
     p.add_argument("--kv-blocks", type=int, default=256, help="KV-cache blocks per engine (0: all that fit)")
     p.add_argument("--seed", type=int, default=20261122)
+    p.add_argument("--skyinfer-args", default="", help="skyinfer serve options for its own set-up, e.g. '--group-slack 2'")
     p.add_argument("engine_args", nargs=argparse.REMAINDER, help="after --: vLLM engine arguments for every engine")
     args = p.parse_args()
     args.engine_args = [a for a in args.engine_args if a != "--"]
+    args.skyinfer_args = args.skyinfer_args.split()
     if args.kv_blocks:
         args.engine_args += ["--num-gpu-blocks-override", str(args.kv_blocks)]
     model = args.model or str(build_demo_model(Path(tempfile.mkdtemp(prefix="bench-routing-"))))
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.kvcache_gib)}
     results = {
-        "skyinfer": run_skyinfer(model, args, env, [], send_sessions=True, name="skyinfer"),
+        "skyinfer": run_skyinfer(model, args, env, args.skyinfer_args, send_sessions=True, name="skyinfer"),
         "least-loaded": run_skyinfer(model, args, env, ["--group-prefix-chars", "0"], send_sessions=False,
                                      name="least-loaded"),
         "vllm-router": run_vllm_router(model, args, env),
