@@ -38,6 +38,7 @@ import argparse
 import asyncio
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -196,6 +197,7 @@ def main() -> None:
     p.add_argument("--kvcache-gib", type=int, default=2, help="KV cache memory per engine")
     p.add_argument("--kv-blocks", type=int, default=256, help="KV-cache blocks per engine (0: all that fit)")
     p.add_argument("--seed", type=int, default=20261122)
+    p.add_argument("--rounds", type=int, default=1, help="interleaved rounds of the three set-ups (medians reported)")
     p.add_argument("--skyinfer-args", default="", help="skyinfer serve options for its own set-up, e.g. '--group-slack 2'")
     p.add_argument("engine_args", nargs=argparse.REMAINDER, help="after --: vLLM engine arguments for every engine")
     args = p.parse_args()
@@ -205,15 +207,21 @@ def main() -> None:
         args.engine_args += ["--num-gpu-blocks-override", str(args.kv_blocks)]
     model = args.model or str(build_demo_model(Path(tempfile.mkdtemp(prefix="bench-routing-"))))
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.kvcache_gib)}
-    results = {
-        "skyinfer": run_skyinfer(model, args, env, args.skyinfer_args, send_sessions=True, name="skyinfer"),
-        "least-loaded": run_skyinfer(model, args, env, ["--group-prefix-chars", "0"], send_sessions=False,
-                                     name="least-loaded"),
-        "vllm-router": run_vllm_router(model, args, env),
+    setups = {
+        "skyinfer": lambda: run_skyinfer(model, args, env, args.skyinfer_args, send_sessions=True, name="skyinfer"),
+        "least-loaded": lambda: run_skyinfer(model, args, env, ["--group-prefix-chars", "0"], send_sessions=False,
+                                             name="least-loaded"),
+        "vllm-router": lambda: run_vllm_router(model, args, env),
     }  # fmt: skip
+    # Interleaved: each round runs every set-up once, so that the machine's drifts hit all of them.
+    rounds = [{name: run() for name, run in setups.items()} for _ in range(args.rounds)]
+    for k, one in enumerate(rounds):
+        print(f"round {k}: " + ", ".join(f"{n} {m['tokens_per_s']:.0f} tok/s {m['hit_rate']:.1%}" for n, m in one.items()))
+    results = {name: {key: statistics.median(r[name][key] for r in rounds) for key in rounds[0][name]} for name in setups}
     print(f"{args.sessions} sessions (long-tailed turns) + {args.groups} GRPO groups x {GROUP_SIZE} "
           f"({args.group_words}-word problems, a seed per sample), "
           f"{args.concurrency} trajectories at a time, {args.max_tokens} tokens per answer, 2 engines, 1 core and {args.kv_blocks or 'all'} KV blocks each")
+    print(f"median of {args.rounds} interleaved round(s)")
     print(f"{'':14s} {'tok/s':>8s} {'run s':>8s} {'p50 s':>8s} {'p99 s':>8s} {'prefix hits':>12s}")
     for name, m in results.items():
         print(f"{name:14s} {m['tokens_per_s']:8.1f} {m['seconds']:8.1f} {m['p50']:8.2f} {m['p99']:8.2f} "
