@@ -26,13 +26,12 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-import attrs
 from aiohttp import web
 
 from .engine import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
 from .engine_calls import EngineReply, call_engine, failure
 from .errors import ApiError, json_response, parse_json_object
-from .state import EngineRecord, EngineRegistry
+from .state import Adapter, EngineRecord, EngineRegistry
 from .weights.checkpoint import CheckpointSpec, safetensors_shapes
 from .weights.sync import SyncError, WeightSync
 from .wire import LoadAdapterRequest, PushAdapterRequest, UnloadAdapterRequest, UpdateMetadata
@@ -123,20 +122,6 @@ def _copy_adapter(source: str, destination: str) -> None:
         shutil.copyfile(os.path.join(source, name), os.path.join(destination, name))
 
 
-@attrs.frozen
-class Adapter:
-    version: str
-    # What engines load it from (for a pushed one, each engine's own copy).
-    paths: dict[int, str]
-    # Its directory in the store: removed once a newer version replaces it.
-    directory: str
-    revision: int
-
-    def path_for(self, engine_id: int) -> str:
-        # An engine that restarted loads any engine's copy: they are the same bytes.
-        return self.paths.get(engine_id) or next(iter(self.paths.values()))
-
-
 class AdapterFleet:
     def __init__(
         self,
@@ -156,7 +141,8 @@ class AdapterFleet:
         self.store = store
         self.timeout_s = timeout_s
         self._base = CheckpointSpec.read(model)
-        self.adapters: dict[str, Adapter] = {}
+        # What the fleet serves lives in the registry, which routes by it.
+        self.adapters = registry.fleet_adapters
 
     def _max_rank(self, engines: list[EngineRecord]) -> int:
         ranks = {r.max_lora_rank for r in engines}
@@ -240,7 +226,6 @@ class AdapterFleet:
                 await asyncio.to_thread(shutil.rmtree, directory, True)
                 raise SyncError(failed[0], failed[1] + "; every engine keeps what it had", [rep.as_json() for rep in replies])
             self.adapters[name] = adapter
-            self.registry.fleet_adapters[name] = adapter.version
         if previous is not None:
             await asyncio.to_thread(shutil.rmtree, previous.directory, True)
         log.info("adapter %s at version %s on %d engine(s)", name, adapter.version, len(engines))
@@ -279,11 +264,10 @@ class AdapterFleet:
 
     async def unload(self, request: UnloadAdapterRequest) -> dict:
         async with self.registry.lock:
+            # Out of routing first: no request is sent to an adapter on its way out.
             adapter = self.adapters.pop(request.lora_name, None)
             if adapter is None:
                 raise AdapterNotFound(f"the lora adapter {request.lora_name!r} cannot be found", param="lora_name")
-            # Out of routing first: no request is sent to an adapter on its way out.
-            del self.registry.fleet_adapters[request.lora_name]
             engines = self.registry.up()
             replies = await asyncio.gather(*(self._unload_on(r, request.lora_name) for r in engines))
         await asyncio.to_thread(shutil.rmtree, adapter.directory, True)

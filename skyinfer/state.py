@@ -230,15 +230,31 @@ class EngineRecord:
         }
 
 
+@attrs.frozen
+class Adapter:
+    """A LoRA adapter as the fleet serves it: its version, and where engines load that version from."""
+
+    version: str
+    # Per engine (a pushed adapter: each engine's own copy).
+    paths: dict[int, str]
+    # Its directory in the adapter store: removed once a newer version replaces it.
+    directory: str
+    revision: int
+
+    def path_for(self, engine_id: int) -> str:
+        # An engine that restarted loads any engine's copy: they are the same bytes.
+        return self.paths.get(engine_id) or next(iter(self.paths.values()))
+
+
 class EngineRegistry:
     def __init__(self, records: list[EngineRecord], router: SessionRouter | None = None):
         self.records = records
         self.router = router or SessionRouter()
         # The version of the last completed push; None while engines serve what they loaded.
         self.fleet_weight_version: str | None = None
-        # The LoRA adapters the fleet serves: name -> version. A request for one goes
-        # only to an engine that holds it at that version.
-        self.fleet_adapters: dict[str, str] = {}
+        # The LoRA adapters the fleet serves. A request for one goes only to an engine
+        # that holds it at the fleet's version.
+        self.fleet_adapters: dict[str, Adapter] = {}
         # Adapters being loaded across the fleet: their requests wait until every engine has it.
         self._adapters_changing: dict[str, asyncio.Event] = {}
         # Held across multi-step, awaiting changes to an engine (start, stop,
@@ -269,7 +285,10 @@ class EngineRegistry:
                      ", ".join(f"{k}={v}" for k, v in changed.items()))  # fmt: skip
 
     def holds_adapter(self, record: EngineRecord, adapter: str | None) -> bool:
-        return adapter is None or record.adapters.get(adapter) == self.fleet_adapters.get(adapter, "")
+        if adapter is None:
+            return True
+        served = self.fleet_adapters.get(adapter)
+        return served is not None and record.adapters.get(adapter) == served.version
 
     def up(self) -> list[EngineRecord]:
         return [r for r in self.records if r.up]
@@ -309,7 +328,8 @@ class EngineRegistry:
         live = [r for r in self.serving() if r.engine_id not in exclude and self.holds_adapter(r, adapter)]
         if not live:
             states = ", ".join(f"engine {r.engine_id} {r.state.value}" for r in self.records)
-            serving = f" adapter {adapter!r} at version {self.fleet_adapters.get(adapter)}" if adapter else ""
+            served = self.fleet_adapters.get(adapter) if adapter else None
+            serving = f" adapter {adapter!r} at version {served.version}" if served else ""
             raise NoEngineAvailable(f"no engine can serve{serving} right now ({states})")
         chosen = self.router.choose([Candidate(r.engine_id, r.in_flight_count) for r in live], session_id, group_key)
         return self.records[chosen]

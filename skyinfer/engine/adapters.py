@@ -11,19 +11,17 @@ no flag.
 from __future__ import annotations
 
 import json
-import logging
 import os
 
 from aiohttp import web
 
-from ..errors import error_response, json_response, parse_json_object
+from ..errors import json_response, parse_json_object
 from . import ADAPTER_CONFIG_FILE, RECEIVE_ADAPTER_RPC
 from .appkeys import ENGINE_CLIENT, SERVING_STATE
+from .weights import engine_call_route
 
-log = logging.getLogger("skyinfer.engine.adapters")
 
-
-async def _load(request: web.Request) -> dict:
+async def _load(request: web.Request) -> web.Response:
     from .vllm_api import LoRARequest
 
     body = parse_json_object(await request.read())
@@ -36,19 +34,19 @@ async def _load(request: web.Request) -> dict:
         LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=path, load_inplace=True)
     )
     models.lora_requests[name] = LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=path)
-    return {"status": "loaded", "lora_name": name, "lora_int_id": lora_id}
+    return json_response({"status": "loaded", "lora_name": name, "lora_int_id": lora_id})
 
 
-async def _unload(request: web.Request) -> dict:
+async def _unload(request: web.Request) -> web.Response:
     name = parse_json_object(await request.read())["lora_name"]
     loaded = request.app[SERVING_STATE].openai_serving_models.lora_requests.pop(name, None)
     if loaded is None:
-        return {"status": "absent", "lora_name": name}
+        return json_response({"status": "absent", "lora_name": name})
     await request.app[ENGINE_CLIENT].remove_lora(loaded.lora_int_id)
-    return {"status": "unloaded", "lora_name": name}
+    return json_response({"status": "unloaded", "lora_name": name})
 
 
-async def _receive(request: web.Request) -> dict:
+async def _receive(request: web.Request) -> web.Response:
     """Receive an adapter's tensors from the trainer's group into ``directory``, with its PEFT config."""
     body = parse_json_object(await request.read())
     directory = body["directory"]
@@ -58,25 +56,10 @@ async def _receive(request: web.Request) -> dict:
     per_worker = await request.app[ENGINE_CLIENT].collective_rpc(
         RECEIVE_ADAPTER_RPC, args=(body["update_info"], directory)
     )
-    return {"status": "received", "tensors": per_worker[0]["tensors"]}
-
-
-def _adapter_route(call):
-    async def handler(request: web.Request) -> web.Response:
-        try:
-            return json_response(await call(request))
-        except (KeyError, TypeError) as exc:
-            return error_response(400, f"{request.path}: malformed body: {exc!r}")
-        except Exception as exc:
-            # A bad adapter is refused by vLLM's loader with a ValueError or the like; the
-            # front checks adapters first, so what reaches here is worth the log.
-            log.exception("%s failed", request.path)
-            return error_response(400 if isinstance(exc, ValueError) else 500, f"{request.path} failed in the engine: {exc}")
-
-    return handler
+    return json_response({"status": "received", "tensors": per_worker[0]["tensors"]})
 
 
 def add_adapter_routes(app: web.Application) -> None:
-    app.router.add_post("/adapters/load", _adapter_route(_load))
-    app.router.add_post("/adapters/unload", _adapter_route(_unload))
-    app.router.add_post("/adapters/receive", _adapter_route(_receive))
+    app.router.add_post("/adapters/load", engine_call_route(_load))
+    app.router.add_post("/adapters/unload", engine_call_route(_unload))
+    app.router.add_post("/adapters/receive", engine_call_route(_receive))

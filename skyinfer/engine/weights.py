@@ -83,7 +83,7 @@ async def shutdown_weight_transfer_engine(request: web.Request) -> web.Response:
     return json_response({"status": "left"})
 
 
-def _weight_route(handler):
+def engine_call_route(handler):
     async def route(request: web.Request) -> web.Response:
         try:
             return await handler(request)
@@ -97,9 +97,9 @@ def _weight_route(handler):
 
 
 def add_weight_routes(app: web.Application) -> None:
-    app.router.add_post("/init_weight_transfer", _weight_route(init_weight_transfer))
-    app.router.add_post("/start_weight_update", _weight_route(start_weight_update))
-    app.router.add_post("/update_weights", _weight_route(update_weights))
-    app.router.add_post("/finish_weight_update", _weight_route(finish_weight_update))
-    app.router.add_post("/shutdown_weight_transfer_engine", _weight_route(shutdown_weight_transfer_engine))
-    app.router.add_post("/update_weight_version", _weight_route(update_weight_version))
+    app.router.add_post("/init_weight_transfer", engine_call_route(init_weight_transfer))
+    app.router.add_post("/start_weight_update", engine_call_route(start_weight_update))
+    app.router.add_post("/update_weights", engine_call_route(update_weights))
+    app.router.add_post("/finish_weight_update", engine_call_route(finish_weight_update))
+    app.router.add_post("/shutdown_weight_transfer_engine", engine_call_route(shutdown_weight_transfer_engine))
+    app.router.add_post("/update_weight_version", engine_call_route(update_weight_version))

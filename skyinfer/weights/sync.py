@@ -441,7 +441,7 @@ class WeightSync:
             "update_phase": self.phase.value,
             "last_update_seconds": self.last_update_s,
             # LoRA adapters: name -> the version the fleet serves it at.
-            "adapters": dict(self.registry.fleet_adapters),
+            "adapters": {name: adapter.version for name, adapter in self.registry.fleet_adapters.items()},
             "engines": [
                 {"engine": r.engine_id, "weight_version": r.weight_version, "state": r.state.value,
                  "in_transfer_group": r.in_transfer_group, "adapters": dict(r.adapters)}  # fmt: skip
