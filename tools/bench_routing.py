@@ -51,6 +51,7 @@ from pathlib import Path
 
 import aiohttp
 import orjson
+from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchlib import free_port, start_reference, start_skyinfer, start_vllm_router, stop, wait_servers  # noqa: E402
@@ -128,12 +129,11 @@ async def counters(http: aiohttp.ClientSession, metrics_urls: list[str]) -> dict
     found: dict[str, dict[tuple[int, str], float]] = {name: {} for name in COUNTERS}
     for k, url in enumerate(metrics_urls):
         async with http.get(url) as r:
-            for line in (await r.text()).splitlines():
-                name = line.split("{", 1)[0].split(" ", 1)[0]
-                if name in found:
-                    engine = line.split('engine="', 1)[1].split('"', 1)[0] if 'engine="' in line else ""
-                    key = (k, engine)
-                    found[name][key] = found[name].get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+            text = await r.text()
+        for sample in (s for family in text_string_to_metric_families(text) for s in family.samples):
+            if sample.name in found:
+                key = (k, sample.labels.get("engine", ""))
+                found[sample.name][key] = found[sample.name].get(key, 0.0) + sample.value
     return {name: [v for _, v in sorted(values.items())] for name, values in found.items()}
 
 
@@ -250,6 +250,9 @@ def main() -> None:
                                              name="least-loaded"),
         "vllm-router": lambda: run_vllm_router(model, args, env),
     }  # fmt: skip
+    unknown = set(args.setups.split(",")) - set(setups)
+    if unknown:
+        p.error(f"--setups: unknown {', '.join(sorted(unknown))} (known: {', '.join(setups)})")
     setups = {name: setups[name] for name in args.setups.split(",")}
     # Interleaved: each round runs every set-up once, so that the machine's drifts hit all of them.
     rounds = [{name: run() for name, run in setups.items()} for _ in range(args.rounds)]
