@@ -3,13 +3,23 @@
 Per iteration: rollouts (a group of samples per prompt, each with its own
 session id) through ``skyinfer.client``; toy rewards; group-normalized
 advantages; a real ``torch`` optimizer step on a ``transformers`` copy of the
-policy; then pause (keep), push the new weights into every engine over the
-weight-transfer group, resume. Rollouts of the next iteration must carry the
-new weight version. A few long "straggler" rollouts are in flight across each
-pause; they finish after resume, their tokens split between the two versions.
+policy; then the new weights go into every engine, in one of the two shapes
+of an RL step:
+
+- separate devices (default): pause (keep), push over the weight-transfer
+  group, resume. A few long "straggler" rollouts are in flight across each
+  pause; they finish after resume, their tokens split between the two versions.
+- colocated (``--colocate``, against ``skyinfer serve --colocate``): the
+  engines sleep while the trainer trains, wake their weights, take the push
+  from the trainer's memory (shared memory on CPU), wake their KV cache, and
+  serve again.
+
+Rollouts of the next iteration must carry the new weight version.
 
     skyinfer serve --engines 2 &                      # the demo model
     python examples/rl_loop.py --url http://127.0.0.1:8000 --iterations 3
+    skyinfer serve --engines 2 --colocate &
+    python examples/rl_loop.py --url http://127.0.0.1:8000 --iterations 3 --colocate
 
 The reward is a toy (the share of sampled token ids below half the
 vocabulary), so the policy visibly moves in a few steps on the random demo
@@ -20,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import sys
 import time
@@ -28,7 +39,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from skyinfer.client import AsyncClient
-from skyinfer.trainer import GlooTrainer
+from skyinfer.trainer import GlooTrainer, SharedMemoryTrainer
 
 PROMPTS = ["Solve: 2 + 3 =", "Write a haiku about gradients", "The capital of France is", "def fibonacci(n):"]
 
@@ -71,59 +82,97 @@ def train_step(policy, optimizer, prompt_ids, samples, vocab_size: int) -> tuple
     return rewards.mean().item(), loss.item()
 
 
+@dataclasses.dataclass
+class Loop:
+    args: argparse.Namespace
+    client: AsyncClient
+    trainer: GlooTrainer | SharedMemoryTrainer
+    policy: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    prompt_ids: list[list[int]]
+    vocab_size: int
+    served_dtype: torch.dtype
+
+    def train(self, samples: list[dict]) -> tuple[float, float]:
+        return train_step(self.policy, self.optimizer, self.prompt_ids, samples, self.vocab_size)
+
+    def push(self, version: str) -> None:
+        weights = [(n, t.detach().to(self.served_dtype)) for n, t in self.policy.state_dict().items() if n != "lm_head.weight"]
+        self.trainer.push(weights, version)
+
+    async def separate_step(self, samples: list[dict], it: int, new_version: str) -> tuple[float, float, dict]:
+        """Train beside the engines; pause (keep) with stragglers in flight, push, resume."""
+        started = time.perf_counter()
+        mean_reward, loss = await asyncio.to_thread(self.train, samples)
+        trained = time.perf_counter()
+        stragglers = [
+            asyncio.create_task(self.client.generate(self.prompt_ids[0], {"max_tokens": self.args.straggler_tokens,
+                                                     "ignore_eos": True}, session_id=f"straggler-{it}-{i}"))  # fmt: skip
+            for i in range(2)
+        ]
+        await asyncio.sleep(0.1)  # let them start
+        t2 = time.perf_counter()
+        await self.client.pause(mode="keep")  # in-flight requests are held, not dropped
+        t3 = time.perf_counter()
+        await asyncio.to_thread(self.push, new_version)
+        t4 = time.perf_counter()
+        await self.client.resume()
+        t5 = time.perf_counter()
+        for out in await asyncio.gather(*stragglers):
+            choice = out["choices"][0]
+            assert len(choice["token_ids"]) == self.args.straggler_tokens, "a held request lost tokens"
+            assert choice["weight_versions"][-1]["version"] == new_version
+        return mean_reward, loss, {"train": trained - started, "pause": t3 - t2, "push": t4 - t3, "resume": t5 - t4}
+
+    async def colocated_step(self, samples: list[dict], it: int, new_version: str) -> tuple[float, float, dict]:
+        """Sleep the engines while the trainer trains; wake their weights, push, wake their KV cache."""
+        started = time.perf_counter()
+        await self.client.sleep(level=self.args.sleep_level)  # the engines give their memory to the trainer
+        slept = time.perf_counter()
+        mean_reward, loss = await asyncio.to_thread(self.train, samples)
+        trained = time.perf_counter()
+        await self.client.wake_up(tags=["weights"])
+        await asyncio.to_thread(self.push, new_version)
+        pushed = time.perf_counter()
+        await self.client.wake_up(tags=["kv_cache"])  # fully awake: the engines serve again
+        woken = time.perf_counter()
+        timings = {"sleep": slept - started, "train": trained - slept, "wake+push": pushed - trained, "wake_kv": woken - pushed}
+        return mean_reward, loss, timings
+
+
 async def run(args) -> dict:
     client = AsyncClient(args.url, api_key=args.api_key, admin_key=args.admin_key)
     models = await client.models()
     model_dir = models[0].get("root") or models[0]["id"]
     served_dtype = getattr(torch, (await client.engines())[0]["model_dtype"])
     policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    vocab_size = policy.config.vocab_size
-    optimizer = torch.optim.Adam(policy.parameters(), lr=args.lr)
-    prompt_ids = [await client.tokenize(p) for p in PROMPTS[: args.prompts]]
-
-    # The trainer's side of the weight-transfer group: rank 0, every engine's workers after it.
-    trainer = GlooTrainer(args.url, admin_key=args.admin_key or args.api_key)
+    admin_key = args.admin_key or args.api_key
+    # Colocated: the engines map the trainer's memory. Else rank 0 of a group with every engine's workers.
+    trainer = (SharedMemoryTrainer if args.colocate else GlooTrainer)(args.url, admin_key=admin_key)
     await asyncio.to_thread(trainer.init)
+    loop = Loop(
+        args, client, trainer, policy, torch.optim.Adam(policy.parameters(), lr=args.lr),
+        [await client.tokenize(p) for p in PROMPTS[: args.prompts]], policy.config.vocab_size, served_dtype,
+    )  # fmt: skip
+    step = loop.colocated_step if args.colocate else loop.separate_step
     version = (await client.weight_info())["weight_version"] or "as-loaded"
     summary = {"iterations": [], "versions_seen": []}
     for it in range(args.iterations):
-        t0 = time.perf_counter()
-        samples = await rollouts(client, prompt_ids, args.group, args.max_tokens, it)
+        started = time.perf_counter()
+        samples = await rollouts(client, loop.prompt_ids, args.group, args.max_tokens, it)
         seen = set().union(*(s["versions"] for s in samples))
         # Every rollout of this iteration ran on the weights pushed last.
         assert it == 0 or seen == {version}, f"iteration {it}: rollouts on {seen}, expected {version}"
-        t1 = time.perf_counter()
-        mean_reward, loss = await asyncio.to_thread(train_step, policy, optimizer, prompt_ids, samples, vocab_size)
-        trained = time.perf_counter()
-
-        stragglers = [
-            asyncio.create_task(client.generate(prompt_ids[0], {"max_tokens": args.straggler_tokens, "ignore_eos": True},
-                                                session_id=f"straggler-{it}-{i}"))  # fmt: skip
-            for i in range(2)
-        ]
-        await asyncio.sleep(0.1)  # let them start
-        t2 = time.perf_counter()
-        await client.pause(mode="keep")  # in-flight requests are held, not dropped
-        t3 = time.perf_counter()
-        new_version = f"step-{it + 1}"
-        weights = [(n, t.detach().to(served_dtype)) for n, t in policy.state_dict().items() if n != "lm_head.weight"]
-        await asyncio.to_thread(trainer.push, weights, new_version)
-        t4 = time.perf_counter()
-        await client.resume()
-        t5 = time.perf_counter()
-        finished = await asyncio.gather(*stragglers)
-        for out in finished:
-            choice = out["choices"][0]
-            assert len(choice["token_ids"]) == args.straggler_tokens, "a held request lost tokens"
-            assert choice["weight_versions"][-1]["version"] == new_version
-        version = new_version
-        timings = {"rollout": t1 - t0, "train": trained - t1, "pause": t3 - t2, "push": t4 - t3, "resume": t5 - t4}
+        rolled_out = time.perf_counter()
+        version = f"step-{it + 1}"
+        mean_reward, loss, timings = await step(samples, it, version)
+        timings = {"rollout": rolled_out - started, **timings}
         print(f"iter {it}: reward {mean_reward:.3f} loss {loss:+.4f} | "
               + " ".join(f"{k} {v * 1000:.0f}ms" for k, v in timings.items()), flush=True)  # fmt: skip
         summary["iterations"].append({"reward": mean_reward, "loss": loss, "seconds": timings})
         summary["versions_seen"].append(sorted(seen))
 
-    final = await rollouts(client, prompt_ids, 1, args.max_tokens, args.iterations)
+    final = await rollouts(client, loop.prompt_ids, 1, args.max_tokens, args.iterations)
     assert set().union(*(s["versions"] for s in final)) == {version}
     summary["final_version"] = version
     trainer.close()
@@ -148,6 +197,9 @@ def loop_arguments(description: str) -> argparse.ArgumentParser:
 def main() -> int:
     p = loop_arguments(__doc__.split("\n\n")[0])
     p.add_argument("--straggler-tokens", type=int, default=1024)
+    p.add_argument("--colocate", action="store_true", help="the server runs with --colocate: sleep, train, wake, push")
+    p.add_argument("--sleep-level", type=int, default=2, choices=[1, 2],
+                   help="colocated: 2 discards the engines' weights while they sleep (the push brings them back)")  # fmt: skip
     args = p.parse_args()
     summary = asyncio.run(run(args))
     print(json.dumps(summary))

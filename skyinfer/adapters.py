@@ -34,7 +34,8 @@ from .errors import ApiError, json_response, parse_json_object
 from .state import Adapter, EngineRecord, EngineRegistry
 from .weights.checkpoint import CheckpointSpec, safetensors_shapes
 from .weights.sync import SyncError, WeightSync
-from .wire import LoadAdapterRequest, PushAdapterRequest, UnloadAdapterRequest, UpdateMetadata
+from .transfer.protocol import UpdateMetadata
+from .wire import LoadAdapterRequest, PushAdapterRequest, UnloadAdapterRequest
 
 log = logging.getLogger("skyinfer.adapters")
 

@@ -23,13 +23,14 @@ from .sessions import FINISH_SESSION_PATH, finish_session
 from .state import EngineRecord, EngineRegistry
 from .supervisor import Supervisor
 from .vllm_routes import add_vllm_routes
+from .transfer import transport_for
 from .weights.sync import WEIGHT_SYNC, WeightSync, add_weight_routes
+from .weights.transports import FrontTransport
 
 SUPERVISOR = web.AppKey("supervisor", Supervisor)
 
 
-def build_registry(config: ServeConfig, socket_dir: str) -> EngineRegistry:
-    kind = detect_device_kind() if config.device == "auto" else config.device
+def build_registry(config: ServeConfig, kind: str, socket_dir: str) -> EngineRegistry:
     plans = plan_engine_devices(kind, config.engines, config.workers_per_engine, config.cpu_kvcache_gib)
     records = [
         EngineRecord(
@@ -47,7 +48,8 @@ def build_registry(config: ServeConfig, socket_dir: str) -> EngineRegistry:
 
 def create_app(config: ServeConfig) -> web.Application:
     socket_dir = config.socket_dir or tempfile.mkdtemp(prefix="skyinfer-")
-    registry = build_registry(config, socket_dir)
+    kind = detect_device_kind() if config.device == "auto" else config.device
+    registry = build_registry(config, kind, socket_dir)
     metrics = ServiceMetrics(registry)
     access = AccessPolicy(config.api_key, config.admin_key)
     in_flight = InFlight()
@@ -62,17 +64,20 @@ def create_app(config: ServeConfig) -> web.Application:
     app[SUPERVISOR] = supervisor
     app[METRICS] = metrics
     app[CONTROL] = ControlPlane(registry, config.control_timeout_s)
-    app[WEIGHT_SYNC] = WeightSync(
-        registry, config.workers_per_engine, config.model, config.weight_transfer_timeout_s,
-        supervisor.restart_in_background, metrics,
+    transport = FrontTransport(
+        transport_for(kind, config.colocate), (config.workers_per_engine,) * config.engines,
+        config.weight_transfer_timeout_s, config.allow_pickled_ipc,
     )  # fmt: skip
+    app[WEIGHT_SYNC] = WeightSync(
+        registry, transport, config.model, config.weight_transfer_timeout_s, supervisor.restart_in_background, metrics
+    )
     adapter_dir = config.adapter_dir or tempfile.mkdtemp(prefix="skyinfer-adapters-")
     app[ADAPTERS] = AdapterFleet(
         registry, app[WEIGHT_SYNC], config.model, adapter_dir, config.weight_transfer_timeout_s,
         supervisor.restart_in_background,
     )  # fmt: skip
-    # A new engine process takes the fleet's adapters before it serves.
-    supervisor.before_serving = app[ADAPTERS].restore
+    # A new engine process takes the fleet's state, adapters and weight transfer before it serves.
+    supervisor.before_serving = [app[CONTROL].bring_to_intent, app[ADAPTERS].restore, app[WEIGHT_SYNC].rejoin]
 
     async def engines_ctx(_app: web.Application):
         supervisor.start()
@@ -82,6 +87,7 @@ def create_app(config: ServeConfig) -> web.Application:
             shutil.rmtree(socket_dir, ignore_errors=True)
         if config.adapter_dir is None:
             shutil.rmtree(adapter_dir, ignore_errors=True)
+        transport.update_ended()  # segments a trainer left
 
     app.cleanup_ctx.append(engines_ctx)
     for path in DATA_PLANE_POST:

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import attrs
 
-from .security import check_bind
+from .devices import given
+from .security import check_bind, is_loopback
 
 CLI = "skyinfer.cli"
+# What a colocated engine takes of its GPUs' memory, unless told otherwise: the rest is the trainer's.
+COLOCATED_GPU_MEMORY_UTILIZATION = 0.5
 
 
 @attrs.frozen
@@ -57,6 +60,11 @@ class ServeConfig:
     # vLLM engine arguments, passed to every engine as `vllm serve` takes them.
     engine_args: tuple[str, ...] = ()
     device: str = _option("auto", "auto: cuda if nvidia-ml-py sees GPUs, else cpu", choices=("auto", "cuda", "cpu"))
+    colocate: bool = _option(
+        False, "the trainer shares the engines' devices: engines sleep while it trains (sleep mode, and on GPUs "
+        f"--gpu-memory-utilization {COLOCATED_GPU_MEMORY_UTILIZATION} unless given) and take weights from its memory "
+        "(CUDA IPC on GPUs, shared memory on CPU) instead of a process group",
+    )  # fmt: skip
     # vLLM's VLLM_CPU_KVCACHE_SPACE; unused on GPU.
     cpu_kvcache_gib: int = _option(1, "KV cache per engine on CPU, GiB", metavar="GIB")
     engine_start_timeout_s: float = _option(600.0, "seconds an engine may take to start", metavar="SECONDS")
@@ -141,6 +149,11 @@ class ServeConfig:
                                  "more; none: the route is refused, as it runs arbitrary code)", metavar="METHOD",
                                  group="security")},
     )  # fmt: skip
+    allow_pickled_ipc: bool = _option(
+        False, "take vLLM's own IPC trainer's updates, whose CUDA IPC handles come pickled (ipc_handles_pickled); "
+        "the engines then unpickle what an admin caller sends, as vLLM's VLLM_ALLOW_INSECURE_SERIALIZATION=1 does. "
+        "Needs --colocate, and --admin-key unless the server listens on loopback only", group="security",
+    )  # fmt: skip
     allow_unauthenticated_admin: bool = _option(
         False, "allow a non-loopback --host without an admin key (only on a network that is yours alone)",
         group="security",
@@ -148,6 +161,15 @@ class ServeConfig:
 
     def __attrs_post_init__(self) -> None:
         check_bind(self.host, self.admin_key, self.allow_unauthenticated_admin)
+        if given("--data-parallel-size", self.engine_args) or given("-dp", self.engine_args):
+            raise ValueError(
+                "--data-parallel-size among the engine arguments: skyinfer runs data parallelism itself, one engine"
+                " process per --engines, each with its own devices and rank layout; use --engines N"
+            )
+        if self.allow_pickled_ipc and not self.colocate:
+            raise ValueError("--allow-pickled-ipc is for a colocated server's IPC transport: add --colocate")
+        if self.allow_pickled_ipc and self.admin_key is None and not is_loopback(self.host):
+            raise ValueError("--allow-pickled-ipc on a non-loopback --host needs an --admin-key: pickles run code")
 
     @property
     def workers_per_engine(self) -> int:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -19,14 +18,13 @@ from aiohttp import web
 from .errors import error_body, json_response, parse_json_object
 from .engine_calls import EngineReply, call_engine, failure
 from .proxy import REGISTRY
-from .state import EngineRecord, EngineRegistry, control_targets
+from .state import SLEEP_TAGS, EngineRecord, EngineRegistry, Residency, control_targets
 from .wire import AbortParams, PauseParams, QueryParams, ResetPrefixCacheParams, SleepParams, WakeUpParams
 
 log = logging.getLogger("skyinfer.control")
 
-
-# What a successful call leaves an engine as (None: as it was).
-Effect = Callable[[dict], dict[str, bool] | None]
+# The calls that move an engine's scheduler and memory (and the fleet's intent).
+RESIDENCY_OPERATIONS = frozenset({"pause", "resume", "sleep", "wake_up"})
 
 
 class ControlPlane:
@@ -35,12 +33,17 @@ class ControlPlane:
         self.timeout_s = timeout_s
 
     async def apply(
-        self, operation: str, query: Any = None, body: dict | None = None, effect: Effect = lambda _result: None
+        self, operation: str, query: Any = None, body: dict | None = None, **params: Any
     ) -> list[EngineReply]:
-        """Run ``/operation`` on every up engine it applies to; record what each engine now is."""
+        """Run ``/operation`` on every up engine it applies to; record what each engine now is.
+        ``params``: what the residency transition needs (a sleep's ``level``, a wake-up's ``tags``)."""
         # One admin call at a time: a pause must not interleave with a resume.
         async with self.registry.lock:
-            targets, already_done = control_targets(operation, self.registry.up())
+            targets, already_done = control_targets(operation, self.registry.up(), **params)
+            moves_residency = operation in RESIDENCY_OPERATIONS
+            if moves_residency:
+                # Engines that are down now take it when they come up.
+                self.registry.intent = self.registry.intent.after(operation, **params)
             outcomes = await asyncio.gather(
                 *(call_engine(r, f"/{operation}", timeout_s=self.timeout_s, query=query, body=body) for r in targets)
             )
@@ -48,21 +51,42 @@ class ControlPlane:
                 record = self.registry.records[outcome.engine_id]
                 if not record.up:
                     continue  # it died meanwhile; its next process starts afresh
-                if outcome.ok:
-                    if (conditions := effect(outcome.body)) is not None:
-                        self.registry.set_conditions(record, **conditions)
-                else:
+                if not outcome.ok:
                     log.warning("engine %d: %s failed: %s", outcome.engine_id, operation, outcome.message)
                     await self._reread(record)
+                elif moves_residency:
+                    self.registry.record_call(record, operation, **params)
         unchanged = [EngineReply(r.engine_id, 200, {"status": "unchanged", "state": r.state.value}) for r in already_done]
         down = [EngineReply(r.engine_id, 503, {"error": f"engine is {r.state.value}"}) for r in self.registry.records if not r.up]
         return sorted([*outcomes, *unchanged, *down], key=lambda o: o.engine_id)
+
+    async def bring_to_intent(self, record: EngineRecord) -> None:
+        """A new engine process is brought to what the fleet was asked to be (paused, or asleep at
+        its level with the same tags awake) before it counts as up. Called with the registry's lock held."""
+        intent = self.registry.intent
+        steps: list[tuple[str, QueryParams, dict]] = []
+        if intent.sleeping:
+            assert intent.sleep_level is not None
+            steps.append(("sleep", SleepParams(level=intent.sleep_level), {"level": intent.sleep_level}))
+            awake = sorted(SLEEP_TAGS - intent.asleep)
+            if intent.asleep and awake:  # a partial wake-up: those tags are back
+                steps.append(("wake_up", WakeUpParams(tags=tuple(awake)), {"tags": awake}))
+        elif intent.paused:
+            steps.append(("pause", PauseParams(mode="keep"), {}))
+        for operation, query, params in steps:
+            reply = await call_engine(record, f"/{operation}", timeout_s=self.timeout_s, query=query.to_query())
+            if not reply.ok:
+                raise RuntimeError(f"bringing it to the fleet's state failed at {operation}: {reply.message}")
+            self.registry.record_call(record, operation, **params)
+        if steps:
+            log.info("engine %d: brought to the fleet's state (%s)", record.engine_id, record.residency.describe())
 
     async def _reread(self, record: EngineRecord) -> None:
         """After a failed or timed-out call the engine may have done it anyway: ask vLLM what it is."""
         reply = await call_engine(record, "/conditions", method="GET", timeout_s=self.timeout_s)
         if reply.ok and record.up:
-            self.registry.set_conditions(record, paused=reply.body["paused"], sleeping=reply.body["sleeping"])
+            residency = Residency.reread(record.residency, reply.body["paused"], reply.body["sleeping"])
+            self.registry.set_residency(record, residency)
         elif not reply.ok:
             log.warning("engine %d: its conditions are unknown: %s", record.engine_id, reply.message)
 
@@ -89,31 +113,27 @@ async def _params(request: web.Request, params: type[QueryParams]):
 
 async def _pause(request: web.Request) -> web.Response:
     p = await _params(request, PauseParams)
-    outcomes = await request.app[CONTROL].apply("pause", p.to_query(), effect=lambda _: {"paused": True})
+    outcomes = await request.app[CONTROL].apply("pause", p.to_query())
     return aggregate("pause", outcomes, {"status": "paused", "mode": p.mode})
 
 
 async def _resume(request: web.Request) -> web.Response:
-    outcomes = await request.app[CONTROL].apply("resume", effect=lambda _: {"paused": False})
+    outcomes = await request.app[CONTROL].apply("resume")
     return aggregate("resume", outcomes, {"status": "resumed"})
 
 
 async def _sleep(request: web.Request) -> web.Response:
     p = await _params(request, SleepParams)
-    outcomes = await request.app[CONTROL].apply("sleep", p.to_query(), effect=lambda _: {"sleeping": True, "paused": True})
+    outcomes = await request.app[CONTROL].apply("sleep", p.to_query(), level=p.level)
     return aggregate("sleep", outcomes, {"status": "sleeping", "level": p.level})
 
 
 async def _wake_up(request: web.Request) -> web.Response:
     p = await _params(request, WakeUpParams)
     control = request.app[CONTROL]
-    outcomes = await control.apply(
-        "wake_up",
-        p.to_query(),
-        # A partial wake-up (some tags) leaves the engine asleep; a full one resumes it (vLLM).
-        effect=lambda result: {"sleeping": False, "paused": False} if result["fully_awake"] else None,
-    )
-    awake = not any(r.sleeping for r in control.registry.records)
+    outcomes = await control.apply("wake_up", p.to_query(), tags=p.tags)
+    # A partial wake-up (some tags) leaves engines asleep; a full one resumes them (vLLM).
+    awake = not any(r.residency.sleeping for r in control.registry.records)
     return aggregate("wake_up", outcomes, {"status": "awake" if awake else "sleeping", "tags": list(p.tags or [])})
 
 

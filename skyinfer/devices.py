@@ -12,7 +12,8 @@ import os
 
 import attrs
 
-from .engine import CPU_WORKER_PATH, GLOO_BACKEND
+from .engine import CPU_WORKER_PATH
+from .transfer import transport_for
 
 
 class LayoutError(ValueError):
@@ -126,25 +127,28 @@ def plan_engine_devices(
     raise LayoutError(f"unknown device kind {kind!r}; expected 'cuda' or 'cpu'")
 
 
-# Weight-transfer backend per device kind: vLLM's nccl needs GPUs; on CPU,
-# skyinfer's gloo backend (registered by its worker extension).
-WEIGHT_TRANSFER_BACKEND = {"cuda": "nccl", "cpu": GLOO_BACKEND}
+def given(flag: str, args: tuple[str, ...]) -> bool:
+    """Whether ``args`` set ``flag`` (as ``--flag value`` or ``--flag=value``)."""
+    return any(a == flag or a.startswith(flag + "=") for a in args)
 
 
-def platform_engine_args(kind: str, user_args: tuple[str, ...]) -> tuple[str, ...]:
-    """vLLM arguments an engine needs on this kind of device, unless the user gave them."""
+def platform_engine_args(kind: str, user_args: tuple[str, ...], colocate: bool, gpu_memory_utilization: float) -> tuple[str, ...]:
+    """vLLM arguments an engine needs on this kind of device, and colocated or not, unless the user gave them."""
     args: list[str] = []
-    if kind == "cpu" and "--enforce-eager" not in user_args:
+    if kind == "cpu" and not given("--enforce-eager", user_args):
         # CPU has no graph capture worth its start-up cost for these engines.
         args.append("--enforce-eager")
-    if kind == "cpu" and "--worker-cls" not in user_args:
+    if kind == "cpu" and not given("--worker-cls", user_args):
         args += ["--worker-cls", CPU_WORKER_PATH]
-    if kind == "cuda" and "--enable-sleep-mode" not in user_args:
+    if kind == "cuda" and not given("--enable-sleep-mode", user_args):
         # /sleep frees GPU memory only with sleep mode on; vLLM rejects it on CPU.
         args.append("--enable-sleep-mode")
-    if "--enable-scale-out" not in user_args:
+    if kind == "cuda" and colocate and not given("--gpu-memory-utilization", user_args):
+        # The rest of each GPU is the trainer's while the engines are awake.
+        args += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
+    if not given("--enable-scale-out", user_args):
         # vLLM's app behind the engine serves its render and token routes only with it.
         args.append("--enable-scale-out")
-    if "--weight-transfer-config" not in user_args:
-        args += ["--weight-transfer-config", f'{{"backend": "{WEIGHT_TRANSFER_BACKEND[kind]}"}}']
+    if not given("--weight-transfer-config", user_args):
+        args += ["--weight-transfer-config", f'{{"backend": "{transport_for(kind, colocate).backend}"}}']
     return tuple(args)

@@ -1,4 +1,19 @@
-"""The front's view of its engines: one record per engine, its state machine, the registry."""
+"""The front's view of its engines: one record per engine, its state model, the registry.
+
+The state model, defined once:
+
+- ``Lifecycle``: where an engine's process is.
+- ``Residency``: where an up engine's scheduler and memory are, as vLLM holds them: paused, or
+  asleep at a level with some of its memory still released (a partial wake-up). The fleet's
+  intent is a ``Residency`` too: what the last pause, resume, sleep and wake-up asked of every
+  engine. A new engine process is brought to it before it counts as up.
+- ``stale``: why an up engine's weights are not the fleet's (``None``: they are). A stale engine
+  takes admin and weight calls and serves nothing until a push.
+- ``receiving``: the engine is inside a weight update (vLLM's layerwise reload), its layers part
+  new: nothing may resume its scheduler until the update ends.
+- ``Phase``: where the fleet is in a weight update.
+- Which call fits which state: ``CONTROL_VERDICTS`` and ``push_verdict``.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +21,7 @@ import asyncio
 import contextlib
 import enum
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 
 import aiohttp
 import attrs
@@ -19,7 +34,7 @@ log = logging.getLogger("skyinfer.state")
 
 
 class Lifecycle(enum.Enum):
-    """Where an engine's process is; conditions (paused, asleep, stale) apply only while it is up."""
+    """Where an engine's process is; its residency, staleness and update apply only while it is up."""
 
     STARTING = "starting"
     UP = "up"
@@ -40,6 +55,80 @@ _LIFECYCLE_STEPS: dict[Lifecycle, frozenset[Lifecycle]] = {
     L.STOPPED: frozenset(),
 }
 
+# An engine's residency and staleness are set while it is up, and while a new process is
+# brought to the fleet's intent before it counts as up.
+_HAS_CONDITIONS = frozenset({L.UP, L.STARTING, L.RESTARTING})
+
+# vLLM's sleep tags: what a sleep of level 1 or 2 releases, and what wake_up(tags=...) brings back.
+SLEEP_TAGS = frozenset({"weights", "kv_cache"})
+# Why an engine is stale after a level-2 sleep: vLLM keeps no copy of the weights it releases.
+DISCARDED_BY_SLEEP = "a level-2 sleep discarded its weights: push weights before it serves"
+
+
+@attrs.frozen
+class Residency:
+    """An engine's scheduler and memory as vLLM holds them (or the fleet's intent for them).
+
+    Follows vLLM 0.32's ``EngineCore.sleep`` / ``wake_up`` and its executor's sleeping tags: a
+    sleep pauses the scheduler and (level 1 or 2) releases weights and KV cache; a wake-up
+    brings tags back, and resumes the scheduler once nothing is asleep.
+    """
+
+    paused: bool = False
+    # The level of the sleep the engine is in (0: scheduling only); None: not asleep.
+    sleep_level: int | None = None
+    # Memory still released: a subset of SLEEP_TAGS (empty at level 0).
+    asleep: frozenset[str] = frozenset()
+
+    @property
+    def sleeping(self) -> bool:
+        return self.sleep_level is not None
+
+    @property
+    def vllm_is_sleeping(self) -> bool:
+        """vLLM's own ``is_sleeping``: its scheduler is paused or some memory is released."""
+        return self.paused or bool(self.asleep)
+
+    @property
+    def weights_awake(self) -> bool:
+        return "weights" not in self.asleep
+
+    def after(self, operation: str, *, level: int = 1, tags: Sequence[str] | None = None) -> Residency:
+        """What a successful ``operation`` leaves."""
+        if operation == "pause":
+            return attrs.evolve(self, paused=True)
+        if operation == "resume":
+            return attrs.evolve(self, paused=False)
+        if operation == "sleep":
+            return Residency(paused=True, sleep_level=level, asleep=SLEEP_TAGS if level >= 1 else frozenset())
+        if operation == "wake_up":
+            return self._woken(tags)
+        return self
+
+    def _woken(self, tags: Sequence[str] | None) -> Residency:
+        # vLLM drops "scheduling" from the tags; a tag that is not asleep makes it wake nothing.
+        wanted = None if tags is None else {t for t in tags if t != "scheduling"}
+        asleep = self.asleep
+        if wanted is None:
+            asleep = frozenset()
+        elif wanted and wanted <= asleep:
+            asleep = asleep - wanted
+        # Fully awake: vLLM resumes the scheduler.
+        return Residency() if not asleep else attrs.evolve(self, asleep=asleep)
+
+    def describe(self) -> dict:
+        return {"paused": self.paused, "sleep_level": self.sleep_level, "asleep": sorted(self.asleep)}
+
+    @classmethod
+    def reread(cls, known: Residency, vllm_paused: bool, vllm_sleeping: bool) -> Residency:
+        """What an engine is after a call that failed, from vLLM's own two flags. They cannot say
+        which tags sleep: where they agree with what the front knew, that stands."""
+        if not vllm_sleeping:
+            return cls()
+        if known.vllm_is_sleeping and known.paused == vllm_paused:
+            return known
+        return cls(paused=vllm_paused)
+
 
 class EngineState(enum.Enum):
     """One word for an engine, as ``/engines``, ``/metrics`` and the CLI show it: its lifecycle
@@ -49,8 +138,10 @@ class EngineState(enum.Enum):
     READY = "ready"
     PAUSED = "paused"
     SLEEPING = "sleeping"
-    # Up, but holding weights older than the fleet's (restarted after a failed
-    # transfer): takes admin and weight calls, serves nothing until a push.
+    # Inside a weight update: paused (or asleep with its weights awake), its layers part new.
+    RECEIVING = "receiving"
+    # Up, but holding weights other than the fleet's (``stale`` says why): takes admin and
+    # weight calls, serves nothing until a push.
     STALE = "stale"
     RESTARTING = "restarting"
     STOPPING = "stopping"
@@ -58,47 +149,84 @@ class EngineState(enum.Enum):
     DEAD = "dead"
 
 
-# An admin operation's verdict for one engine: it applies, it is already done
-# (the engine is left as it is, e.g. resuming an engine that restarted while
-# the others were paused), or a reason it is an ordering mistake (409).
+class Phase(enum.Enum):
+    """Where the fleet is in a weight update; a transfer group may be formed or not in any of them."""
+
+    IDLE = "idle"
+    # /start_weight_update seen, its metadata checked; no engine touched yet.
+    STARTED = "started"
+    # Engines are between vLLM's start and finish: their weights are part new.
+    RECEIVING = "receiving"
+
+
+# An operation's verdict for one engine: it applies, it is already done (the engine is left
+# as it is, e.g. resuming an engine that restarted while the others were paused), or a
+# reason it is an ordering mistake (409).
 APPLY, DONE = "apply", "done"
+# A push into an engine that is running: skyinfer pauses it (keep) for the push and resumes
+# it after, so no request is scheduled on half-loaded layers.
+PAUSE_FOR_PUSH = "pause for the push"
+
+_RECEIVING = "it is receiving a weight update; POST /finish_weight_update first"
 
 
 def _pause(r: EngineRecord) -> str:
-    return "it is sleeping; POST /wake_up first" if r.sleeping else APPLY
+    return "it is sleeping; POST /wake_up first" if r.residency.sleeping else APPLY
 
 
 def _resume(r: EngineRecord) -> str:
-    if r.sleeping:
+    if r.residency.sleeping:
         return "it is sleeping; POST /wake_up instead"
-    return APPLY if r.paused else DONE
+    if not r.residency.paused:
+        return DONE
+    return _RECEIVING if r.receiving else APPLY
 
 
 def _sleep(r: EngineRecord) -> str:
-    if r.sleeping:
+    if r.residency.sleeping:
         return "it is already sleeping"
-    return "it is stale; push weights first" if r.stale else APPLY
+    return _RECEIVING if r.receiving else APPLY
 
 
-def _wake_up(r: EngineRecord) -> str:
-    if r.sleeping:
+def _wake_up(tags: Sequence[str] | None) -> Callable[[EngineRecord], str]:
+    def verdict(r: EngineRecord) -> str:
+        # vLLM wakes a paused engine too: it answers is_sleeping for both.
+        if not r.residency.vllm_is_sleeping:
+            return DONE
+        if r.receiving and not r.residency.after("wake_up", tags=tags).paused:
+            return "it is receiving a weight update: its scheduler must stay paused; wake it after /finish_weight_update"
         return APPLY
-    return "it is paused, not sleeping; POST /resume instead" if r.paused else DONE
+
+    return verdict
+
+
+def _always(_r: EngineRecord) -> str:
+    return APPLY
 
 
 # Every control operation over every combination of conditions, in one place.
-CONTROL_VERDICTS: dict[str, Callable[[EngineRecord], str]] = {
-    "pause": _pause,
-    "resume": _resume,
-    "sleep": _sleep,
-    "wake_up": _wake_up,
-    "reset_prefix_cache": lambda r: APPLY,
-    "abort_requests": lambda r: APPLY,
-    "reset_mm_cache": lambda r: APPLY,
-    "reset_encoder_cache": lambda r: APPLY,
-    "collective_rpc": lambda r: APPLY,
+CONTROL_VERDICTS: dict[str, Callable[..., Callable[[EngineRecord], str]]] = {
+    "pause": lambda **_: _pause,
+    "resume": lambda **_: _resume,
+    "sleep": lambda **_: _sleep,
+    "wake_up": lambda tags=None, **_: _wake_up(tags),
+    "reset_prefix_cache": lambda **_: _always,
+    "abort_requests": lambda **_: _always,
+    "reset_mm_cache": lambda **_: _always,
+    "reset_encoder_cache": lambda **_: _always,
+    "collective_rpc": lambda **_: _always,
 }
 _NOTHING_TO_DO = {"resume": "it is not paused", "wake_up": "it is not sleeping"}
+
+
+def push_verdict(r: EngineRecord) -> str:
+    """Whether a weight update may start on an up engine: APPLY (paused, or asleep with its weights
+    awake: the colocated push), PAUSE_FOR_PUSH (running), or why not."""
+    if not r.residency.weights_awake:
+        return "its weights are asleep; POST /wake_up?tags=weights first"
+    if r.residency.paused:
+        return APPLY
+    return PAUSE_FOR_PUSH
 
 
 class OrderingError(ApiError):
@@ -107,13 +235,16 @@ class OrderingError(ApiError):
     status = 409
 
 
-def control_targets(operation: str, records: list[EngineRecord]) -> tuple[list[EngineRecord], list[EngineRecord]]:
+def control_targets(
+    operation: str, records: list[EngineRecord], **params
+) -> tuple[list[EngineRecord], list[EngineRecord]]:
     """Split up engines into those ``operation`` applies to and those where it is already done.
 
     Raises OrderingError, naming each engine and why, when the call is a
     mistake for some engine, or would apply to none.
     """
-    verdicts = [(r, CONTROL_VERDICTS[operation](r)) for r in records]
+    judge = CONTROL_VERDICTS[operation](**params)
+    verdicts = [(r, judge(r)) for r in records]
     refused = [(r, v) for r, v in verdicts if v not in (APPLY, DONE)]
     targets = [r for r, v in verdicts if v == APPLY]
     if refused or not targets:
@@ -140,10 +271,11 @@ class EngineRecord:
     # Requests that may wait for a connection before new ones are refused; 0: no cap.
     queue_limit: int = 0
     lifecycle: Lifecycle = Lifecycle.STARTING
-    # Conditions of an engine that is up, as vLLM holds them (a new process has none).
-    paused: bool = False
-    sleeping: bool = False
-    stale: bool = False
+    # While it is up: its scheduler and memory, why its weights are not the fleet's (None:
+    # they are), whether it is inside a weight update. A new process starts with none of it.
+    residency: Residency = Residency()
+    stale: str | None = None
+    receiving: bool = False
     pid: int | None = None
     # Requests the front holds for this engine: sent to it, or waiting to be.
     in_flight_count: int = 0
@@ -155,7 +287,7 @@ class EngineRecord:
     client: aiohttp.ClientSession | None = None
     # The weights it serves, as the engine reports them ("default": as loaded).
     weight_version: str | None = None
-    # The dtype it serves weights in; pushed tensors must match.
+    # The dtype it serves weights in.
     model_dtype: str | None = None
     # The largest LoRA rank it takes; None: started without --enable-lora.
     max_lora_rank: int | None = None
@@ -180,17 +312,28 @@ class EngineRecord:
     def serves(self) -> bool:
         """Requests may be routed to it. Paused and sleeping engines still take requests: vLLM
         queues them until resume / wake-up, which is what a trainer pausing for a push wants."""
-        return self.up and not self.stale
+        return self.up and self.stale is None
+
+    @property
+    def paused(self) -> bool:
+        return self.residency.paused
+
+    @property
+    def sleeping(self) -> bool:
+        """As vLLM's own ``is_sleeping`` answers: its scheduler is paused or some memory is released."""
+        return self.residency.vllm_is_sleeping
 
     @property
     def state(self) -> EngineState:
         if not self.up:
             return EngineState(self.lifecycle.value)
-        if self.stale:
-            return EngineState.STALE
-        if self.sleeping:
+        if self.receiving:
+            return EngineState.RECEIVING
+        if self.residency.sleeping:
             return EngineState.SLEEPING
-        return EngineState.PAUSED if self.paused else EngineState.READY
+        if self.stale is not None:
+            return EngineState.STALE
+        return EngineState.PAUSED if self.residency.paused else EngineState.READY
 
     @contextlib.asynccontextmanager
     async def in_flight(self):
@@ -218,7 +361,10 @@ class EngineRecord:
             "state": self.state.value,
             "paused": self.paused,
             "sleeping": self.sleeping,
-            "stale": self.stale,
+            **{k: v for k, v in self.residency.describe().items() if k != "paused"},
+            "stale": self.stale is not None,
+            "stale_reason": self.stale,
+            "receiving": self.receiving,
             "pid": self.pid,
             "devices": self.devices.describe(),
             "in_flight": self.in_flight_count,
@@ -252,6 +398,8 @@ class EngineRegistry:
         self.router = router or SessionRouter()
         # The version of the last completed push; None while engines serve what they loaded.
         self.fleet_weight_version: str | None = None
+        # What the last control calls asked of every engine: a new engine process is brought to it.
+        self.intent = Residency()
         # The LoRA adapters the fleet serves. A request for one goes only to an engine
         # that holds it at the fleet's version.
         self.fleet_adapters: dict[str, Adapter] = {}
@@ -270,19 +418,30 @@ class EngineRegistry:
         record.lifecycle = new
         if new is not Lifecycle.UP:
             # Whatever the old process was, the next one starts fresh.
-            record.paused = record.sleeping = record.stale = False
+            record.residency, record.stale, record.receiving = Residency(), None, False
             record.adapters = {}
         log.info("engine %d: %s -> %s", record.engine_id, old.value, new.value)
 
-    def set_conditions(self, record: EngineRecord, **conditions: bool) -> None:
-        """Record what an up engine now is (paused, sleeping, stale)."""
-        assert record.up and set(conditions) <= {"paused", "sleeping", "stale"}, (record.lifecycle, conditions)
-        changed = {k: v for k, v in conditions.items() if getattr(record, k) != v}
-        for name, value in changed.items():
-            setattr(record, name, value)
-        if changed:
-            log.info("engine %d: %s (%s)", record.engine_id, record.state.value,
-                     ", ".join(f"{k}={v}" for k, v in changed.items()))  # fmt: skip
+    def set_residency(self, record: EngineRecord, residency: Residency) -> None:
+        """Record where an engine's scheduler and memory now are (up, or being brought up)."""
+        assert record.lifecycle in _HAS_CONDITIONS, record.lifecycle
+        if residency != record.residency:
+            record.residency = residency
+            log.info("engine %d: %s (%s)", record.engine_id, record.state.value, residency.describe())
+
+    def record_call(self, record: EngineRecord, operation: str, **params) -> None:
+        """What a successful pause, resume, sleep or wake-up did to an engine."""
+        self.set_residency(record, record.residency.after(operation, **params))
+        if operation == "sleep" and params.get("level") == 2:
+            self.set_stale(record, DISCARDED_BY_SLEEP)
+
+    def set_stale(self, record: EngineRecord, reason: str | None) -> None:
+        """Hold an engine out of routing because its weights are not the fleet's (``reason``),
+        or (None) let it serve again."""
+        assert record.lifecycle in _HAS_CONDITIONS, record.lifecycle
+        if reason != record.stale:
+            record.stale = reason
+            log.info("engine %d: %s%s", record.engine_id, record.state.value, f" ({reason})" if reason else "")
 
     def holds_adapter(self, record: EngineRecord, adapter: str | None) -> bool:
         if adapter is None:
@@ -327,7 +486,9 @@ class EngineRegistry:
     ) -> EngineRecord:
         live = [r for r in self.serving() if r.engine_id not in exclude and self.holds_adapter(r, adapter)]
         if not live:
-            states = ", ".join(f"engine {r.engine_id} {r.state.value}" for r in self.records)
+            states = ", ".join(
+                f"engine {r.engine_id} {r.state.value}" + (f": {r.stale}" if r.stale else "") for r in self.records
+            )
             served = self.fleet_adapters.get(adapter) if adapter else None
             serving = f" adapter {adapter!r} at version {served.version}" if served else ""
             raise NoEngineAvailable(f"no engine can serve{serving} right now ({states})")

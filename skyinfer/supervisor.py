@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 
 import aiohttp
 
-from .config import ServeConfig
+from .config import COLOCATED_GPU_MEMORY_UTILIZATION, ServeConfig
 from .devices import platform_engine_args
 from .engine import EXTENSION_PATH
 from .state import EngineRecord, EngineRegistry, Lifecycle
@@ -54,7 +54,7 @@ class EngineProcess:
             "--worker-extension-cls", EXTENSION_PATH,
             "--tensor-parallel-size", str(c.tensor_parallel_size),
             "--pipeline-parallel-size", str(c.pipeline_parallel_size),
-            *platform_engine_args(self.record.devices.kind, c.engine_args),
+            *platform_engine_args(self.record.devices.kind, c.engine_args, c.colocate, COLOCATED_GPU_MEMORY_UTILIZATION),
             *c.engine_args,
         ]  # fmt: skip
         own = ["--socket", self.record.socket_path, "--lifeline-fd", str(lifeline_fd)]
@@ -67,6 +67,9 @@ class EngineProcess:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.record.socket_path)
         env = {**os.environ, **self.record.devices.env, "PYTHONUNBUFFERED": "1"}
+        if self.config.allow_pickled_ipc:
+            # vLLM's ipc backend unpickles ipc_handles_pickled only with it (the operator's opt-in).
+            env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         self.proc = await asyncio.create_subprocess_exec(
             *self.argv(lifeline_fd),
             env=env,
@@ -218,9 +221,9 @@ class Supervisor:
         # when it dies, however it dies, they die with it (engine/lifeline.py).
         self._lifeline: tuple[int, int] | None = None
         self._start_task: asyncio.Task | None = None
-        # Brings a new engine process to what the fleet serves beyond its checkpoint (LoRA
-        # adapters), called with the registry's lock held before the engine is routed to.
-        self.before_serving: Callable[[EngineRecord], Awaitable[None]] | None = None
+        # Bring a new engine process to the fleet (its paused or sleeping state, its LoRA adapters,
+        # its weight transfer), in order, with the registry's lock held, before the engine is up.
+        self.before_serving: list[Callable[[EngineRecord], Awaitable[None]]] = []
         # Exit watchers and restarts running in the background.
         self._tasks: set[asyncio.Task] = set()
 
@@ -288,17 +291,17 @@ class Supervisor:
         record.weight_version = info["weight_version"]
         record.model_dtype = info["model_dtype"]
         record.max_lora_rank = info["max_lora_rank"]
-        # Under the lock: no adapter may change between this engine taking the fleet's and serving.
+        # Under the lock: nothing of the fleet's may change between this engine taking it and serving.
         async with self.registry.lock:
             fleet = self.registry.fleet_weight_version
-            # An engine loads the checkpoint from disk: behind a fleet that has had pushes.
-            stale = fleet is not None and record.weight_version != fleet
-            if self.before_serving is not None:
-                await self.before_serving(record)
+            if fleet is not None and record.weight_version != fleet:
+                # It loaded the checkpoint from disk: behind a fleet that has had pushes.
+                self.registry.set_stale(record, f"it restarted from the checkpoint on disk; the fleet serves {fleet}: push to bring it in")
+            for step in self.before_serving:
+                await step(record)
             if record.lifecycle not in (Lifecycle.STARTING, Lifecycle.RESTARTING):
                 return  # stopped or killed meanwhile
             self.registry.set_lifecycle(record, Lifecycle.UP)
-            self.registry.set_conditions(record, stale=stale)
         self._in_background(self._probe(process), process)
 
     async def _probe(self, process: EngineProcess) -> None:

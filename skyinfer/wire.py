@@ -14,9 +14,11 @@ query string to every engine, which parses it with the same model.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Any, ClassVar, Literal, Self
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+# typing.Self is 3.11+; pydantic brings typing_extensions.
+from typing_extensions import Self
 
 from .errors import BadRequest
 
@@ -177,38 +179,8 @@ class AbortParams(WireModel):
 # -- weight transfer ----------------------------------------------------------------
 
 
-class UpdateMetadata(WireModel):
-    """vLLM's ``update_info``: which tensors a transfer carries, in order."""
-
-    names: Annotated[list[str], Field(min_length=1)]
-    dtype_names: list[str]
-    shapes: list[list[Annotated[int, Field(ge=0, strict=True)]]]
-
-    @model_validator(mode="after")
-    def _consistent(self) -> Self:
-        if not len(self.names) == len(self.dtype_names) == len(self.shapes):
-            raise ValueError(
-                f"update_info lists differ in length: {len(self.names)} names, {len(self.dtype_names)} dtype_names,"
-                f" {len(self.shapes)} shapes"
-            )
-        if len(set(self.names)) != len(self.names):
-            raise ValueError("update_info names a tensor twice")
-        return self
-
-
-class GlooInitInfo(WireModel):
-    """The trainer's side of the rendezvous: where rank 0 listens, and the group's size."""
-
-    master_address: NonEmptyStr
-    master_port: Annotated[int, Field(ge=1, le=65535, strict=True)]
-    world_size: Annotated[int, Field(description="1 + GET /get_world_size for a single trainer")]
-    # Both checked against this server's workers by the rank layout.
-    rank_offset: int = 1
-    timeout_s: Annotated[float, Field(gt=0, le=3600)] | None = None
-
-
 class InitRequest(WireModel):
-    # Forwarded to the engines as sent; the front checks it as GlooInitInfo.
+    # Checked by the transport's own model (transfer/protocol.py), then forwarded to the engines.
     init_info: dict
 
 

@@ -1,8 +1,14 @@
 """SkyRL's ``RemoteInferenceClient`` (PyPI ``skyrl`` 0.4.0) against a skyinfer server, as a SkyRL trainer calls it.
 
     python tests/skyrl_client.py URL MODEL
+    python tests/skyrl_client.py URL MODEL --colocated LEVEL WEIGHTS VERSION SOCKET0,SOCKET1,...
 
-Prints one JSON object: per method, what it returned or the error it raised.
+Prints one JSON object: per method, what it returned or the error it raised. With ``--colocated``
+it makes one colocated weight sync as SkyRL's trainer does (``WorkerDispatch.save_weights_for_sampler``
+with ``colocate_all``): sleep at LEVEL if the engines are not sleeping, wake the weights, push
+WEIGHTS (here with skyinfer's ``SharedMemoryTrainer``, the trainer's side SkyRL lacks for CPU),
+wake the KV cache; and prints, after each call, what the server says of every engine and what
+each engine's vLLM says of itself, asked on its own socket.
 skyinfer is given as both SkyRL's data-plane proxy and its one control-plane
 server (skyinfer fans admin calls out to its engines itself).
 
@@ -11,9 +17,9 @@ accepting ``typing.TypedDict`` in its models, so that name is pointed at
 typing_extensions' (which pydantic accepts) before SkyRL is imported.
 """
 
+import argparse
 import asyncio
 import json
-import sys
 import typing
 
 import typing_extensions
@@ -76,5 +82,48 @@ async def main(url: str, model: str) -> dict:
     return results
 
 
+async def colocated_sync(url: str, model: str, level: int, weights: str, version: str, sockets: list[str]) -> list[dict]:
+    import httpx
+    from safetensors.torch import load_file
+
+    from skyinfer.trainer import SharedMemoryTrainer
+
+    client = RemoteInferenceClient(proxy_url=url, server_urls=[url], data_parallel_size=1, model_name=model)
+    trainer = SharedMemoryTrainer(url)
+    steps: list[dict] = []
+
+    async def snapshot(after: str) -> None:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            engines = (await http.get("/engines")).json()["engines"]
+        vllm = []
+        for path in sockets:
+            async with httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=path), base_url="http://engine") as own:
+                vllm.append((await own.get("/conditions")).json())
+        steps.append({"after": after, "skyrl_is_sleeping": await client.is_sleeping(), "engines": engines, "vllm": vllm})
+
+    await asyncio.to_thread(trainer.init)
+    if not await client.is_sleeping():
+        await client.sleep(level=level)
+    await snapshot("sleep")
+    await client.wake_up(tags=["weights"])
+    await snapshot("wake_up weights")
+    await asyncio.to_thread(trainer.push, load_file(weights).items(), version)
+    await snapshot("push")
+    await client.wake_up(tags=["kv_cache"])
+    await snapshot("wake_up kv_cache")
+    trainer.close()
+    await client.teardown()
+    return steps
+
+
 if __name__ == "__main__":
-    print(json.dumps(asyncio.run(main(sys.argv[1], sys.argv[2]))))
+    p = argparse.ArgumentParser()
+    p.add_argument("url")
+    p.add_argument("model")
+    p.add_argument("--colocated", nargs=4, metavar=("LEVEL", "WEIGHTS", "VERSION", "SOCKETS"))
+    args = p.parse_args()
+    if args.colocated:
+        level, weights, version, sockets = args.colocated
+        print(json.dumps(asyncio.run(colocated_sync(args.url, args.model, int(level), weights, version, sockets.split(",")))))
+    else:
+        print(json.dumps(asyncio.run(main(args.url, args.model))))

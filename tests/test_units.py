@@ -219,7 +219,7 @@ def test_packing_cuts_chunks_where_vllm_does_and_round_trips():
     import torch
     from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
 
-    from skyinfer.weights.packing import TensorMeta, pack, plan_chunks, unpack
+    from skyinfer.transfer.packing import TensorMeta, pack, plan_chunks, unpack
 
     sizes = [10, 300, 5, 700, 1, 64, 999, 3, 256, 256]
     tensors = [(f"t{i}", torch.randn(n)) for i, n in enumerate(sizes)]
@@ -338,7 +338,8 @@ async def test_an_unforeseen_exception_in_a_handler_is_an_openai_500(aiohttp_cli
 def test_wire_models_take_query_or_body_refuse_contradictions_and_say_what_is_wrong():
     from multidict import MultiDict
 
-    from skyinfer.wire import PauseParams, UpdateMetadata, WakeUpParams, WireError
+    from skyinfer.transfer.protocol import UpdateMetadata
+    from skyinfer.wire import PauseParams, WakeUpParams, WireError
 
     assert PauseParams.from_request(MultiDict(), {"mode": "keep", "unknown": 1}).mode == "keep"
     both = PauseParams.from_request(MultiDict(mode="keep"), {"mode": "keep", "clear_cache": "false"})
@@ -355,8 +356,9 @@ def test_wire_models_take_query_or_body_refuse_contradictions_and_say_what_is_wr
             PauseParams.from_request(query, body)
         assert refused.value.param == param and says in str(refused.value), refused.value
     for info, param, says in [
-        ({"names": ["a", "a"], "dtype_names": ["f", "f"], "shapes": [[1], [1]]}, "update_info", "names a tensor twice"),
-        ({"names": ["a"], "dtype_names": ["f"], "shapes": [[-1]]}, "update_info.shapes.0.0", "greater than or equal to 0"),
+        ({"names": ["a", "a"], "dtype_names": ["float32"] * 2, "shapes": [[1], [1]]}, "update_info", "names a tensor twice"),
+        ({"names": ["a"], "dtype_names": ["float32"], "shapes": [[-1]]}, "update_info.shapes.0.0", "greater than or equal to 0"),
+        ({"names": ["a"], "dtype_names": ["f"], "shapes": [[1]]}, "update_info.dtype_names.0", "unknown dtype 'f'"),
         ({"names": ["a"], "shapes": [[1]]}, "update_info.dtype_names", "is required"),
         ([1], "update_info", "must be a JSON object"),
     ]:
@@ -393,7 +395,7 @@ def test_adapter_checks_name_the_first_problem():
     from skyinfer.adapters import AdapterError, check_adapter
     from skyinfer.weights.checkpoint import CheckpointSpec
 
-    base = CheckpointSpec({"model.layers.0.self_attn.q_proj.weight": (256, 128)})
+    base = CheckpointSpec({"model.layers.0.self_attn.q_proj.weight": (256, 128)}, {})
     config = {"peft_type": "LORA", "r": 8}
     a, b = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight", "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
     check_adapter(config, {a: (8, 128), b: (256, 8)}, base, max_rank=16)

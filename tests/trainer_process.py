@@ -1,8 +1,8 @@
 """A trainer in its own process, as a training script would be: torch and skyinfer.trainer only.
 
-    python tests/trainer_process.py URL WEIGHTS.safetensors VERSION [--one-call]
-        [--die-after N | --hang-after N | --die-at init|start|finish] [--verify] [--expect CHECKSUMS.json]
-        [--client skyinfer|vllm|trl] [--pause-keep]
+    python tests/trainer_process.py URL WEIGHTS.safetensors VERSION [--one-call] [--transport gloo|shm]
+        [--die-after N | --hang-after N | --die-at init|start|segment|update|finish] [--verify]
+        [--expect CHECKSUMS.json] [--client skyinfer|vllm|trl] [--pause-keep] [--colocated-step LEVEL]
     python tests/trainer_process.py URL ADAPTER_DIR VERSION --adapter NAME [--die-after N]
 
 With ``--adapter`` it pushes a PEFT adapter directory's tensors and config as LoRA adapter NAME.
@@ -11,7 +11,11 @@ Exits 0 after a push; prints a refusal's status and message and exits 3; with
 --die-after it sends N tensors one by one and then dies mid-transfer; with
 --hang-after it sends N and then waits for ever, holding the transfer open;
 with --die-at it dies (exit 9) right after joining the group, right after
-starting the update, or right before finishing it. ``--client`` picks who makes
+starting the update, after writing its shared-memory segment (shm) and before sending it, while
+the update call is in flight, or right before finishing it; with --stop-before-update it
+SIGSTOPs a process (an engine's) right before its update call. ``--transport shm`` pushes with
+``SharedMemoryTrainer`` into a colocated server; ``--colocated-step LEVEL`` wraps the push in a
+colocated trainer's step: sleep at LEVEL, wake the weights, push, wake the KV cache. ``--client`` picks who makes
 the push's HTTP calls: skyinfer's client, vLLM's ``HTTPVLLMWeightSyncClient``, or
 the calls TRL's async GRPO trainer makes (its bodies, sent with ``requests``);
 ``--pause-keep`` wraps the push in ``/pause?mode=keep`` and ``/resume`` as TRL does.
@@ -20,7 +24,9 @@ the calls TRL's async GRPO trainer makes (its bodies, sent with ``requests``);
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 import time
 
 from safetensors.torch import load_file
@@ -28,7 +34,7 @@ from safetensors.torch import load_file
 import requests
 
 from skyinfer.client import SkyinferError
-from skyinfer.trainer import GlooTrainer
+from skyinfer.trainer import GlooTrainer, SharedMemoryTrainer
 
 
 class TrlCalls:
@@ -69,13 +75,16 @@ def main() -> int:
     p.add_argument("--one-call", action="store_true")
     p.add_argument("--die-after", type=int)
     p.add_argument("--hang-after", type=int)
-    p.add_argument("--die-at", choices=["init", "start", "finish"])
+    p.add_argument("--die-at", choices=["init", "start", "segment", "update", "finish"])
     p.add_argument("--verify", action="store_true")
     p.add_argument("--expect", help="a JSON file of the checksums every engine must hold after the push")
     p.add_argument("--timeout", type=float, default=60)
     p.add_argument("--client", choices=["skyinfer", "vllm", "trl"], default="skyinfer")
     p.add_argument("--pause-keep", action="store_true")
     p.add_argument("--adapter", help="push WEIGHTS (a PEFT adapter directory) as this LoRA adapter")
+    p.add_argument("--transport", choices=["gloo", "shm"], default="gloo")
+    p.add_argument("--colocated-step", type=int, choices=[0, 1, 2], metavar="LEVEL")
+    p.add_argument("--stop-before-update", type=int, metavar="PID", help="SIGSTOP this process right before the update call")
     args = p.parse_args()
     if args.adapter:
         tensors = load_file(os.path.join(args.weights, "adapter_model.safetensors"))
@@ -85,12 +94,20 @@ def main() -> int:
         tensors = load_file(args.weights)
     urls = args.url.split(",")
     stop_after = args.die_after if args.die_after is not None else args.hang_after
-    trainer = GlooTrainer(
-        urls if len(urls) > 1 else urls[0], timeout_s=args.timeout, packed=stop_after is None,
-        sync_client=sync_client(args.client, urls[0]),
-    )  # fmt: skip
+    if args.transport == "shm":
+        trainer = SharedMemoryTrainer(urls[0], timeout_s=args.timeout)
+    else:
+        trainer = GlooTrainer(
+            urls if len(urls) > 1 else urls[0], timeout_s=args.timeout, packed=stop_after is None,
+            sync_client=sync_client(args.client, urls[0]),
+        )  # fmt: skip
     if args.pause_keep:
         TrlCalls(urls[0]).post("/pause", params={"mode": "keep"})
+    if args.colocated_step is not None:
+        # As SkyRL's colocated trainer: asleep already (a step cut short), or put to sleep now.
+        if not requests.get(f"{urls[0]}/is_sleeping", timeout=60).json()["is_sleeping"]:
+            TrlCalls(urls[0]).post("/sleep", params={"level": str(args.colocated_step)})
+        TrlCalls(urls[0]).post("/wake_up", params={"tags": "weights"})
     trainer.init()
     client = trainer.client
     if args.die_at == "init":
@@ -98,6 +115,25 @@ def main() -> int:
     if args.die_at == "start":
         started = client.start_weight_update
         client.start_weight_update = lambda *a, **kw: (started(*a, **kw), os._exit(9))
+    updating = trainer._calls.update_weights
+    if args.stop_before_update is not None:
+        # A fault at exactly this phase: an engine hangs as the update reaches it.
+        def stop_then_update(*a, **kw):
+            os.kill(args.stop_before_update, signal.SIGSTOP)
+            return updating(*a, **kw)
+
+        trainer._calls.update_weights = stop_then_update
+    if args.die_at == "segment":
+        # The segment is written; the call that would name it to the server is never made.
+        trainer._calls.update_weights = lambda *a, **kw: os._exit(9)
+    elif args.die_at == "update":
+        # Dies while its update call is in flight.
+        def update_then_die(*a, **kw):
+            threading.Thread(target=updating, args=a, kwargs=kw, daemon=True).start()
+            time.sleep(0.02)
+            os._exit(9)
+
+        trainer._calls.update_weights = update_then_die
     finishing = client.finish_weight_update
     if args.die_at == "finish":
         client.finish_weight_update = lambda *a, **kw: os._exit(9)
@@ -107,7 +143,7 @@ def main() -> int:
         client.finish_weight_update = lambda version, verify: finishing(version, verify, expected)
     if stop_after is not None:
         sent = 0
-        real_send = trainer._send
+        real_send = trainer._send_one
 
         def send_then_stop(tensor):
             nonlocal sent
@@ -119,7 +155,7 @@ def main() -> int:
             real_send(tensor)
             sent += 1
 
-        trainer._send = send_then_stop
+        trainer._send_one = send_then_stop
     try:
         if args.adapter:
             trainer.push_adapter(args.adapter, tensors.items(), peft_config, version=args.version)
@@ -130,6 +166,8 @@ def main() -> int:
         return 3
     if args.pause_keep:
         TrlCalls(urls[0]).post("/resume")
+    if args.colocated_step is not None:
+        TrlCalls(urls[0]).post("/wake_up", params={"tags": "kv_cache"})
     assert args.client == "vllm" or "vllm" not in sys.modules, "the trainer must not need vLLM"
     print("pushed", args.version, flush=True)
     return 0

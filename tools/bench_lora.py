@@ -41,7 +41,7 @@ from benchlib import free_port, start_reference, start_skyinfer, stop, wait_serv
 
 from skyinfer.demo_model import build_demo_model  # noqa: E402
 from skyinfer.trainer import GlooTrainer  # noqa: E402
-from skyinfer.weights.packing import DEFAULT_BUFFER_SIZE_BYTES  # noqa: E402
+from skyinfer.transfer.packing import DEFAULT_BUFFER_SIZE_BYTES  # noqa: E402
 
 ADAPTER = "bench-lora"
 LONG_PROMPT = " ".join(f"w{i % 50} gamma" for i in range(300))  # about 2,000 tokens

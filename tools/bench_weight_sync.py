@@ -40,7 +40,7 @@ from benchlib import free_port, start_skyinfer, stop, wait_servers  # noqa: E402
 
 from skyinfer.demo_model import build_demo_model  # noqa: E402
 from skyinfer.trainer import GlooTrainer  # noqa: E402
-from skyinfer.weights.packing import DEFAULT_BUFFER_SIZE_BYTES, TensorMeta, pack, plan_chunks  # noqa: E402
+from skyinfer.transfer.packing import DEFAULT_BUFFER_SIZE_BYTES, TensorMeta, pack, plan_chunks  # noqa: E402
 
 BENCH_MODEL = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=12, num_attention_heads=16,
                    num_key_value_heads=4, head_dim=64)  # fmt: skip

@@ -9,9 +9,8 @@ CPU_WORKER_PATH = "skyinfer.engine.cpu_worker.SkyinferCPUWorker"
 # On an answer whose request the engine could not finish because its EngineCore died:
 # the request may be re-sent to another engine (the front does, once).
 ENGINE_DIED_HEADER = "X-Skyinfer-Engine-Died"
-# The weight-transfer backend skyinfer registers into vLLM on CPU.
-# Named for skyinfer, so that a gloo backend vLLM may ship one day cannot collide with it.
-GLOO_BACKEND = "skyinfer_gloo"
+# The worker call that ends a weight update however it went (worker_extension.py).
+END_WEIGHT_UPDATE_RPC = "skyinfer_end_weight_update"
 # LoRA adapters: the worker call that receives a pushed adapter's tensors, and the
 # file of PEFT's layout its config is written to.
 RECEIVE_ADAPTER_RPC = "skyinfer_receive_adapter"

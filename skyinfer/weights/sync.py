@@ -1,48 +1,55 @@
-"""The front's side of weight sync: rank layout, checks, and driving every engine at once.
+"""The front's side of weight sync: checks, the update's phases, and driving every engine at once.
 
-Routes and bodies follow vLLM 0.32's server. Every step is a collective with
-the trainer, so the front calls all engines concurrently and the trainer
-broadcasts at the same time. Nothing touches an engine's weights before the
-update's metadata has been checked: ``/start_weight_update`` only opens a
-session here, and the engines start theirs when the first checked
-``/update_weights`` arrives. An engine whose transfer fails mid-way holds
-half-loaded weights; it is taken out of rotation and restarted, and serves
-again only after a push brings it to the fleet's version.
+Routes and bodies follow vLLM 0.32's server. Nothing touches an engine's weights before the
+update's metadata has been checked: ``/start_weight_update`` only opens a session here, and the
+engines start theirs when the first checked ``/update_weights`` arrives. For the group transports
+(gloo, nccl) every step is a collective with the trainer, so the front calls all engines
+concurrently while the trainer broadcasts.
+
+An update starts only on engines that cannot schedule a request on half-loaded layers: paused,
+or asleep with their weights awake (a colocated push). Engines that are running are paused
+(``keep``) for the push and resumed after it, so requests sent meanwhile wait in vLLM and run on
+the new weights. An update that fails or is abandoned ends on every engine without a restart:
+vLLM's layerwise reload is closed (layers that received nothing keep their old tensors), the
+requests held there are aborted, and the engines serve nothing (stale) until the next push.
+Only an engine that cannot even end the update is restarted.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
-import socket
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 
-from ..errors import ApiError, json_response, parse_json_object
 from ..engine_calls import EngineReply, call_engine, failure, gather_until_failure
+from ..errors import ApiError, json_response, parse_json_object
 from ..metrics import ServiceMetrics
-from ..state import EngineRecord, EngineRegistry
+from ..state import APPLY, PAUSE_FOR_PUSH, EngineRecord, EngineRegistry, Phase, push_verdict
+from ..transfer.protocol import UpdateMetadata
 from ..wire import (
     Checksums,
     FinishRequest,
-    GlooInitInfo,
     InitRequest,
+    PauseParams,
     RelabelRequest,
     StartRequest,
-    UpdateMetadata,
     UpdateRequest,
     WeightCheckRequest,
     WireModel,
 )
 from .checkpoint import CheckpointSpec
-from .layout import LayoutError, RankLayout
+from .transports import FrontTransport
 from .verify import Verdict, judge
 
 log = logging.getLogger("skyinfer.weights")
+
+# How a push pauses engines that are running: requests in flight are held, and their KV kept.
+_PAUSE_FOR_PUSH = PauseParams(mode="keep", clear_cache=False).to_query()
+ABORTED = "a weight update was aborted while it received: its layers are part new; push again"
 
 
 class SyncError(ApiError):
@@ -52,63 +59,41 @@ class SyncError(ApiError):
         super().__init__(message, status=status, details=None if engines is None else {"engines": engines})
 
 
-async def _check_trainer_address(info: GlooInitInfo) -> None:
-    """A trainer address that does not resolve is a 400 now, not a rendezvous timeout later."""
-    try:
-        await asyncio.get_running_loop().getaddrinfo(info.master_address, info.master_port, type=socket.SOCK_STREAM)
-    except (OSError, UnicodeError, ValueError) as exc:
-        raise SyncError(400, f"init_info master_address {info.master_address!r} does not resolve: {exc}") from None
-
-
-# vLLM's ipc backend's init_info is {"packed": ...} alone (no rendezvous).
-IPC_REFUSAL = (
-    "init_info has no master_address: this is vLLM's ipc backend, which skyinfer does not serve. Its "
-    "updates carry CUDA IPC handles pickled into the HTTP body (ipc_handles_pickled), and skyinfer never "
-    "unpickles what comes from the network; push over nccl (GPU) or skyinfer's gloo backend instead"
-)
-
-
-class Phase(enum.Enum):
-    """Where the fleet is in a weight update; a group may be formed or not in any of them."""
-
-    IDLE = "idle"
-    # /start_weight_update seen, its metadata checked; no engine touched yet.
-    STARTED = "started"
-    # Engines are between vLLM's start and finish: their weights are part new.
-    RECEIVING = "receiving"
-
-
 class WeightSync:
     def __init__(
         self,
         registry: EngineRegistry,
-        workers_per_engine: int,
+        transport: FrontTransport,
         model: str,
         timeout_s: float,
         restart: Callable[[EngineRecord, str], None],
         metrics: ServiceMetrics,
     ):
         self.registry = registry
+        self.transport = transport
         self.metrics = metrics
         # When the push now in progress began (its first transfer call).
         self._push_started: float | None = None
-        self.workers_per_engine = workers_per_engine
         self.timeout_s = timeout_s
         self._restart = restart
         self._spec = CheckpointSpec.read(model)
         self.phase = Phase.IDLE
+        # Engines this update paused itself (they were running): resumed when it ends.
+        self._paused_for_push: list[EngineRecord] = []
         # A trainer silent this long between calls of an update has gone: the
         # update is aborted (the group's own timeout, from its init_info).
         self._silence_limit_s = timeout_s
         self._silence_timer: asyncio.TimerHandle | None = None
         self.last_update_s: float | None = None
+        # A colocated transport's init_info, which an engine that restarts takes too (no rendezvous).
+        self._colocated_init: dict | None = None
         # The checksums every engine held under a label, once a check saw them agree.
         self._agreed: tuple[str, Checksums] | None = None
 
     @property
     def worker_count(self) -> int:
         """The inference side of the group (vLLM's ``/get_world_size``): every engine's workers."""
-        return self.workers_per_engine * len(self.registry.records)
+        return sum(self.transport.workers_per_engine)
 
     def _engines(self) -> list[EngineRecord]:
         """Every engine takes part in every transfer: the trainer's group spans them all."""
@@ -122,29 +107,38 @@ class WeightSync:
             )
         return self.registry.records
 
-    # -- the update's phases ---------------------------------------------------
-    def _enter(self, phase: Phase, *, awaiting_trainer: bool = True) -> None:
-        """Move to ``phase``; outside IDLE, and unless a call is under way, the trainer's next
-        call is due within the silence limit."""
-        self._call_started()
-        if phase is not self.phase:
-            log.info("weight update: %s -> %s", self.phase.value, phase.value)
-        self.phase = phase
-        if phase is not Phase.IDLE and awaiting_trainer:
-            self._silence_timer = asyncio.get_running_loop().call_later(self._silence_limit_s, self._trainer_silent)
-
-    def _call_started(self) -> None:
+    # -- the update's phases -------------------------------------------------------------
+    def trainer_arrived(self) -> None:
+        """The trainer's silence (and the timer that would end the update) is over."""
         if self._silence_timer is not None:
             self._silence_timer.cancel()
             self._silence_timer = None
+
+    def _set_phase(self, phase: Phase) -> None:
+        if phase is not self.phase:
+            log.info("weight update: %s -> %s", self.phase.value, phase.value)
+        self.phase = phase
+
+    def await_trainer(self) -> None:
+        """A trainer's call is over: during an update, its next one is due within the silence limit."""
+        self.trainer_arrived()
+        if self.phase is not Phase.IDLE:
+            self._silence_timer = asyncio.get_running_loop().call_later(self._silence_limit_s, self._trainer_silent)
 
     def _trainer_silent(self) -> None:
         self._silence_timer = None
         reason = f"the trainer sent nothing for {self._silence_limit_s:.0f}s during a weight update ({self.phase.value})"
         log.error("%s: aborting it", reason)
-        if self.phase is Phase.RECEIVING:
-            self._abandon(reason)
-        self._enter(Phase.IDLE)
+        asyncio.create_task(self._abandon(self.phase, reason))
+
+    async def _abandon(self, phase: Phase, reason: str) -> None:
+        async with self.registry.lock:
+            if self.phase is not phase or self._silence_timer is not None:
+                return  # the trainer came back meanwhile, or the update ended
+            if phase is Phase.RECEIVING:
+                await self._abort(reason)
+            else:
+                await self._end()  # no engine had begun it
 
     def _refuse_unless(self, *phases: Phase) -> None:
         if self.phase not in phases:
@@ -155,52 +149,56 @@ class WeightSync:
             }[self.phase]
             raise SyncError(409, f"{hint} (an update the trainer leaves for {self._silence_limit_s:.0f}s is aborted)")
 
-    # -- init ----------------------------------------------------------------
+    # -- init ------------------------------------------------------------------------------
     async def init(self, init_info: dict) -> dict:
-        if init_info.keys() <= {"packed"}:
-            raise SyncError(400, IPC_REFUSAL)
-        info = GlooInitInfo.parse(init_info, ("init_info",))
-        try:
-            layout = RankLayout.build(
-                info.rank_offset, info.world_size, (self.workers_per_engine,) * len(self.registry.records)
-            )
-        except LayoutError as exc:
-            raise SyncError(400, str(exc)) from None
-        timeout_s = self.timeout_s if info.timeout_s is None else info.timeout_s
-        await _check_trainer_address(info)
-        if self.phase is Phase.STARTED:
-            # A new group means a new trainer; the old one's update had not touched any engine.
-            log.warning("a trainer formed a new group during a started update: that update is dropped")
-            self._enter(Phase.IDLE)
-        self._refuse_unless(Phase.IDLE)
+        plan = await self.transport.plan_init(init_info)
         async with self.registry.lock:
+            if self.phase is not Phase.IDLE:
+                # A trainer that sets up a transfer is a new one: the update the old one left is
+                # abandoned rather than waited out (engines that had begun it are held out as stale).
+                log.warning("a trainer set up a transfer during an update (%s): that update is abandoned", self.phase.value)
+                if self.phase is Phase.RECEIVING:
+                    await self._abort("a trainer set up a new transfer")
+                else:
+                    await self._end()
             records = self._engines()
+            # A group formed before is shut down first: vLLM's nccl backend would leak its communicator.
+            await self._leave(records)
             replies = await asyncio.gather(
-                *(
-                    call_engine(
-                        r,
-                        "/init_weight_transfer",
-                        timeout_s=timeout_s + 30,
-                        query={"timeout_s": str(timeout_s)},
-                        body={"init_info": {**init_info, "rank_offset": layout.rank_offset(i)}},
-                    )
-                    for i, r in enumerate(records)
-                )
+                *(self._init_engine(r, info, plan.timeout_s) for r, info in zip(records, plan.engine_init_infos))
             )
             for record, reply in zip(records, replies):
                 record.in_transfer_group = reply.ok
-            self._silence_limit_s = timeout_s
+            self._silence_limit_s = plan.timeout_s
+            self._colocated_init = None if self.transport.transport.group else plan.engine_init_infos[0]
+            self.transport.update_ended()
         self._raise_if_failed("init_weight_transfer", replies)
-        return {"status": "joined", "world_size": info.world_size, "rank_offsets": [layout.rank_offset(i) for i in range(len(records))]}
+        return {"status": "joined" if self.transport.transport.group else "ready", **plan.answer}
 
-    # -- one update ------------------------------------------------------------
-    def check_metadata(self, update_info: dict) -> UpdateMetadata:
+    @staticmethod
+    async def _init_engine(record: EngineRecord, init_info: dict, timeout_s: float) -> EngineReply:
+        return await call_engine(
+            record, "/init_weight_transfer", timeout_s=timeout_s + 30, query={"timeout_s": str(timeout_s)},
+            body={"init_info": init_info},
+        )  # fmt: skip
+
+    async def rejoin(self, record: EngineRecord) -> None:
+        """A new engine process takes a colocated transport's settings (there is no group to join),
+        so that the next push reaches it like the others. Called with the registry's lock held."""
+        if self._colocated_init is None:
+            return
+        reply = await self._init_engine(record, self._colocated_init, self.timeout_s)
+        if not reply.ok:
+            raise RuntimeError(f"setting up the weight transfer failed: {reply.message}")
+        record.in_transfer_group = True
+
+    # -- one update ------------------------------------------------------------------------
+    def check_metadata(self, update_info: dict, *, carries_data: bool = True) -> UpdateMetadata:
         """Refuse (400) metadata that is malformed or does not fit the served checkpoint, before any byte moves."""
-        meta = UpdateMetadata.parse(update_info, ("update_info",))
-        dtypes = {r.model_dtype for r in self.registry.records if r.model_dtype}
-        if self._spec is not None and dtypes:
+        meta = self.transport.parse_update(update_info, carries_data=carries_data)
+        if self._spec is not None:
             try:
-                self._spec.check(meta, dtypes.pop())
+                self._spec.check(meta)
             except ValueError as exc:
                 raise SyncError(400, f"update_info rejected before any transfer: {exc}") from None
         return meta
@@ -214,6 +212,11 @@ class WeightSync:
         """The engines, for a transfer outside a weight update (an adapter push): every one up
         and in the trainer's group."""
         self._refuse_unless(Phase.IDLE)
+        if not self.transport.transport.group:
+            raise SyncError(
+                400, "adapter pushes travel over a transfer group; a colocated server loads adapters from a path"
+                " (POST /v1/load_lora_adapter)",
+            )  # fmt: skip
         records = self._engines()
         self._check_group(records)
         return records
@@ -229,36 +232,58 @@ class WeightSync:
         self._refuse_unless(Phase.IDLE)
         self._check_group(self._engines())
         if update_info is not None:
-            self.check_metadata(update_info)
+            self.check_metadata(update_info, carries_data=False)
         self._push_started = time.monotonic()
-        self._enter(Phase.STARTED)
+        self._set_phase(Phase.STARTED)
         return {"status": "started"}
 
     async def update(self, update_info: dict, weight_version: str | None) -> dict:
         """Check, then receive on every engine. Without an open session: start and finish too."""
-        self.check_metadata(update_info)
-        one_shot = self.phase is Phase.IDLE
-        async with self.registry.lock:
-            records = self._engines()
-            self._check_group(records)
-            started = time.monotonic()
-            if self._push_started is None:
-                self._push_started = started
-            engines_started = self.phase is Phase.RECEIVING
-            self._enter(Phase.RECEIVING, awaiting_trainer=False)  # from the first byte on, weights are part new
-            replies = await gather_until_failure([(r, self._receive(r, update_info, engines_started)) for r in records])
-            self._settle("update_weights", replies, Phase.RECEIVING)
-            self.last_update_s = time.monotonic() - started
+        meta = self.check_metadata(update_info)
+        try:
+            one_shot = self.phase is Phase.IDLE
+            async with self.registry.lock:
+                self._refuse_unless(Phase.IDLE, Phase.STARTED, Phase.RECEIVING)
+                records = self._engines()
+                self._check_group(records)
+                started = time.monotonic()
+                if self._push_started is None:
+                    self._push_started = started
+                if self.phase is not Phase.RECEIVING:
+                    await self._begin(records)
+                replies = await gather_until_failure(
+                    [(r, call_engine(r, "/update_weights", timeout_s=self.timeout_s, body={"update_info": update_info}))
+                     for r in records]
+                )  # fmt: skip
+                await self._settle("update_weights", replies)
+                self.last_update_s = time.monotonic() - started
+        finally:
+            self.transport.update_sent(meta)
         if one_shot:
             return await self.finish(weight_version)
         return {"status": "updated", "engines": [rep.as_json() for rep in replies]}
 
-    async def _receive(self, record: EngineRecord, update_info: dict, engines_started: bool) -> EngineReply:
-        if not engines_started:
-            reply = await call_engine(record, "/start_weight_update", timeout_s=self.timeout_s)
-            if not reply.ok:
-                return reply
-        return await call_engine(record, "/update_weights", timeout_s=self.timeout_s, body={"update_info": update_info})
+    async def _begin(self, records: list[EngineRecord]) -> None:
+        """Open the update on every engine: engines that are running are paused for it first;
+        one whose weights are asleep refuses it (nothing is touched)."""
+        verdicts = [(r, push_verdict(r)) for r in records]
+        refused = [(r, v) for r, v in verdicts if v not in (APPLY, PAUSE_FOR_PUSH)]
+        if refused:
+            raise SyncError(409, "cannot start a weight update: " + "; ".join(f"engine {r.engine_id}: {v}" for r, v in refused))
+        running = [r for r, v in verdicts if v == PAUSE_FOR_PUSH]
+        paused = await asyncio.gather(*(call_engine(r, "/pause", timeout_s=self.timeout_s, query=_PAUSE_FOR_PUSH) for r in running))
+        for record, reply in zip(running, paused):
+            if reply.ok:
+                self.registry.record_call(record, "pause")
+                self._paused_for_push.append(record)
+        self._set_phase(Phase.RECEIVING)  # from here on, weights may be part new
+        if failed := failure("pausing engines for the push", paused):
+            await self._abort(failed[1])
+            raise SyncError(*failed, [rep.as_json() for rep in paused])
+        replies = await asyncio.gather(*(call_engine(r, "/start_weight_update", timeout_s=self.timeout_s) for r in records))
+        for record, reply in zip(records, replies):
+            record.receiving = reply.ok or reply.status >= 500  # one that did not answer may have started
+        await self._settle("start_weight_update", replies)
 
     async def finish(self, weight_version: str | None, verify: bool = False, expected: Checksums | None = None) -> dict:
         """Every engine finishes; with ``verify``, each is then held to ``expected`` (or to the
@@ -267,63 +292,95 @@ class WeightSync:
         version = weight_version if weight_version is not None else f"update-{int(time.time())}"
         async with self.registry.lock:
             records = self._engines()
-            self._call_started()
             replies = await asyncio.gather(
                 *(
                     call_engine(r, "/finish_weight_update", timeout_s=self.timeout_s, body={"weight_version": version})
                     for r in records
                 )
             )
-            self._settle("finish_weight_update", replies, Phase.IDLE)
+            await self._settle("finish_weight_update", replies)
             self.registry.fleet_weight_version = version
             if self._push_started is not None:
                 self.metrics.push_seconds.observe(time.monotonic() - self._push_started)
                 self._push_started = None
             for record in records:
                 record.weight_version = version
+                record.receiving = False
                 if record.up:
-                    self.registry.set_conditions(record, stale=False)
+                    self.registry.set_stale(record, None)
             self._agreed = None
-            if verify:
-                verdict, checked = await self._verify(records, expected)
-                self._raise_unless_verified(verdict, checked)
+            try:
+                if verify:
+                    verdict, checked = await self._verify(records, expected)
+                    self._raise_unless_verified(verdict, checked)
+            finally:
+                await self._end()
         log.info("weight version %s on %d engine(s)%s", version, len(records), ", verified" if verify else "")
         answer = {"status": "finished", "weight_version": version, "engines": [rep.as_json() for rep in replies]}
         return {**answer, "verified": True} if verify else answer
 
-    def _settle(self, step: str, replies: list[EngineReply], next_phase: Phase) -> None:
-        """Move on after a transfer step, or abort the whole update if any engine failed it."""
+    async def _settle(self, step: str, replies: list[EngineReply]) -> None:
+        """Go on after a step, or abort the whole update if any engine failed it."""
         failed = failure(step, replies)
-        if failed is not None:
-            self._abandon(failed[1])
-            self._enter(Phase.IDLE)
-            raise SyncError(*failed, [rep.as_json() for rep in replies])
-        self._enter(next_phase)
+        if failed is None:
+            return
+        await self._abort(failed[1])
+        raise SyncError(*failed, [rep.as_json() for rep in replies])
 
-    def _abandon(self, reason: str) -> None:
-        """Every engine that took part may hold part-new weights: all are restarted and serve
-        nothing (stale) until the next push. The group is broken for everyone."""
+    async def _abort(self, reason: str) -> None:
+        """End the update on every engine that may have begun it: each keeps its process and serves
+        nothing (stale) until the next push; one that cannot even end it is restarted. Called with
+        the registry's lock held."""
         self.metrics.push_failures.inc()
         self._push_started = None
-        for record in self.registry.records:
-            record.in_transfer_group = False
-            if record.up:
-                # A restart takes half a minute: it runs beside this call, which reports the failure now.
-                self._restart(record, f"weight update aborted: {reason}")
+        began = [r for r in self.registry.records if r.receiving]
+        # An engine still inside a broken collective answers once the group's own timeout ends it.
+        timeout_s = self._silence_limit_s + 30 if self.transport.transport.group else self.timeout_s
+        replies = await asyncio.gather(*(call_engine(r, "/abort_weight_update", timeout_s=timeout_s) for r in began))
+        for record, reply in zip(began, replies):
+            record.receiving = False
+            if not record.up:
+                continue
+            if reply.ok:
+                self.registry.set_stale(record, ABORTED)
+            else:
+                self._restart(record, f"a weight update was aborted ({reason}) and the engine could not end it: {reply.message}")
+        if self.transport.transport.group:
+            # Whatever broke the update broke the collective: the trainer must form a new group.
+            for record in self.registry.records:
+                record.in_transfer_group = False
+        log.error("weight update aborted: %s; %d engine(s) held out until the next push", reason, len(began))
+        await self._end()
+
+    async def _end(self) -> None:
+        """An update is over, however: engines it paused run again, its segments go."""
+        self.trainer_arrived()
+        self._set_phase(Phase.IDLE)
+        paused, self._paused_for_push = self._paused_for_push, []
+        resumable = [r for r in paused if r.up and r.residency.paused and not r.residency.sleeping and not r.receiving]
+        if not self.registry.intent.paused:
+            replies = await asyncio.gather(*(call_engine(r, "/resume", timeout_s=self.timeout_s) for r in resumable))
+            for record, reply in zip(resumable, replies):
+                if reply.ok and record.up:
+                    self.registry.record_call(record, "resume")
+                elif record.up:
+                    log.warning("engine %d: resuming after the push failed: %s", record.engine_id, reply.message)
+        if removed := self.transport.update_ended():
+            log.info("removed %d shared-memory segment(s) the trainer left", len(removed))
 
     def _raise_if_failed(self, step: str, replies: list[EngineReply]) -> None:
         failed = failure(step, replies)
         if failed is not None:
             raise SyncError(*failed, [rep.as_json() for rep in replies])
 
-    # -- relabelling -------------------------------------------------------------
+    # -- relabelling -------------------------------------------------------------------
     async def relabel(self, new_version: str) -> dict:
         """vLLM's ``/update_weight_version`` for the fleet. Stale engines hold other weights than
         the fleet's, so they keep their own label (and stay stale); an engine that fails to take
         the new one is held out as stale too, so that no answer carries a label its weights lack."""
         self._refuse_unless(Phase.IDLE)
         async with self.registry.lock:
-            current = [r for r in self._engines() if not r.stale]
+            current = [r for r in self._engines() if r.stale is None]
             replies = await asyncio.gather(
                 *(call_engine(r, "/update_weight_version", timeout_s=self.timeout_s, body={"new_version": new_version})
                   for r in current)  # fmt: skip
@@ -332,14 +389,14 @@ class WeightSync:
                 if reply.ok:
                     record.weight_version = new_version
                 elif record.up:
-                    self.registry.set_conditions(record, stale=True)
+                    self.registry.set_stale(record, f"it could not take the fleet's new label {new_version!r}")
             if (known := self._known()) is not None:
                 self._agreed = (new_version, known)
             self.registry.fleet_weight_version = new_version
         self._raise_if_failed("update_weight_version", replies)
         return {"status": "relabelled", "weight_version": new_version, "engines": [rep.as_json() for rep in replies]}
 
-    # -- verifying -----------------------------------------------------------------
+    # -- verifying ----------------------------------------------------------------------
     async def _weight_checker(self, records: list[EngineRecord], action: str) -> list[EngineReply]:
         return await asyncio.gather(
             *(call_engine(r, "/weight_checker", timeout_s=self.timeout_s, body={"action": action}) for r in records)
@@ -362,7 +419,8 @@ class WeightSync:
         verdict, checked = await self._judge(records, expected or self._known())
         for record in records:
             if record.engine_id in verdict.disagreeing and record.up:
-                self.registry.set_conditions(record, stale=True)
+                differing = len(verdict.differing[record.engine_id])
+                self.registry.set_stale(record, f"its weights differ from the fleet's in {differing} tensor(s) (weight_checker)")
         if verdict.reference is not None and len(verdict.disagreeing) < len(verdict.differing):
             self._agreed = (self.registry.fleet_weight_version, verdict.reference)
         return verdict, checked
@@ -397,7 +455,7 @@ class WeightSync:
         async with self.registry.lock:
             if request.action == "reset":
                 return await self._reset_weights()
-            current = [r for r in self.registry.up() if not r.stale]
+            current = [r for r in self.registry.up() if r.stale is None]
             if request.action == "checksum":
                 verdict, checked = await self._verify(current, None)
                 agree = not verdict.disagreeing and all(c["status"] == 200 for c in checked)
@@ -415,28 +473,35 @@ class WeightSync:
         # A failed reset may have zeroed part of the weights: those engines are held out too.
         for record in records:
             if record.up:
-                self.registry.set_conditions(record, stale=True)
+                self.registry.set_stale(record, "its weights were zeroed (weight_checker reset): push before it serves")
         self._raise_if_failed("weight_checker reset", replies)
         return {"status": "reset", "held_out": [r.engine_id for r in records], "engines": [rep.as_json() for rep in replies]}
 
-    # -- leaving the group -------------------------------------------------------
+    # -- leaving the group -----------------------------------------------------------------
+    async def _leave(self, records: list[EngineRecord]) -> list[EngineReply]:
+        members = [r for r in records if r.up and r.in_transfer_group]
+        replies = await asyncio.gather(
+            *(call_engine(r, "/shutdown_weight_transfer_engine", timeout_s=self.timeout_s) for r in members)
+        )
+        for record in records:
+            record.in_transfer_group = False
+        return replies
+
     async def shutdown(self) -> dict:
         """vLLM's ``/shutdown_weight_transfer_engine``: every engine leaves the trainer's group."""
         self._refuse_unless(Phase.IDLE, Phase.STARTED)
-        self._enter(Phase.IDLE)
+        self._set_phase(Phase.IDLE)
         async with self.registry.lock:
-            members = [r for r in self.registry.up() if r.in_transfer_group]
-            replies = await asyncio.gather(
-                *(call_engine(r, "/shutdown_weight_transfer_engine", timeout_s=self.timeout_s) for r in members)
-            )
-            for record in self.registry.records:
-                record.in_transfer_group = False
+            replies = await self._leave(self.registry.records)
+            self._colocated_init = None
+            self.transport.update_ended()
         self._raise_if_failed("shutdown_weight_transfer_engine", replies)
         return {"status": "left", "engines": [rep.as_json() for rep in replies]}
 
     def info(self) -> dict:
         return {
             "weight_version": self.registry.fleet_weight_version,
+            "transport": self.transport.transport.name,
             "update_in_progress": self.phase is not Phase.IDLE,
             "update_phase": self.phase.value,
             "last_update_seconds": self.last_update_s,
@@ -444,7 +509,8 @@ class WeightSync:
             "adapters": {name: adapter.version for name, adapter in self.registry.fleet_adapters.items()},
             "engines": [
                 {"engine": r.engine_id, "weight_version": r.weight_version, "state": r.state.value,
-                 "in_transfer_group": r.in_transfer_group, "adapters": dict(r.adapters)}  # fmt: skip
+                 "stale_reason": r.stale, "receiving": r.receiving, "in_transfer_group": r.in_transfer_group,
+                 "adapters": dict(r.adapters)}  # fmt: skip
                 for r in self.registry.records
             ],
         }
@@ -454,12 +520,20 @@ WEIGHT_SYNC = web.AppKey("weight_sync", WeightSync)
 
 
 def _sync_route(request_type: type[WireModel], handler: Callable[[WeightSync, Any], Awaitable[dict]]):
+    async def call(sync: WeightSync, body: Any) -> dict:
+        # The trainer is here: no silence while its call runs, or waits for the registry's lock.
+        sync.trainer_arrived()
+        try:
+            return await handler(sync, body)
+        finally:
+            sync.await_trainer()
+
     async def route(request: web.Request) -> web.Response:
         raw = await request.read()
         body = request_type.parse(parse_json_object(raw) if raw else {})
         # Shielded: a trainer that dies mid-call must not cancel the
-        # bookkeeping (restarting engines whose transfer broke).
-        return json_response(await asyncio.shield(handler(request.app[WEIGHT_SYNC], body)))
+        # bookkeeping (ending the update on engines whose transfer broke).
+        return json_response(await asyncio.shield(call(request.app[WEIGHT_SYNC], body)))
 
     return route
 

@@ -16,7 +16,9 @@ from collections.abc import Iterable, Iterator
 import attrs
 import torch
 
-DEFAULT_BUFFER_SIZE_BYTES = 1024 * 1024 * 1024  # vLLM's default
+from .protocol import DEFAULT_BUFFER_SIZE_BYTES, DTYPE_SIZES
+
+__all__ = ["DEFAULT_BUFFER_SIZE_BYTES", "TensorMeta", "dtype_from_name", "dtype_name", "pack", "plan_chunks", "unpack"]
 
 
 @attrs.frozen
@@ -31,11 +33,12 @@ class TensorMeta:
 
 
 def dtype_from_name(name: str) -> torch.dtype:
-    """``"bfloat16"`` (as vLLM's ``dtype_names`` carry it) to ``torch.bfloat16``."""
-    dtype = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
+    """``"bfloat16"`` (as vLLM's ``dtype_names`` carry it) to ``torch.bfloat16``; only the dtypes a
+    push may carry (``protocol.DTYPE_SIZES``)."""
+    name = name.removeprefix("torch.")
+    if name not in DTYPE_SIZES:
         raise ValueError(f"unknown dtype {name!r}")
-    return dtype
+    return getattr(torch, name)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -1,0 +1,50 @@
+"""How weights travel from a trainer into the engines: one module per transport, each holding both
+of its sides (the trainer's sender and the engine's receiver), like vLLM's ``nccl_engine.py``.
+
+=========  ==============================  ===================  ======================================
+transport  when                            vLLM backend         trainer side
+=========  ==============================  ===================  ======================================
+gloo       separate devices, CPU           ``skyinfer_gloo``    ``skyinfer.trainer.GlooTrainer``
+nccl       separate devices, GPU           ``nccl`` (vLLM's)    vLLM's NCCL trainer engine
+shm        colocated (``--colocate``), CPU  ``skyinfer_shm``     ``skyinfer.trainer.SharedMemoryTrainer``
+ipc        colocated (``--colocate``), GPU  ``skyinfer_ipc``     ``skyinfer.trainer.IPCTrainer``
+=========  ==============================  ===================  ======================================
+
+gloo and nccl form a process group between the trainer (rank 0) and every engine's workers;
+shm and ipc need none: the trainer's memory is mapped by the engines (a POSIX shared-memory
+segment, CUDA IPC handles). What the updates carry is declared once, in ``protocol``; this
+module and ``protocol`` import neither torch nor vLLM, so the front can use them.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+
+@attrs.frozen
+class Transport:
+    name: str
+    # The weight-transfer backend every engine runs (vLLM's --weight-transfer-config).
+    backend: str
+    # Whether /init_weight_transfer forms a process group with the trainer (a rendezvous).
+    group: bool
+    # What a trainer pushes with, for messages that tell a user which side to use.
+    trainer: str
+
+
+GLOO = Transport("gloo", "skyinfer_gloo", True, "skyinfer.trainer.GlooTrainer")
+NCCL = Transport("nccl", "nccl", True, "vLLM's NCCLTrainerWeightTransferEngine")
+SHM = Transport("shm", "skyinfer_shm", False, "skyinfer.trainer.SharedMemoryTrainer")
+IPC = Transport("ipc", "skyinfer_ipc", False, "skyinfer.trainer.IPCTrainer (or vLLM's IPC trainer engine)")
+
+
+def transport_for(device_kind: str, colocate: bool) -> Transport:
+    """The transport a server's engines receive with: colocated engines map the trainer's memory,
+    separate ones join a process group."""
+    if device_kind == "cuda":
+        return IPC if colocate else NCCL
+    return SHM if colocate else GLOO
+
+
+# The backends skyinfer registers into vLLM in every worker (engine/worker_extension.py).
+SKYINFER_BACKENDS = (GLOO.backend, SHM.backend, IPC.backend)

@@ -1,0 +1,310 @@
+"""What a weight update carries, per transport: the ``init_info`` and ``update_info`` bodies as typed
+models, checked field by field. The front checks every body with these before any engine touches a
+weight; the engines' receivers parse with the same models; the trainers build what they describe.
+Imports neither torch nor vLLM.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import math
+import os
+import re
+import secrets
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, Field, model_validator
+from typing_extensions import Self
+
+from ..wire import NonEmptyStr, WireModel
+
+# The dtypes a pushed tensor may have, by the name vLLM's ``dtype_names`` use, with their sizes.
+DTYPE_SIZES: dict[str, int] = {
+    "float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "int8": 1, "uint8": 1, "int16": 2, "int32": 4, "int64": 8, "bool": 1,
+}  # fmt: skip
+FLOATING = frozenset(n for n in DTYPE_SIZES if n.startswith(("float", "bfloat")))
+
+Dim = Annotated[int, Field(ge=0, strict=True)]
+# vLLM's default packed buffer (its packed_tensor module): 1 GiB.
+DEFAULT_BUFFER_SIZE_BYTES = 1024**3
+
+
+def _known_dtype(name: str) -> str:
+    if name not in DTYPE_SIZES:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {', '.join(DTYPE_SIZES)}")
+    return name
+
+
+DtypeName = Annotated[str, AfterValidator(_known_dtype)]
+
+
+class UpdateMetadata(WireModel):
+    """vLLM's ``update_info`` core: which tensors a transfer carries, in order."""
+
+    names: Annotated[list[str], Field(min_length=1)]
+    dtype_names: list[DtypeName]
+    shapes: list[list[Dim]]
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        if not len(self.names) == len(self.dtype_names) == len(self.shapes):
+            raise ValueError(
+                f"update_info lists differ in length: {len(self.names)} names, {len(self.dtype_names)} dtype_names,"
+                f" {len(self.shapes)} shapes"
+            )
+        if len(set(self.names)) != len(self.names):
+            raise ValueError("update_info names a tensor twice")
+        return self
+
+    def nbytes(self, i: int) -> int:
+        return math.prod(self.shapes[i]) * DTYPE_SIZES[self.dtype_names[i]]
+
+
+# How long a trainer may be silent during an update before the server abandons it (and, for
+# a group, how long its collectives may take).
+SilenceLimit = Annotated[float, Field(gt=0, le=3600)]
+
+
+# -- a process group (gloo, nccl) ---------------------------------------------------
+
+
+class GroupInitInfo(WireModel):
+    """The trainer's side of the rendezvous: where rank 0 listens (or NCCL's own unique id, for
+    a torch-free trainer), and the group's size."""
+
+    master_address: NonEmptyStr | None = None
+    master_port: Annotated[int, Field(ge=1, le=65535, strict=True)] | None = None
+    nccl_unique_id_b64: NonEmptyStr | None = None
+    world_size: Annotated[int, Field(description="1 + GET /get_world_size for a single trainer")]
+    # Both checked against this server's workers by the rank layout.
+    rank_offset: int = 1
+    # Bounds the rendezvous and every later collective (the server's --weight-transfer-timeout if absent).
+    timeout_s: SilenceLimit | None = None
+    # Packing many tensors into few broadcasts, by vLLM's rule (transfer/packing.py).
+    packed: bool = False
+    packed_buffer_size_bytes: Annotated[int, Field(ge=1, strict=True)] = DEFAULT_BUFFER_SIZE_BYTES
+    # Accepted as vLLM's nccl backend takes it; gloo has no streams to overlap.
+    packed_num_buffers: Annotated[int, Field(ge=1, strict=True)] = 2
+
+    @model_validator(mode="after")
+    def _one_rendezvous(self) -> Self:
+        by_store = self.master_address is not None or self.master_port is not None
+        if by_store == (self.nccl_unique_id_b64 is not None):
+            raise ValueError(
+                "init_info needs master_address and master_port (a TCP rendezvous), or nccl_unique_id_b64 (NCCL's"
+                " own, for a torch-free trainer), not both and not neither"
+            )
+        if by_store and (self.master_address is None or self.master_port is None):
+            raise ValueError("init_info needs both master_address and master_port")
+        return self
+
+
+class GroupUpdateInfo(UpdateMetadata):
+    # None: as agreed at init.
+    packed: bool | None = None
+
+
+# -- shared memory (colocated, CPU) ----------------------------------------------------
+
+SEGMENT_DIR = "/dev/shm"
+# skyinfer-<server token>-<segment id>: the server's token is handed out at init, so that the
+# server finds (and removes) every segment its trainers made, and nothing else.
+_SEGMENT_NAME = re.compile(r"^skyinfer-[0-9a-f]{8}-[0-9a-f]{32}$")
+# What a segment's bytes are aligned to: any dtype's size, and a cache line.
+SEGMENT_ALIGNMENT = 64
+
+
+def new_server_token() -> str:
+    return secrets.token_hex(4)
+
+
+def segment_prefix(server_token: str) -> str:
+    return f"skyinfer-{server_token}-"
+
+
+def segment_path(name: str) -> str:
+    return os.path.join(SEGMENT_DIR, name)
+
+
+def _segment_name(name: str) -> str:
+    if not _SEGMENT_NAME.match(name):
+        raise ValueError(
+            "a segment name is skyinfer-<server token>-<32 hex digits> (the prefix POST /init_weight_transfer"
+            " answers), no path"
+        )
+    return name
+
+
+SegmentName = Annotated[str, AfterValidator(_segment_name)]
+
+
+class SharedMemoryInitInfo(WireModel):
+    """Nothing for the engines to agree on: they map whatever segment an update names."""
+
+    timeout_s: SilenceLimit | None = None
+
+
+class SharedMemoryUpdateInfo(UpdateMetadata):
+    """Tensors laid out in one POSIX shared-memory segment: each at its byte offset, C-contiguous."""
+
+    segment: SegmentName
+    offsets: list[Dim]
+
+    @model_validator(mode="after")
+    def _laid_out(self) -> Self:
+        if len(self.offsets) != len(self.names):
+            raise ValueError(f"update_info has {len(self.offsets)} offsets for {len(self.names)} tensors")
+        for i, offset in enumerate(self.offsets):
+            if offset % DTYPE_SIZES[self.dtype_names[i]]:
+                raise ValueError(f"offset {offset} of {self.names[i]!r} is not aligned to its dtype's size")
+        return self
+
+    def end(self) -> int:
+        """The segment size the layout needs."""
+        return max(offset + self.nbytes(i) for i, offset in enumerate(self.offsets))
+
+    def check_segment(self, prefix: str) -> None:
+        """Raise ValueError unless the named segment is this server's and holds every tensor."""
+        if not self.segment.startswith(prefix):
+            raise ValueError(f"segment {self.segment!r} is not this server's: its names begin {prefix!r}")
+        try:
+            size = os.stat(segment_path(self.segment)).st_size
+        except FileNotFoundError:
+            raise ValueError(f"segment {self.segment!r} does not exist (already removed, or never written)") from None
+        if self.end() > size:
+            raise ValueError(f"the tensors end at byte {self.end()}, past the end of segment {self.segment!r} ({size} bytes)")
+
+
+def remove_segments(prefix: str, keep: str | None = None) -> list[str]:
+    """Remove every segment whose name begins ``prefix`` (but ``keep``); the names removed."""
+    removed = []
+    try:
+        names = os.listdir(SEGMENT_DIR)
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        if name.startswith(prefix) and name != keep:
+            try:
+                os.unlink(segment_path(name))
+                removed.append(name)
+            except FileNotFoundError:
+                pass
+    return removed
+
+
+# -- CUDA IPC (colocated, GPU) -----------------------------------------------------------
+
+# torch's rebuild_cuda_tensor takes classes and a dtype; the JSON form names them from these.
+TENSOR_CLASSES = ("Tensor", "Parameter")
+STORAGE_CLASSES = ("TypedStorage", "UntypedStorage")
+# A device's UUID as torch prints it, with or without NVML's GPU-/MIG- prefix.
+_DEVICE_UUID = re.compile(r"^(?:(?:GPU|MIG)-)?[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$")
+# CUDA's IPC handles are 64 bytes; torch's ref-counter handle is a shared-memory file name.
+_MAX_HANDLE_BYTES = 512
+
+
+def _base64_bytes(value: str) -> str:
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError("is not standard base64") from None
+    if not 0 < len(raw) <= _MAX_HANDLE_BYTES:
+        raise ValueError(f"decodes to {len(raw)} bytes; a handle has 1 to {_MAX_HANDLE_BYTES}")
+    return value
+
+
+Base64Handle = Annotated[str, AfterValidator(_base64_bytes)]
+
+
+def _device_uuid(value: str) -> str:
+    if not _DEVICE_UUID.match(value):
+        raise ValueError(f"{value[:60]!r} is not a GPU UUID")
+    return value
+
+
+DeviceUuid = Annotated[str, AfterValidator(_device_uuid)]
+
+
+class IpcHandle(WireModel):
+    """The arguments of torch's ``rebuild_cuda_tensor``, as JSON: what ``reduce_tensor`` gives for
+    one CUDA tensor, bytes in base64 and classes by name."""
+
+    tensor_class: Literal[TENSOR_CLASSES]  # type: ignore[valid-type]
+    size: Annotated[list[Dim], Field(max_length=16)]
+    stride: Annotated[list[Dim], Field(max_length=16)]
+    offset: Dim
+    storage_class: Literal[STORAGE_CLASSES]  # type: ignore[valid-type]
+    dtype: DtypeName
+    device: Annotated[int, Field(ge=0, lt=1024, strict=True)]
+    storage_handle: Base64Handle
+    storage_size_bytes: Dim
+    storage_offset_bytes: Dim
+    requires_grad: bool = False
+    ref_counter_handle: Base64Handle
+    ref_counter_offset: Dim
+    event_handle: Base64Handle | None = None
+    event_sync_required: bool = False
+
+    @model_validator(mode="after")
+    def _fits_its_storage(self) -> Self:
+        if len(self.size) != len(self.stride):
+            raise ValueError(f"size {self.size} and stride {self.stride} differ in length")
+        if self.event_sync_required and self.event_handle is None:
+            raise ValueError("event_sync_required without an event_handle")
+        last = self.offset + sum((n - 1) * s for n, s in zip(self.size, self.stride) if n)
+        if math.prod(self.size) and (last + 1) * DTYPE_SIZES[self.dtype] > self.storage_size_bytes:
+            raise ValueError(f"the tensor reaches past its storage ({self.storage_size_bytes} bytes)")
+        return self
+
+
+# One tensor's handles: for each GPU (by UUID) that holds a copy, the handle to it.
+HandlesByDevice = Annotated[dict[DeviceUuid, IpcHandle], Field(min_length=1)]
+
+
+class IpcInitInfo(WireModel):
+    """vLLM's ipc init_info: no rendezvous, only whether updates come packed (and skyinfer's
+    trainer's silence limit, which only the front reads)."""
+
+    packed: bool = False
+    timeout_s: SilenceLimit | None = None
+
+
+class IpcUpdateInfo(UpdateMetadata):
+    """vLLM's ipc update_info with skyinfer's JSON handles (``ipc_handles``: per tensor, or one for
+    a packed buffer), or vLLM's pickled ones (``ipc_handles_pickled``), which only a server started
+    with --allow-pickled-ipc takes."""
+
+    ipc_handles: list[HandlesByDevice] | HandlesByDevice | None = None
+    ipc_handles_pickled: NonEmptyStr | None = None
+    # Packed: each tensor's bytes within the one buffer.
+    tensor_sizes: list[Dim] | None = None
+
+    @model_validator(mode="after")
+    def _handles(self) -> Self:
+        if (self.ipc_handles is None) == (self.ipc_handles_pickled is None):
+            raise ValueError("update_info needs ipc_handles (JSON) or ipc_handles_pickled, exactly one")
+        if isinstance(self.ipc_handles, list):
+            if len(self.ipc_handles) != len(self.names):
+                raise ValueError(f"update_info has {len(self.ipc_handles)} ipc_handles for {len(self.names)} tensors")
+            for i, by_device in enumerate(self.ipc_handles):
+                for handle in by_device.values():
+                    if handle.size != self.shapes[i] or handle.dtype != self.dtype_names[i]:
+                        raise ValueError(
+                            f"the handle of {self.names[i]!r} is {handle.dtype} {handle.size}; update_info says"
+                            f" {self.dtype_names[i]} {self.shapes[i]}"
+                        )
+        elif isinstance(self.ipc_handles, dict):
+            if self.tensor_sizes is None or len(self.tensor_sizes) != len(self.names):
+                raise ValueError("a packed update (one handle for the buffer) needs tensor_sizes, one per tensor")
+            if any(self.tensor_sizes[i] != self.nbytes(i) for i in range(len(self.names))):
+                raise ValueError("tensor_sizes disagree with the tensors' dtypes and shapes")
+            for handle in self.ipc_handles.values():
+                if handle.storage_size_bytes < sum(self.tensor_sizes):
+                    raise ValueError("the packed buffer is smaller than the tensors it carries")
+        return self
+
+    @property
+    def pickled(self) -> bool:
+        return self.ipc_handles_pickled is not None

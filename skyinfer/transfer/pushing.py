@@ -1,0 +1,100 @@
+"""What every trainer helper shares: the server's client, a push's HTTP calls and their order.
+
+A push is three calls however many tensors: start (the server checks the metadata against the
+served checkpoint before any byte moves), update (the transport moves the bytes while it is in
+flight), finish (the new version is served). With ``one_call`` a single ``/update_weights`` does
+all three. The HTTP side is ``skyinfer.client.Client``, which also satisfies vLLM's
+``VLLMWeightSyncClient`` protocol; ``sync_client=`` makes the calls through any client of that
+protocol instead (vLLM's ``HTTPVLLMWeightSyncClient``), in the protocol's shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from ..client import Client
+from .packing import dtype_name
+
+NamedTensors = Iterable[tuple[str, torch.Tensor]]
+
+
+def tensor_list(tensors: Sequence[tuple[str, torch.Tensor]]) -> dict:
+    """vLLM's update_info core for ``tensors``: names, dtype names, shapes."""
+    return {
+        "names": [name for name, _ in tensors],
+        "dtype_names": [dtype_name(t.dtype) for _, t in tensors],
+        "shapes": [list(t.shape) for _, t in tensors],
+    }
+
+
+class Trainer:
+    """A trainer's side of one skyinfer server (or, for the group transports, several nodes)."""
+
+    def __init__(
+        self,
+        base_url: str | Sequence[str],
+        *,
+        admin_key: str | None = None,
+        timeout_s: float = 120.0,
+        client: Client | None = None,
+        # A client of vLLM's VLLMWeightSyncClient protocol to make the push's calls instead.
+        sync_client: object | None = None,
+    ):
+        self.client = client or Client(base_url, admin_key=admin_key, timeout_s=timeout_s + 60)
+        self._calls = self.client if sync_client is None else ProtocolCalls(sync_client)
+        self.timeout_s = timeout_s
+
+    def close(self) -> None:
+        """Close the HTTP connections."""
+        self.client.close()
+
+    def push(self, named_tensors: NamedTensors, version: str, one_call: bool = False, verify: bool = False) -> None:
+        """Send the tensors to every engine; afterwards they serve ``version``.
+
+        ``one_call`` uses a single ``/update_weights`` (skyinfer starts and finishes the update
+        itself). ``verify`` has the engines' weights checked against each other at the finish:
+        one that differs is held out and the push raises.
+        """
+        if one_call and verify:
+            raise ValueError("verify needs the finish call: push with one_call=False")
+        tensors = self._prepare(named_tensors)
+        metadata = tensor_list(tensors)
+        if not one_call:
+            self._calls.start_weight_update(metadata)  # a refusal here: nothing moved
+        self._send(tensors, metadata, version if one_call else None)
+        if not one_call:
+            self._calls.finish_weight_update(version, verify)
+
+    def _prepare(self, named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
+        """The tensors as the transport sends them."""
+        raise NotImplementedError
+
+    def _send(self, tensors: list[tuple[str, torch.Tensor]], metadata: dict, one_call_version: str | None) -> None:
+        """Move the bytes, making the ``/update_weights`` call(s) they travel with."""
+        raise NotImplementedError
+
+
+class ProtocolCalls:
+    """A push's calls made through a client of vLLM's ``VLLMWeightSyncClient`` protocol, whose
+    start carries no metadata (the front then checks it at the update) and whose finish has no verify."""
+
+    def __init__(self, client):
+        self._client = client
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self._client.init_weight_transfer_engine(init_info)
+
+    def start_weight_update(self, _update_info: dict) -> None:
+        self._client.start_weight_update()
+
+    def update_weights(self, update_info: dict, weight_version: str | None = None) -> None:
+        if weight_version is not None:
+            raise ValueError("a one-call push needs skyinfer's client: vLLM's update_weights takes no version")
+        self._client.update_weights(update_info)
+
+    def finish_weight_update(self, weight_version: str, verify: bool) -> None:
+        if verify:
+            raise ValueError("a verified push needs skyinfer's client: vLLM's protocol has no verify")
+        self._client.finish_weight_update(weight_version)

@@ -1,0 +1,154 @@
+"""The front's side of each transport: which ``init_info`` and ``update_info`` it takes, what every
+engine's own ``init_info`` is, and what it removes when an update ends. Bodies are checked with the
+transport's models (transfer/protocol.py) before any engine sees them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+
+import attrs
+
+from ..errors import ApiError
+from ..transfer import GLOO, IPC, NCCL, SHM, Transport
+from ..transfer.protocol import (
+    GroupInitInfo,
+    GroupUpdateInfo,
+    IpcInitInfo,
+    IpcUpdateInfo,
+    SharedMemoryInitInfo,
+    SharedMemoryUpdateInfo,
+    UpdateMetadata,
+    new_server_token,
+    remove_segments,
+    segment_path,
+    segment_prefix,
+)
+from .layout import LayoutError, RankLayout
+
+# The server flag that lets vLLM's pickled IPC handles through.
+PICKLED_IPC_FLAG = "--allow-pickled-ipc"
+
+
+class TransferRefused(ApiError):
+    """A weight-transfer body this server cannot take: 400 before any engine sees it."""
+
+
+@attrs.frozen
+class InitPlan:
+    """What the engines are told at /init_weight_transfer, and what the trainer is answered."""
+
+    # Each engine's own init_info, in engine order.
+    engine_init_infos: list[dict]
+    # How long the engines may take to be ready (the rendezvous, if any).
+    timeout_s: float
+    answer: dict
+
+
+def _wrong_transport(transport: Transport, given: str) -> TransferRefused:
+    how = {
+        GLOO: "engines on devices of their own receive over a gloo group: init_info needs master_address,"
+        " master_port and world_size (GlooTrainer sends them)",
+        NCCL: "engines on GPUs of their own receive over NCCL: init_info needs master_address and master_port"
+        " (or nccl_unique_id_b64), and world_size",
+        SHM: "this server is colocated (--colocate): its engines map the trainer's memory through shared memory,"
+        " with no process group; init_info takes no rendezvous fields",
+        IPC: "this server is colocated (--colocate): its engines map the trainer's GPU memory through CUDA IPC,"
+        " with no process group; init_info takes only packed",
+    }[transport]
+    colocate = " (start skyinfer with --colocate for a trainer that shares the engines' devices)" if transport.group else ""
+    return TransferRefused(f"init_info {given}: {how}; push with {transport.trainer}{colocate}", param="init_info")
+
+
+class FrontTransport:
+    def __init__(self, transport: Transport, workers_per_engine: tuple[int, ...], timeout_s: float, allow_pickled_ipc: bool):
+        self.transport = transport
+        self.workers_per_engine = workers_per_engine
+        self.timeout_s = timeout_s
+        self.allow_pickled_ipc = allow_pickled_ipc
+        # Shared-memory segments this server's trainers make begin with it.
+        self.segment_prefix = segment_prefix(new_server_token())
+
+    # -- init -------------------------------------------------------------------------
+    async def plan_init(self, init_info: dict) -> InitPlan:
+        if self.transport.group:
+            return await self._plan_group(init_info)
+        rendezvous = {"master_address", "master_port", "nccl_unique_id_b64", "world_size"} & init_info.keys()
+        if rendezvous:
+            raise _wrong_transport(self.transport, f"has {', '.join(sorted(rendezvous))}")
+        info = (SharedMemoryInitInfo if self.transport is SHM else IpcInitInfo).parse(init_info, ("init_info",))
+        answer = {"transport": self.transport.name}
+        if self.transport is SHM:
+            answer["segment_prefix"] = self.segment_prefix
+        timeout_s = self.timeout_s if info.timeout_s is None else info.timeout_s
+        engine_info = info.model_dump(exclude={"timeout_s"})
+        return InitPlan([engine_info] * len(self.workers_per_engine), timeout_s, answer)
+
+    async def _plan_group(self, init_info: dict) -> InitPlan:
+        if init_info.keys() <= {"packed"}:
+            raise _wrong_transport(self.transport, "has no rendezvous (vLLM's ipc backend sends this)")
+        info = GroupInitInfo.parse(init_info, ("init_info",))
+        if info.nccl_unique_id_b64 is not None and self.transport is not NCCL:
+            raise _wrong_transport(self.transport, "has nccl_unique_id_b64, which only NCCL takes")
+        try:
+            layout = RankLayout.build(info.rank_offset, info.world_size, self.workers_per_engine)
+        except LayoutError as exc:
+            raise TransferRefused(str(exc), param="init_info.world_size") from None
+        if info.master_address is not None:
+            await _check_trainer_address(info)
+        timeout_s = self.timeout_s if info.timeout_s is None else info.timeout_s
+        fields = info.model_dump(exclude_none=True, exclude={"timeout_s"})
+        # skyinfer's gloo backend takes the group's timeout; vLLM's nccl init_info refuses fields it lacks.
+        own = {"timeout_s": timeout_s} if self.transport is GLOO else {}
+        engine_infos = [{**fields, **own, "rank_offset": layout.rank_offset(i)} for i in range(len(self.workers_per_engine))]
+        answer = {"transport": self.transport.name, "world_size": info.world_size,
+                  "rank_offsets": [e["rank_offset"] for e in engine_infos]}  # fmt: skip
+        return InitPlan(engine_infos, timeout_s, answer)
+
+    # -- updates ----------------------------------------------------------------------
+    def parse_update(self, update_info: dict, *, carries_data: bool) -> UpdateMetadata:
+        """The update's metadata, checked; with ``carries_data`` also what the transport moves
+        the bytes with (a /start_weight_update names only the tensors)."""
+        if not carries_data:
+            return UpdateMetadata.parse(update_info, ("update_info",))
+        if self.transport is SHM:
+            meta = SharedMemoryUpdateInfo.parse(update_info, ("update_info",))
+            try:
+                meta.check_segment(self.segment_prefix)
+            except ValueError as exc:
+                raise TransferRefused(f"update_info.segment: {exc}", param="update_info.segment") from None
+            return meta
+        if self.transport is IPC:
+            meta = IpcUpdateInfo.parse(update_info, ("update_info",))
+            if meta.pickled and not self.allow_pickled_ipc:
+                raise TransferRefused(
+                    "update_info.ipc_handles_pickled: this server does not unpickle what comes over HTTP; send"
+                    f" skyinfer's JSON handles (IPCTrainer), or start it with {PICKLED_IPC_FLAG} to take vLLM's"
+                    " pickled ones", param="update_info.ipc_handles_pickled",
+                )  # fmt: skip
+            return meta
+        return GroupUpdateInfo.parse(update_info, ("update_info",))
+
+    def update_sent(self, meta: UpdateMetadata) -> None:
+        """An /update_weights call ended, however: the engines hold what they still read from a
+        segment (mapped), so its name goes now."""
+        if isinstance(meta, SharedMemoryUpdateInfo):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(segment_path(meta.segment))
+
+    def update_ended(self) -> list[str]:
+        """An update finished or was aborted: whatever segments its trainer left go too."""
+        return remove_segments(self.segment_prefix) if self.transport is SHM else []
+
+
+async def _check_trainer_address(info: GroupInitInfo) -> None:
+    """A trainer address that does not resolve is a 400 now, not a rendezvous timeout later."""
+    try:
+        await asyncio.get_running_loop().getaddrinfo(info.master_address, info.master_port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError, ValueError) as exc:
+        raise TransferRefused(
+            f"init_info master_address {info.master_address!r} does not resolve: {exc}", param="init_info.master_address"
+        ) from None

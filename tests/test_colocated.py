@@ -1,0 +1,343 @@
+"""Colocated RL on CPU: a server started with --colocate, two real engines, trainers in processes of
+their own pushing through shared memory, in the order colocated trainers step (sleep, train, wake the
+weights, push, wake the KV cache), with faults at each phase.
+
+Correctness is judged against a transformers float32 forward pass of the pushed weights (the
+engines serve float32). Every fault ends with no segment of skyinfer's left in /dev/shm, no engine
+restarted that did not die or hang, and the next push succeeding at the first try.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import json
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import attrs
+import httpx
+import pytest
+import torch
+from pushes import assert_engines_match, modified_weights, run_trainer, save
+
+from support import ServerProcess, engine_socket, is_openai_error, run_example, running, vllm_process
+
+SKYRL_CLIENT = Path(__file__).with_name("skyrl_client.py")
+ABORTED = "a weight update was aborted"
+
+
+@pytest.fixture(scope="module")
+def colocated(demo_model, tmp_path_factory):
+    srv = ServerProcess(
+        demo_model, engines=2, log_path=tmp_path_factory.mktemp("colocated") / "server.log",
+        # float32 for logprobs compared with transformers' float32 forward; a short transfer
+        # timeout for the hung-engine case; probes fast enough for a test.
+        extra_args=("--colocate", "--dtype", "float32", "--weight-transfer-timeout", "15",
+                    "--health-interval", "1", "--health-timeout", "4"),
+    )  # fmt: skip
+    with running(srv):
+        yield srv
+
+
+@attrs.define
+class Pushes:
+    demo_model: Path
+    directory: Path
+    count: int = 0
+
+    def next(self) -> tuple[dict[str, torch.Tensor], Path, str]:
+        """New weights, saved for a trainer process, and the version they are pushed as."""
+        self.count += 1
+        weights = modified_weights(self.demo_model, seed=40 + self.count)
+        return weights, save(weights, self.directory / f"push-{self.count}.safetensors"), f"colocated-{self.count}"
+
+
+@pytest.fixture(scope="module")
+def pushes(demo_model, tmp_path_factory) -> Pushes:
+    return Pushes(demo_model, tmp_path_factory.mktemp("pushes"))
+
+
+def segments() -> list[str]:
+    return glob.glob("/dev/shm/skyinfer-*")
+
+
+def engines(server) -> list[dict]:
+    return server.engines()
+
+
+def residency(server) -> list[tuple]:
+    return [(e["state"], e["sleep_level"], e["asleep"]) for e in engines(server)]
+
+
+def vllm_conditions(server) -> list[dict]:
+    """What each engine's vLLM says of itself, asked on the engine's own socket."""
+    said = []
+    for e in engines(server):
+        with httpx.Client(transport=httpx.HTTPTransport(uds=engine_socket(server, e["id"])), base_url="http://e") as own:
+            said.append(own.get("/conditions", timeout=30).json())
+    return said
+
+
+def admin(server, path: str, **params) -> dict:
+    r = httpx.post(f"{server.url}{path}", params=params, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def colocated_push(server, path: Path, version: str, *extra: str, level: int = 1) -> subprocess.CompletedProcess:
+    """A trainer process's colocated step: sleep (unless asleep), wake the weights, push, wake the KV cache."""
+    return run_trainer(server, path, version, "--transport", "shm", "--colocated-step", str(level), *extra)
+
+
+def wait_until(predicate, timeout_s: float = 240, what: str = ""):
+    deadline = time.monotonic() + timeout_s
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.5)
+    return value
+
+
+def test_skyrl_colocated_syncs_at_levels_1_and_2_say_what_vllm_says(colocated, demo_model, pushes):
+    """SkyRL's RemoteInferenceClient steps as SkyRL's colocated trainer does, with a push from a
+    trainer process of its own between the two wake-ups, at sleep level 1 and then 2: after each
+    call every engine's reported state matches vLLM's own is_sleeping, and after the last both
+    engines serve the pushed weights."""
+    sockets = ",".join(engine_socket(colocated, e["id"]) for e in engines(colocated))
+    for level in (1, 2):
+        weights, path, version = pushes.next()
+        done = subprocess.run(
+            [sys.executable, str(SKYRL_CLIENT), colocated.url, colocated.model, "--colocated", str(level), str(path),
+             version, sockets], capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        steps = json.loads(done.stdout.strip().splitlines()[-1])
+        for step in steps:
+            reported = [(e["paused"], e["sleeping"]) for e in step["engines"]]
+            assert reported == [(v["paused"], v["sleeping"]) for v in step["vllm"]], step
+            assert step["skyrl_is_sleeping"] == any(v["sleeping"] for v in step["vllm"])
+        states = {s["after"]: [(e["state"], e["sleep_level"], e["asleep"], e["stale_reason"]) for e in s["engines"]] for s in steps}
+        discarded = "a level-2 sleep discarded its weights: push weights before it serves" if level == 2 else None
+        assert states == {
+            "sleep": [("sleeping", level, ["kv_cache", "weights"], discarded)] * 2,
+            "wake_up weights": [("sleeping", level, ["kv_cache"], discarded)] * 2,
+            "push": [("sleeping", level, ["kv_cache"], None)] * 2,
+            "wake_up kv_cache": [("ready", None, [], None)] * 2,
+        }, states
+        assert [e["weight_version"] for e in steps[-1]["engines"]] == [version, version]
+        assert_engines_match(colocated, colocated.model, demo_model, weights, version)
+    assert not segments()
+
+
+def test_a_level_2_wake_without_a_push_serves_nothing_and_says_why(colocated, demo_model, pushes):
+    admin(colocated, "/sleep", level="2")
+    admin(colocated, "/wake_up")
+    assert [c["sleeping"] for c in vllm_conditions(colocated)] == [False, False]
+    assert residency(colocated) == [("stale", None, [])] * 2
+    r = httpx.post(f"{colocated.url}/v1/completions", json={"model": colocated.model, "prompt": "x", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 503 and is_openai_error(r) and "level-2 sleep discarded its weights" in r.json()["error"]["message"]
+    info = httpx.get(f"{colocated.url}/weight_info", timeout=30).json()
+    assert all("level-2 sleep" in e["stale_reason"] for e in info["engines"])
+    assert httpx.get(f"{colocated.url}/ready", timeout=30).status_code == 503
+    # The push that was missing: into engines that are up and running (stale), which it pauses for itself.
+    weights, path, version = pushes.next()
+    trainer = run_trainer(colocated, path, version, "--transport", "shm")
+    assert trainer.returncode == 0, trainer.stdout + trainer.stderr
+    assert residency(colocated) == [("ready", None, [])] * 2
+    assert_engines_match(colocated, colocated.model, demo_model, weights, version)
+
+
+async def test_a_push_into_running_engines_holds_their_requests(colocated, demo_model, pushes):
+    """Neither paused nor asleep: the push pauses the engines (keep) for itself, so 32 requests in
+    flight (half streamed chats, half token-route requests) all complete in full, across the new
+    version, and no EngineCore dies."""
+    before = [(e["pid"], e["restarts"]) for e in engines(colocated)]
+    old_version = engines(colocated)[0]["weight_version"]
+    tokens = 1500
+    chat = {"model": colocated.model, "max_tokens": tokens, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    weights, path, version = pushes.next()
+    async with httpx.AsyncClient(base_url=colocated.url, timeout=300) as http:
+
+        async def streamed(i: int) -> tuple[list[str], int]:
+            reasons, used = [], 0
+            body = {**chat, "messages": [{"role": "user", "content": f"stream {i}"}]}
+            async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        chunk = json.loads(line[6:])
+                        assert "error" not in chunk, chunk
+                        reasons += [c["finish_reason"] for c in chunk["choices"] if c.get("finish_reason")]
+                        used = (chunk.get("usage") or {}).get("completion_tokens", used)
+            return reasons, used
+
+        async def generated(i: int) -> dict:
+            r = await http.post("/inference/v1/generate", json={"token_ids": [7 + i, 8, 9],
+                                "sampling_params": {"max_tokens": tokens, "ignore_eos": True}})  # fmt: skip
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]
+
+        tasks = [asyncio.create_task(streamed(i)) for i in range(16)] + [asyncio.create_task(generated(i)) for i in range(16)]
+        await asyncio.sleep(1.0)
+        trainer = await asyncio.to_thread(run_trainer, colocated, path, version, "--transport", "shm")
+        assert trainer.returncode == 0, trainer.stdout + trainer.stderr
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 240)
+    for reasons, used in results[:16]:
+        assert (reasons, used) == (["length"], tokens)
+    spans = [[s["version"] for s in choice["weight_versions"]] for choice in results[16:]]
+    assert all(len(choice["token_ids"]) == tokens for choice in results[16:])
+    assert any(s == [old_version, version] for s in spans), spans  # ran across the push
+    assert [(e["pid"], e["restarts"]) for e in engines(colocated)] == before
+    assert residency(colocated) == [("ready", None, [])] * 2
+    assert_engines_match(colocated, colocated.model, demo_model, weights, version)
+
+
+def test_bad_transfer_metadata_is_refused_before_any_engine_touches_a_weight(colocated, demo_model):
+    prefix = httpx.post(f"{colocated.url}/init_weight_transfer", json={"init_info": {}}, timeout=60).json()["segment_prefix"]
+    small = Path(f"/dev/shm/{prefix}{'a' * 32}")
+    small.write_bytes(b"\0" * 1024)
+    norm = {"names": ["model.norm.weight"], "dtype_names": ["float32"], "shapes": [[128]]}
+    state_before = [(e["state"], e["weight_version"], e["pid"]) for e in engines(colocated)]
+    cases = {
+        "path in the name": ({**norm, "segment": "../../etc/passwd", "offsets": [0]}, "update_info.segment"),
+        "slash in the name": ({**norm, "segment": f"{prefix}x/y", "offsets": [0]}, "update_info.segment"),
+        "another server's": ({**norm, "segment": f"skyinfer-00000000-{'b' * 32}", "offsets": [0]}, "update_info.segment"),
+        "missing": ({**norm, "segment": f"{prefix}{'c' * 32}", "offsets": [0]}, "update_info.segment"),
+        "past the end": ({**norm, "segment": small.name, "offsets": [768]}, "update_info.segment"),
+        "misaligned": ({**norm, "segment": small.name, "offsets": [2]}, "update_info"),
+        "offsets missing": ({**norm, "segment": small.name}, "update_info.offsets"),
+        "wrong shape": ({**norm, "shapes": [[7]], "segment": small.name, "offsets": [0]}, None),
+        "wrong dtype": ({**norm, "dtype_names": ["int8"], "segment": small.name, "offsets": [0]}, None),
+        "unknown tensor": ({**norm, "names": ["model.no_such.weight"], "segment": small.name, "offsets": [0]}, None),
+    }
+    try:
+        for case, (update_info, param) in cases.items():
+            r = httpx.post(f"{colocated.url}/update_weights", json={"update_info": update_info}, timeout=60)
+            assert r.status_code == 400 and is_openai_error(r), (case, r.text)
+            assert r.json()["error"]["param"] == param, (case, r.text)
+        assert small.exists(), "a refused update removed a segment it had not accepted"
+    finally:
+        small.unlink()
+    info = httpx.get(f"{colocated.url}/weight_info", timeout=30).json()
+    assert info["update_phase"] == "idle" and not any(e["receiving"] for e in info["engines"])
+    assert [(e["state"], e["weight_version"], e["pid"]) for e in engines(colocated)] == state_before
+
+
+def test_fuzzed_shared_memory_updates_are_4xx_and_change_nothing(colocated):
+    """Mutants of a valid shared-memory update, with the engines out of any transfer: each is a 4xx
+    in the OpenAI shape (400 for what the checks refuse, 409 for the rest), nothing changes."""
+    from test_fuzz import bodies
+
+    prefix = httpx.post(f"{colocated.url}/init_weight_transfer", json={"init_info": {}}, timeout=60).json()["segment_prefix"]
+    assert httpx.post(f"{colocated.url}/shutdown_weight_transfer_engine", timeout=60).status_code == 200
+    segment = Path(f"/dev/shm/{prefix}{'d' * 32}")
+    segment.write_bytes(b"\0" * 4096)
+    seed = {"update_info": {"names": ["model.norm.weight", "model.layers.0.input_layernorm.weight"],
+                            "dtype_names": ["float32", "float32"], "shapes": [[128], [128]],
+                            "segment": segment.name, "offsets": [0, 512]}, "weight_version": "fuzzed"}  # fmt: skip
+    before = [(e["state"], e["weight_version"], e["pid"]) for e in engines(colocated)]
+    statuses: dict[int, int] = {}
+    try:
+        with httpx.Client(base_url=colocated.url, timeout=60) as http:
+            for body in bodies(300, [seed], random.Random(29)):
+                r = http.post("/update_weights", content=body, headers={"Content-Type": "application/json"})
+                statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+                assert 400 <= r.status_code < 500 and is_openai_error(r), (body, r.status_code, r.text)
+    finally:
+        segment.unlink(missing_ok=True)
+    assert 400 in statuses and 409 in statuses, statuses
+    assert [(e["state"], e["weight_version"], e["pid"]) for e in engines(colocated)] == before
+
+
+@pytest.mark.parametrize("phase", ["segment", "update", "finish"])
+def test_a_trainer_killed_mid_push_costs_no_restart_and_leaves_no_segment(colocated, demo_model, pushes, phase):
+    """The trainer dies after writing its segment and before /update_weights, while that call is in
+    flight, or before /finish_weight_update, inside a colocated step (engines asleep, weights awake).
+    No engine restarts; the engines either never began (and serve as before) or are held out as
+    stale; no segment is left; the next trainer's push succeeds at the first try."""
+    before = [(e["pid"], e["restarts"]) for e in engines(colocated)]
+    _, path, version = pushes.next()
+    dead = colocated_push(colocated, path, version, "--die-at", phase, "--timeout", "3")
+    fault_at = time.monotonic()
+    assert dead.returncode == 9, dead.stdout + dead.stderr
+    wait_until(lambda: httpx.get(f"{colocated.url}/weight_info", timeout=30).json()["update_phase"] == "idle", 20)
+    wait_until(lambda: not segments(), 20, "a segment of skyinfer's is left in /dev/shm")
+    settled = time.monotonic() - fault_at
+    assert [(e["pid"], e["restarts"]) for e in engines(colocated)] == before
+    stale = [e["stale_reason"] for e in engines(colocated)]
+    if phase == "segment":
+        assert stale == [None, None]  # no engine had begun the update
+    else:
+        assert all(reason and reason.startswith(ABORTED) for reason in stale), stale
+    assert residency(colocated) == [("sleeping", 1, ["kv_cache"])] * 2
+    weights, path, version = pushes.next()
+    trainer = colocated_push(colocated, path, version)
+    assert trainer.returncode == 0, trainer.stdout + trainer.stderr
+    assert_engines_match(colocated, colocated.model, demo_model, weights, version)
+    assert not segments()
+    print(f"\nFAULT colocated trainer SIGKILL at {phase}: settled {settled:.1f}s")
+
+
+def test_an_engine_core_killed_while_the_fleet_sleeps_comes_back_asleep(colocated, demo_model, pushes):
+    admin(colocated, "/sleep", level="1")
+    pid0, pid1 = (e["pid"] for e in engines(colocated))
+    vllm_process(pid1, "EngineCore").send_signal(signal.SIGKILL)
+    fault_at = time.monotonic()
+    # Down, then back as a new process: asleep like the fleet, and never serving meanwhile.
+    wait_until(lambda: engines(colocated)[1]["pid"] != pid1 and engines(colocated)[1]["state"] == "sleeping", 240, "no restart")
+    back = engines(colocated)
+    assert back[0]["pid"] == pid0
+    assert [(e["sleep_level"], e["asleep"]) for e in back] == [(1, ["kv_cache", "weights"])] * 2
+    assert back[1]["stale_reason"].startswith("it restarted from the checkpoint on disk")
+    assert [c["sleeping"] for c in vllm_conditions(colocated)] == [True, True]
+    restarted_in = time.monotonic() - fault_at
+    weights, path, version = pushes.next()
+    trainer = colocated_push(colocated, path, version)
+    assert trainer.returncode == 0, trainer.stdout + trainer.stderr
+    assert residency(colocated) == [("ready", None, [])] * 2
+    assert_engines_match(colocated, colocated.model, demo_model, weights, version)
+    print(f"\nFAULT EngineCore SIGKILL while asleep: back asleep in {restarted_in:.1f}s")
+
+
+def test_an_engine_hung_during_a_push_is_restarted_into_the_fleets_state(colocated, demo_model, pushes):
+    """Engine 1's EngineCore stops (SIGSTOP) with the fleet asleep and its weights awake: the push
+    times out on it and fails; engine 0 ends the update and is held out (same process); engine 1,
+    which cannot end it, is restarted and brought back asleep with its weights awake, as the fleet
+    is; the next push covers both."""
+    admin(colocated, "/sleep", level="1")
+    admin(colocated, "/wake_up", tags="weights")
+    pid0, pid1 = (e["pid"] for e in engines(colocated))
+    core = vllm_process(pid1, "EngineCore")
+    try:
+        _, path, version = pushes.next()
+        failed = run_trainer(colocated, path, version, "--transport", "shm", "--stop-before-update", str(core.pid))
+    finally:
+        if core.is_running():
+            core.send_signal(signal.SIGCONT)
+    assert failed.returncode == 3 and "refused 504" in failed.stdout, failed.stdout + failed.stderr
+    assert engines(colocated)[0]["pid"] == pid0 and engines(colocated)[0]["stale_reason"].startswith(ABORTED)
+    wait_until(lambda: engines(colocated)[1]["pid"] != pid1 and engines(colocated)[1]["state"] == "sleeping", 240, "no restart")
+    assert residency(colocated) == [("sleeping", 1, ["kv_cache"])] * 2
+    assert not segments()
+    weights, path, version = pushes.next()
+    trainer = colocated_push(colocated, path, version)
+    assert trainer.returncode == 0, trainer.stdout + trainer.stderr
+    assert residency(colocated) == [("ready", None, [])] * 2
+    assert_engines_match(colocated, colocated.model, demo_model, weights, version)
+
+
+def test_the_colocated_rl_loop_example(colocated):
+    done = run_example("rl_loop.py", "--url", colocated.url, "--iterations", "3", "--colocate")
+    lines = done.stdout.strip().splitlines()
+    assert sum(line.startswith("iter ") and "wake+push" in line for line in lines) == 3
+    summary = json.loads(lines[-1])
+    assert summary["versions_seen"][1:] == [["step-1"], ["step-2"]] and summary["final_version"] == "step-3"
+    info = httpx.get(f"{colocated.url}/weight_info", timeout=30).json()
+    assert [e["weight_version"] for e in info["engines"]] == ["step-3", "step-3"]
+    assert residency(colocated) == [("ready", None, [])] * 2
+    assert not segments()
