@@ -62,12 +62,14 @@ class WireError(BadRequest):
     @classmethod
     def from_validation(cls, exc: ValidationError, model: type[BaseModel], prefix: tuple = ()) -> WireError:
         first, *rest = exc.errors()
-        param = ".".join(str(part) for part in (*prefix, *first["loc"])) or None
+        # A union's branch shows in the location as its type ("list[...]"), a validator as "function-...".
+        loc = [part for part in first["loc"] if not (isinstance(part, str) and ("[" in part or part.startswith("function-")))]
+        param = ".".join(str(part) for part in (*prefix, *loc)) or None
         reason = first["msg"].removeprefix("Value error, ")
         if first["type"] == "missing":
-            field = model.model_fields.get(str(first["loc"][0]))
+            field = model.model_fields.get(str(loc[0]))
             message = f"{param} is required" + (f" ({field.description})" if field and field.description else "")
-        elif not first["loc"]:  # the model's own check, across fields
+        elif not loc:  # the model's own check, across fields
             message = reason
         else:
             shown = repr(first["input"])

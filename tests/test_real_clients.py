@@ -124,7 +124,8 @@ def test_anthropic_messages_api(server, model_name):
 
 
 def test_vllm_ipc_init_is_refused_with_the_reason(server):
-    """vLLM's ipc backend ships pickled CUDA IPC handles over HTTP: skyinfer says so instead of failing later."""
+    """vLLM's ipc trainer engine (colocated on a GPU) against a server whose engines have devices of
+    their own: skyinfer says which transport it takes, and how to run colocated, instead of failing later."""
     import requests
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
@@ -132,5 +133,5 @@ def test_vllm_ipc_init_is_refused_with_the_reason(server):
         HTTPVLLMWeightSyncClient(server.url).init_weight_transfer_engine({"packed": True})
     assert info.value.response.status_code == 400
     message = info.value.response.json()["error"]["message"]
-    assert "ipc" in message and "unpickles" in message
+    assert "ipc" in message and "--colocate" in message and "GlooTrainer" in message
     assert httpx.get(f"{server.url}/weight_info", timeout=30).json()["update_phase"] == "idle"

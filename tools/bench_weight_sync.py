@@ -1,22 +1,24 @@
 #!/usr/bin/env python
-"""Weight-push throughput: skyinfer against a raw gloo broadcast of the same bytes.
+"""Weight-push throughput: skyinfer against the same bytes moved by plain means.
 
-skyinfer serves a synthetic Qwen2 of a few hundred MB (the demo model made
-wider and deeper) on one engine per node, so the transfer group is the
-trainer plus one worker per node, as in the reference: plain torch
-processes, the trainer broadcasting the same packed buffers (same chunking)
-to one receiver per node over gloo. A push is timed from the trainer's first
-HTTP call to the return of the last: checks, transfer, loading into vLLM's
-model, finish. The figure is the ratio of bytes per second. Also counted,
-from each node's own metrics: HTTP calls per push (one broadcast per tensor,
-and packed into buffers).
+skyinfer serves a synthetic Qwen2 of a few hundred MB (the demo model made wider and deeper). A
+push is timed from the trainer's first HTTP call to the return of the last: checks, transfer,
+loading into vLLM's model, finish. Figures are medians over alternating rounds.
 
-With ``--nodes 2`` each node is a separate ``skyinfer serve`` on a core of
-its own (as separate machines would be), joined into one group through
-``MultiNodeClient``; the reference then broadcasts to two receivers.
+``--transport gloo`` (engines on devices of their own): one engine per node, the transfer group
+the trainer plus one worker per node, against a raw gloo broadcast of the same packed buffers
+(same chunking) from a plain torch process to one receiver per node. Also counted, from each
+node's own metrics: HTTP calls per push. With ``--nodes 2`` each node is a separate
+``skyinfer serve`` on a core of its own, joined into one group through ``MultiNodeClient``.
+
+``--transport shm`` (colocated): one ``skyinfer serve --colocate`` with ``--engines`` engines,
+pushed into by ``SharedMemoryTrainer`` in the colocated shape (engines asleep, weights awake; the
+push alone is timed), against a plain memcpy of the same bytes into a buffer per engine (the
+physical limit on one node) and a raw gloo broadcast of them to one receiver per engine.
 
     .venv/bin/python tools/bench_weight_sync.py --pushes 3
     .venv/bin/python tools/bench_weight_sync.py --pushes 3 --nodes 2
+    .venv/bin/python tools/bench_weight_sync.py --transport shm --pushes 5
 """
 
 from __future__ import annotations
@@ -39,11 +41,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchlib import free_port, start_skyinfer, stop, wait_servers  # noqa: E402
 
 from skyinfer.demo_model import build_demo_model  # noqa: E402
-from skyinfer.trainer import GlooTrainer  # noqa: E402
+from skyinfer.trainer import GlooTrainer, SharedMemoryTrainer  # noqa: E402
 from skyinfer.transfer.packing import DEFAULT_BUFFER_SIZE_BYTES, TensorMeta, pack, plan_chunks  # noqa: E402
 
 BENCH_MODEL = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=12, num_attention_heads=16,
                    num_key_value_heads=4, head_dim=64)  # fmt: skip
+ENGINE_ARGS = ["--cpu-kvcache-gib", "1", "--max-model-len", "512"]
 
 
 WEIGHT_ROUTES = ("/start_weight_update", "/update_weights", "/finish_weight_update")
@@ -68,7 +71,39 @@ def weights_of(model_dir: Path) -> list[tuple[str, torch.Tensor]]:
     return [(name, t.clone()) for name, t in sorted(tensors.items())]
 
 
-def raw_receiver(port: int, rank: int, world: int, chunk_sizes: list[int], pushes: int) -> None:
+class RawGloo:
+    """A plain torch process broadcasting the same bytes, in the same chunks, to ``receivers`` others."""
+
+    def __init__(self, tensors, buffer_size: int, receivers: int, pushes: int):
+        metas = [TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in tensors]
+        by_name = dict(tensors)
+        self.chunks = [pack([by_name[m.name] for m in chunk]) for chunk in plan_chunks(metas, buffer_size)]
+        port, world = free_port(), receivers + 1
+        sizes = [c.numel() for c in self.chunks]
+        self.procs = [
+            mp.get_context("spawn").Process(target=_raw_receiver, args=(port, rank, world, sizes, pushes))
+            for rank in range(1, world)
+        ]
+        for proc in self.procs:
+            proc.start()
+        store = torch.distributed.TCPStore("127.0.0.1", port, world, is_master=True, timeout=timedelta(seconds=120))
+        self.group = torch.distributed.ProcessGroupGloo(store, 0, world, timedelta(seconds=120))
+        self.store = store
+
+    def push(self) -> float:
+        opts = torch.distributed.BroadcastOptions()
+        opts.rootRank = 0
+        started = time.perf_counter()
+        for chunk in self.chunks:
+            self.group.broadcast([chunk], opts).wait()
+        return time.perf_counter() - started
+
+    def close(self) -> None:
+        for proc in self.procs:
+            proc.join()
+
+
+def _raw_receiver(port: int, rank: int, world: int, chunk_sizes: list[int], pushes: int) -> None:
     store = torch.distributed.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=120))
     group = torch.distributed.ProcessGroupGloo(store, rank, world, timedelta(seconds=120))
     opts = torch.distributed.BroadcastOptions()
@@ -78,87 +113,125 @@ def raw_receiver(port: int, rank: int, world: int, chunk_sizes: list[int], pushe
             group.broadcast([torch.empty(size, dtype=torch.uint8)], opts).wait()
 
 
-def raw_gloo(tensors, pushes: int, buffer_size: int, receivers: int) -> list[float]:
-    """Seconds per push for the same bytes, same chunks, from one plain torch process to ``receivers``."""
-    metas = [TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in tensors]
-    by_name = dict(tensors)
-    chunks = list(plan_chunks(metas, buffer_size))
-    sizes = [sum(m.nbytes for m in c) for c in chunks]
-    port, world = free_port(), receivers + 1
+class Memcpy:
+    """The same bytes copied into one buffer per engine, allocated and touched beforehand."""
+
+    def __init__(self, tensors, engines: int):
+        self.sources = [t.reshape(-1).view(torch.uint8) for _, t in tensors]
+        total = sum(s.numel() for s in self.sources)
+        self.destinations = [torch.ones(total, dtype=torch.uint8) for _ in range(engines)]
+
+    def push(self) -> float:
+        started = time.perf_counter()
+        for destination in self.destinations:
+            offset = 0
+            for source in self.sources:
+                destination[offset : offset + source.numel()].copy_(source)
+                offset += source.numel()
+        return time.perf_counter() - started
+
+
+def timed_push(trainer, tensors, version: str) -> float:
+    started = time.perf_counter()
+    trainer.push(tensors, version=version)
+    return time.perf_counter() - started
+
+
+def median_row(label: str, seconds: list[float], mib: float) -> str:
+    s = statistics.median(seconds)
+    return f"{label:34s} {s:8.3f} {mib / s:8.0f}   {' '.join(f'{x:.3f}' for x in seconds)}"
+
+
+def bench_gloo(args, model_dir: Path, tensors, mib: float, buffer_size: int) -> None:
+    cores = sorted(os.sched_getaffinity(0))
+    ports = [free_port() for _ in range(args.nodes)]
     procs = [
-        mp.get_context("spawn").Process(target=raw_receiver, args=(port, rank, world, sizes, pushes))
-        for rank in range(1, world)
-    ]
-    for proc in procs:
-        proc.start()
-    store = torch.distributed.TCPStore("127.0.0.1", port, world, is_master=True, timeout=timedelta(seconds=120))
-    group = torch.distributed.ProcessGroupGloo(store, 0, world, timedelta(seconds=120))
-    opts = torch.distributed.BroadcastOptions()
-    opts.rootRank = 0
-    times = []
-    for _ in range(pushes):
-        started = time.perf_counter()
-        for chunk in chunks:
-            group.broadcast([pack([by_name[m.name] for m in chunk])], opts).wait()
-        times.append(time.perf_counter() - started)
-    for proc in procs:
-        proc.join()
-    return times
+        start_skyinfer(str(model_dir), port, ENGINE_ARGS, dict(os.environ), log_name=f"bench-skyinfer-{k}.log",
+                       cores={cores[k % len(cores)]} if args.nodes > 1 else None)
+        for k, port in enumerate(ports)
+    ]  # fmt: skip
+    urls = [f"http://127.0.0.1:{port}" for port in ports]
+    raw = RawGloo(tensors, buffer_size, receivers=args.nodes, pushes=args.pushes)
+    raw_s, sky_s, calls = [], [], []
+    try:
+        asyncio.run(wait_servers(list(zip(urls, procs)), path="/ready"))
+        trainer = GlooTrainer(urls if len(urls) > 1 else urls[0], timeout_s=300, buffer_size_bytes=buffer_size)
+        trainer.init()
+        for i in range(args.pushes):
+            raw_s.append(raw.push())
+            before = weight_calls(urls)
+            sky_s.append(timed_push(trainer, tensors, f"bench-{i}"))
+            calls.append(weight_calls(urls) - before)
+        trainer.close()
+        # Packed: the tensors go in a few buffers, cut by vLLM's rule; same HTTP calls.
+        packed = GlooTrainer(urls if len(urls) > 1 else urls[0], timeout_s=300, buffer_size_bytes=buffer_size, packed=True)
+        packed.init()
+        packed_s = [timed_push(packed, tensors, "bench-packed")]
+        packed.close()
+    finally:
+        raw.close()
+        for proc in procs:
+            stop(proc)
+    print(f"{args.pushes} alternating rounds, {mib:.0f} MiB to {args.nodes} node(s), raw packed in "
+          f"{buffer_size // 2**20} MiB buffers; median, then each round")  # fmt: skip
+    print(f"{'':34s} {'seconds':>8s} {'MiB/s':>8s}")
+    print(median_row("raw gloo broadcast", raw_s, mib))
+    print(median_row("skyinfer push (end to end)", sky_s, mib))
+    print(median_row("skyinfer push, packed", packed_s, mib))
+    print(f"throughput ratio skyinfer / raw: {statistics.median(raw_s) / statistics.median(sky_s):.3f}")
+    print(f"HTTP calls per push over all nodes: {calls} ({len(tensors)} tensors)")
 
 
-def skyinfer_pushes(urls: list[str], tensors, pushes: int, buffer_size: int, packed: bool) -> tuple[list[float], list[int]]:
-    trainer = GlooTrainer(urls if len(urls) > 1 else urls[0], timeout_s=300, buffer_size_bytes=buffer_size, packed=packed)
-    trainer.init()
-    times, calls = [], []
-    for i in range(pushes):
-        before = weight_calls(urls)
-        started = time.perf_counter()
-        trainer.push(tensors, version=f"bench-{i}")
-        times.append(time.perf_counter() - started)
-        calls.append(weight_calls(urls) - before)
-    trainer.close()
-    return times, calls
+def bench_shm(args, model_dir: Path, tensors, mib: float, buffer_size: int) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_skyinfer(str(model_dir), port, ["--colocate", *ENGINE_ARGS], dict(os.environ), engines=args.engines,
+                          log_name="bench-skyinfer-colocated.log")  # fmt: skip
+    memcpy = Memcpy(tensors, args.engines)
+    raw = RawGloo(tensors, buffer_size, receivers=args.engines, pushes=args.pushes)
+    memcpy_s, raw_s, shm_s = [], [], []
+    try:
+        asyncio.run(wait_servers([(url, proc)], path="/ready"))
+        trainer = SharedMemoryTrainer(url, timeout_s=300)
+        trainer.init()
+        with httpx.Client(base_url=url, timeout=300) as http:
+            for i in range(args.pushes):
+                memcpy_s.append(memcpy.push())
+                raw_s.append(raw.push())
+                # The colocated shape: engines asleep, their weights awake; the push alone is timed.
+                for path, params in (("/sleep", {"level": "1"}), ("/wake_up", {"tags": "weights"})):
+                    http.post(path, params=params).raise_for_status()
+                shm_s.append(timed_push(trainer, tensors, f"bench-{i}"))
+                http.post("/wake_up", params={"tags": "kv_cache"}).raise_for_status()
+        trainer.close()
+    finally:
+        raw.close()
+        stop(proc)
+    print(f"{args.pushes} alternating rounds, {mib:.0f} MiB ({len(tensors)} tensors) into {args.engines} engine(s) of one "
+          "colocated server; median, then each round")  # fmt: skip
+    print(f"{'':34s} {'seconds':>8s} {'MiB/s':>8s}")
+    print(median_row(f"memcpy into {args.engines} buffer(s)", memcpy_s, mib))
+    print(median_row(f"raw gloo broadcast to {args.engines}", raw_s, mib))
+    print(median_row("skyinfer shared-memory push", shm_s, mib))
+    shm = statistics.median(shm_s)
+    print(f"skyinfer shm / memcpy: {shm / statistics.median(memcpy_s):.2f}x the time; "
+          f"raw gloo / skyinfer shm: {statistics.median(raw_s) / shm:.2f}x faster")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--pushes", type=int, default=3)
+    p.add_argument("--transport", choices=["gloo", "shm"], default="gloo")
+    p.add_argument("--pushes", type=int, default=3, help="alternating rounds")
     p.add_argument("--buffer-size-mb", type=int, default=DEFAULT_BUFFER_SIZE_BYTES // 2**20)
-    p.add_argument("--nodes", type=int, default=1, help="skyinfer servers, one engine each, each on its own core")
+    p.add_argument("--nodes", type=int, default=1, help="gloo: skyinfer servers, one engine each, each on its own core")
+    p.add_argument("--engines", type=int, default=2, help="shm: engines of the colocated server")
     args = p.parse_args()
     buffer_size = args.buffer_size_mb * 2**20
     model_dir = build_demo_model(Path(tempfile.mkdtemp(prefix="bench-weights-")), **BENCH_MODEL)
     tensors = weights_of(model_dir)
-    total = sum(t.numel() * t.element_size() for _, t in tensors)
-    print(f"model: {len(tensors)} tensors, {total / 2**20:.0f} MiB ({tensors[0][1].dtype})", file=sys.stderr)
-
-    raw = raw_gloo(tensors, args.pushes, buffer_size, receivers=args.nodes)
-    cores = sorted(os.sched_getaffinity(0))
-    ports = [free_port() for _ in range(args.nodes)]
-    procs = [
-        start_skyinfer(str(model_dir), port, ["--cpu-kvcache-gib", "1", "--max-model-len", "512"], dict(os.environ),
-                       log_name=f"bench-skyinfer-{k}.log", cores={cores[k % len(cores)]} if args.nodes > 1 else None)
-        for k, port in enumerate(ports)
-    ]  # fmt: skip
-    urls = [f"http://127.0.0.1:{port}" for port in ports]
-    try:
-        asyncio.run(wait_servers(list(zip(urls, procs)), path="/ready"))
-        sky, calls = skyinfer_pushes(urls, tensors, args.pushes, buffer_size, packed=False)
-        # Packed: the tensors go in a few buffers, cut by vLLM's rule; same HTTP calls.
-        packed, packed_calls = skyinfer_pushes(urls, tensors, 1, buffer_size, packed=True)
-    finally:
-        for proc in procs:
-            stop(proc)
-
-    raw_s, sky_s = statistics.median(raw), statistics.median(sky)
-    print(f"{args.pushes} pushes of {total / 2**20:.0f} MiB to {args.nodes} node(s), "
-          f"raw packed in {buffer_size // 2**20} MiB buffers, median")  # fmt: skip
-    print(f"{'':28s} {'seconds':>8s} {'MiB/s':>8s}")
-    print(f"{'raw gloo broadcast':28s} {raw_s:8.3f} {total / 2**20 / raw_s:8.0f}")
-    print(f"{'skyinfer push (end to end)':28s} {sky_s:8.3f} {total / 2**20 / sky_s:8.0f}")
-    print(f"{'skyinfer push, packed':28s} {packed[0]:8.3f} {total / 2**20 / packed[0]:8.0f}")
-    print(f"throughput ratio skyinfer / raw: {raw_s / sky_s:.3f}")
-    print(f"HTTP calls per push over all nodes: {calls} ({len(tensors)} tensors), packed {packed_calls}")
+    mib = sum(t.numel() * t.element_size() for _, t in tensors) / 2**20
+    print(f"model: {len(tensors)} tensors, {mib:.0f} MiB ({tensors[0][1].dtype})", file=sys.stderr)
+    (bench_shm if args.transport == "shm" else bench_gloo)(args, model_dir, tensors, mib, buffer_size)
 
 
 if __name__ == "__main__":

@@ -72,12 +72,13 @@ async def finish_weight_update(request: web.Request) -> web.Response:
 
 
 async def abort_weight_update(request: web.Request) -> web.Response:
-    """End an update that will not finish: close vLLM's layerwise reload (layers that received
-    nothing keep their old tensors), then drop every request held here and every cached prefix,
-    which would otherwise go on with weights no push finished."""
+    """End an update that will not finish: drop every request held here, which would otherwise go
+    on with weights no push finished (first: vLLM ends them at once, even while its EngineCore is
+    still inside a broken transfer), close vLLM's layerwise reload (layers that received nothing
+    keep their old tensors), and drop every cached prefix."""
     engine = request.app[ENGINE_CLIENT]
-    await engine.collective_rpc(END_WEIGHT_UPDATE_RPC)
     aborted = await abort(engine)
+    await engine.collective_rpc(END_WEIGHT_UPDATE_RPC)
     await engine.reset_prefix_cache(reset_running_requests=True)
     return json_response({"status": "aborted", "requests_aborted": aborted})
 

@@ -334,6 +334,9 @@ class WeightSync:
         self.metrics.push_failures.inc()
         self._push_started = None
         began = [r for r in self.registry.records if r.receiving]
+        for record in began:
+            if record.up:
+                self.registry.set_stale(record, ABORTED)  # out of routing now, not once it answers
         # An engine still inside a broken collective answers once the group's own timeout ends it.
         timeout_s = self._silence_limit_s + 30 if self.transport.transport.group else self.timeout_s
         replies = await asyncio.gather(*(call_engine(r, "/abort_weight_update", timeout_s=timeout_s) for r in began))
@@ -341,9 +344,7 @@ class WeightSync:
             record.receiving = False
             if not record.up:
                 continue
-            if reply.ok:
-                self.registry.set_stale(record, ABORTED)
-            else:
+            if not reply.ok:
                 self._restart(record, f"a weight update was aborted ({reason}) and the engine could not end it: {reply.message}")
         if self.transport.transport.group:
             # Whatever broke the update broke the collective: the trainer must form a new group.

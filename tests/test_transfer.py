@@ -1,0 +1,232 @@
+"""The transports' bodies and the state model, without engines: what each check refuses, the JSON
+form of CUDA IPC handles (round trip on CPU, no CUDA needed), and the residency transitions vLLM
+makes, mirrored. The real engines' side of all of it is in test_colocated and test_faults."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import random
+import re
+
+import pytest
+import torch
+
+from skyinfer.config import ServeConfig
+from skyinfer.errors import ApiError
+from skyinfer.state import APPLY, PAUSE_FOR_PUSH, EngineRecord, Lifecycle, Residency, control_targets, push_verdict
+from skyinfer.transfer import GLOO, IPC, NCCL, SHM
+from skyinfer.transfer.ipc import decode_handle, encode_handle
+from skyinfer.transfer.protocol import GroupInitInfo, IpcHandle, IpcUpdateInfo, SharedMemoryUpdateInfo
+from skyinfer.transfer.shm import layout
+from skyinfer.weights.checkpoint import CheckpointSpec
+from skyinfer.weights.transports import PICKLED_IPC_FLAG, FrontTransport, TransferRefused
+from skyinfer.wire import WireError
+
+# -- residency, as vLLM 0.32's EngineCore and executor move it ---------------------------------
+
+
+def walk(*calls) -> Residency:
+    r = Residency()
+    for op, params in calls:
+        r = r.after(op, **params)
+    return r
+
+
+def test_residency_follows_vllms_sleep_and_wake_up():
+    asleep = walk(("sleep", {"level": 2}))
+    assert (asleep.paused, asleep.sleep_level, asleep.asleep, asleep.vllm_is_sleeping) == (True, 2, {"weights", "kv_cache"}, True)
+    weights = asleep.after("wake_up", tags=["weights"])
+    assert (weights.sleep_level, weights.asleep, weights.weights_awake, weights.paused) == (2, {"kv_cache"}, True, True)
+    # Fully awake: the scheduler resumes (vLLM's core does it).
+    assert weights.after("wake_up", tags=["kv_cache"]) == Residency()
+    # A tag that is not asleep makes vLLM's executor wake nothing; "scheduling" is dropped.
+    assert weights.after("wake_up", tags=["weights", "kv_cache"]) == weights
+    assert asleep.after("wake_up", tags=["scheduling"]) == asleep
+    # Level 0 releases nothing: any wake-up resumes it; a plain pause answers is_sleeping too.
+    assert walk(("sleep", {"level": 0})).after("wake_up", tags=["scheduling"]) == Residency()
+    assert walk(("pause", {})).vllm_is_sleeping and walk(("pause", {}), ("wake_up", {})) == Residency()
+    # Re-read after a failed call: what vLLM's two flags cannot say stands where they agree.
+    assert Residency.reread(weights, vllm_paused=True, vllm_sleeping=True) == weights
+    assert Residency.reread(weights, vllm_paused=False, vllm_sleeping=False) == Residency()
+    assert Residency.reread(Residency(), vllm_paused=True, vllm_sleeping=True) == Residency(paused=True)
+
+
+def record(**conditions) -> EngineRecord:
+    r = EngineRecord(0, devices=None, socket_path="/nonexistent", lifecycle=Lifecycle.UP)  # type: ignore[arg-type]
+    for name, value in conditions.items():
+        setattr(r, name, value)
+    return r
+
+
+def test_verdicts_keep_half_loaded_engines_paused_and_pushes_off_sleeping_weights():
+    running, paused = record(), record(residency=Residency(paused=True))
+    asleep = record(residency=walk(("sleep", {"level": 1})))
+    weights_awake = record(residency=walk(("sleep", {"level": 1}), ("wake_up", {"tags": ["weights"]})))
+    receiving = record(residency=Residency(paused=True), receiving=True)
+    assert [push_verdict(r) for r in (running, paused, weights_awake)] == [PAUSE_FOR_PUSH, APPLY, APPLY]
+    assert "wake_up?tags=weights first" in push_verdict(asleep)
+    # Nothing resumes an engine inside a weight update; pausing it again is harmless.
+    for operation, params in (("resume", {}), ("wake_up", {}), ("sleep", {"level": 1})):
+        with pytest.raises(ApiError, match="receiving a weight update"):
+            control_targets(operation, [receiving], **params)
+    assert control_targets("pause", [receiving]) == ([receiving], [])
+    receiving_asleep = record(residency=weights_awake.residency, receiving=True)
+    with pytest.raises(ApiError, match="receiving a weight update"):
+        control_targets("wake_up", [receiving_asleep], tags=["kv_cache"])
+    # vLLM wakes a paused engine; one that is running has nothing to wake.
+    assert control_targets("wake_up", [paused, running]) == ([paused], [running])
+    with pytest.raises(ApiError, match="already sleeping"):
+        control_targets("sleep", [weights_awake], level=2)
+
+
+# -- what the updates carry --------------------------------------------------------------
+
+
+def test_shared_memory_updates_name_a_segment_of_this_server_and_fit_in_it(tmp_path):
+    front = FrontTransport(SHM, (1, 1), 60.0, allow_pickled_ipc=False)
+    prefix = front.segment_prefix
+    segment = f"{prefix}{'e' * 32}"
+    path = f"/dev/shm/{segment}"
+    with open(path, "wb") as f:
+        f.write(b"\0" * 1024)
+    norm = {"names": ["w"], "dtype_names": ["float32"], "shapes": [[128]]}
+    try:
+        meta = front.parse_update({**norm, "segment": segment, "offsets": [512]}, carries_data=True)
+        assert isinstance(meta, SharedMemoryUpdateInfo) and meta.end() == 1024
+        refused = {
+            "../x": "a segment name is skyinfer-", f"{prefix}{'e' * 31}/": "no path", f"{prefix}{'f' * 32}": "does not exist",
+            f"skyinfer-00000000-{'e' * 32}": "is not this server's",
+        }  # fmt: skip
+        for name, says in refused.items():
+            with pytest.raises((WireError, TransferRefused), match=says):
+                front.parse_update({**norm, "segment": name, "offsets": [0]}, carries_data=True)
+        with pytest.raises(TransferRefused, match="past the end"):
+            front.parse_update({**norm, "segment": segment, "offsets": [576]}, carries_data=True)
+        with pytest.raises(WireError, match="not aligned"):
+            front.parse_update({**norm, "segment": segment, "offsets": [2]}, carries_data=True)
+        with pytest.raises(WireError, match="2 offsets for 1 tensors"):
+            front.parse_update({**norm, "segment": segment, "offsets": [0, 512]}, carries_data=True)
+        # A start names only the tensors; an update that carries none is refused.
+        assert front.parse_update(norm, carries_data=False).names == ["w"]
+        with pytest.raises(WireError, match="segment is required"):
+            front.parse_update(norm, carries_data=True)
+        # When an update ends, this server's leftovers go, and nothing else.
+        other = "/dev/shm/skyinfer-00000000-" + "e" * 32
+        open(other, "wb").close()
+        try:
+            assert front.update_ended() == [segment] and not os.path.exists(path) and os.path.exists(other)
+        finally:
+            os.unlink(other)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+def test_the_trainer_lays_tensors_out_aligned():
+    tensors = [("a", torch.zeros(3, dtype=torch.float32)), ("b", torch.zeros(1, dtype=torch.bfloat16)), ("c", torch.zeros(0))]
+    offsets, size = layout(tensors)
+    assert offsets == [0, 64, 128] and size == 128
+
+
+def cpu_rebuild_args(tensor: torch.Tensor, rng: random.Random) -> tuple:
+    """What torch's reduce_tensor gives for a CUDA tensor, with a CPU tensor's size, stride and dtype
+    and random handle bytes: the codec never opens a handle."""
+    return (
+        torch.nn.Parameter if rng.random() < 0.5 else torch.Tensor, tensor.size(), tensor.stride(), 0,
+        torch.storage.TypedStorage, tensor.dtype, 0, rng.randbytes(64), tensor.numel() * tensor.element_size(), 0,
+        False, b"/torch_1234_" + rng.randbytes(8).hex().encode(), 5, rng.randbytes(64), True,
+    )  # fmt: skip
+
+
+def test_ipc_handles_travel_as_json_and_come_back_as_torch_rebuilds_them():
+    rng = random.Random(3)
+    for tensor in (torch.zeros(4, 8), torch.zeros(16, dtype=torch.bfloat16), torch.zeros(2, 3, 5, dtype=torch.float16)):
+        args = cpu_rebuild_args(tensor, rng)
+        wire = json.loads(json.dumps(encode_handle(args)))
+        assert decode_handle(IpcHandle.parse(wire)) == args
+
+
+def test_ipc_handle_fields_are_checked_one_by_one():
+    good = encode_handle(cpu_rebuild_args(torch.zeros(4, 8), random.Random(4)))
+    uuid = "GPU-2c3a1f1e-8f5e-4b4e-9c1d-0123456789ab"
+    update = {"names": ["w"], "dtype_names": ["float32"], "shapes": [[4, 8]], "ipc_handles": [{uuid: good}]}
+    front = FrontTransport(IPC, (1,), 60.0, allow_pickled_ipc=False)
+    assert front.parse_update(update, carries_data=True).ipc_handles[0][uuid].size == [4, 8]
+    bad = {
+        "tensor_class": ("builtins.eval", "update_info.ipc_handles.0"),
+        "storage_class": ("os.system", "update_info.ipc_handles.0"),
+        "dtype": ("complex64", "update_info.ipc_handles.0"),
+        "storage_handle": ("not base64!", "update_info.ipc_handles.0"),
+        "ref_counter_handle": (base64.b64encode(b"x" * 600).decode(), "update_info.ipc_handles.0"),
+        "size": ([4, -8], "update_info.ipc_handles.0"),
+        "stride": ([8], "update_info.ipc_handles.0"),
+        "storage_size_bytes": (16, "update_info.ipc_handles.0"),
+        "device": ("0", "update_info.ipc_handles.0"),
+    }
+    for field, (value, param) in bad.items():
+        with pytest.raises(WireError) as refused:
+            front.parse_update({**update, "ipc_handles": [{uuid: {**good, field: value}}]}, carries_data=True)
+        assert refused.value.param.startswith(param), (field, refused.value.param)
+    for handles, says in (
+        ([{"not-a-uuid": good}], "not a GPU UUID"),
+        ([{uuid: {**good, "size": [8, 4], "stride": [4, 1]}}], "update_info says float32 [4, 8]"),
+        ([], "0 ipc_handles for 1 tensors"),
+        ({uuid: good}, "needs tensor_sizes"),
+    ):
+        with pytest.raises(WireError, match=re.escape(says)):
+            front.parse_update({**update, "ipc_handles": handles}, carries_data=True)
+    pickled = {**{k: v for k, v in update.items() if k != "ipc_handles"}, "ipc_handles_pickled": "gASVAAAAAAAAAAB9lC4="}
+    with pytest.raises(TransferRefused, match=PICKLED_IPC_FLAG):
+        front.parse_update(pickled, carries_data=True)
+    # With the operator's opt-in the body passes the front (the engines' vLLM unpickles it).
+    assert FrontTransport(IPC, (1,), 60.0, allow_pickled_ipc=True).parse_update(pickled, carries_data=True).pickled
+    with pytest.raises(WireError, match="exactly one"):
+        IpcUpdateInfo.parse({**update, "ipc_handles_pickled": "x"})
+
+
+async def test_init_info_says_which_transport_the_server_takes():
+    shm, gloo, nccl = (FrontTransport(t, (1, 1), 60.0, False) for t in (SHM, GLOO, NCCL))
+    plan = await shm.plan_init({"timeout_s": 5})
+    assert plan.answer == {"transport": "shm", "segment_prefix": shm.segment_prefix} and plan.timeout_s == 5
+    assert plan.engine_init_infos == [{}, {}]
+    with pytest.raises(TransferRefused, match="colocated"):
+        await shm.plan_init({"master_address": "127.0.0.1", "master_port": 1234, "world_size": 3})
+    with pytest.raises(TransferRefused, match="--colocate"):
+        await gloo.plan_init({"packed": False})  # vLLM's ipc trainer, to a server on devices of its own
+    group = {"master_address": "127.0.0.1", "master_port": 1234, "world_size": 3, "timeout_s": 7}
+    gloo_plan, nccl_plan = await gloo.plan_init(group), await nccl.plan_init(group)
+    assert [i["rank_offset"] for i in gloo_plan.engine_init_infos] == [1, 2]
+    # Only skyinfer's gloo backend takes a timeout; vLLM's nccl init_info refuses fields it lacks.
+    assert gloo_plan.engine_init_infos[0]["timeout_s"] == 7 and "timeout_s" not in nccl_plan.engine_init_infos[0]
+    # NCCL's torch-free rendezvous, without master_address.
+    unique = {"nccl_unique_id_b64": base64.b64encode(bytes(128)).decode(), "world_size": 3}
+    assert (await nccl.plan_init(unique)).engine_init_infos[1] == {**unique, "rank_offset": 2, "packed": False,
+                                                                    "packed_buffer_size_bytes": 1024**3, "packed_num_buffers": 2}  # fmt: skip
+    with pytest.raises(TransferRefused, match="only NCCL"):
+        await gloo.plan_init(unique)
+    with pytest.raises(WireError, match="not both"):
+        GroupInitInfo.parse({**group, **unique})
+
+
+def test_pushed_dtypes_must_be_ones_vllm_casts_into_the_checkpoints():
+    from skyinfer.transfer.protocol import UpdateMetadata
+
+    spec = CheckpointSpec({"w": (2,), "ids": (2,)}, {"w": "bfloat16", "ids": "int64"})
+    for dtypes in (["float32", "int64"], ["bfloat16", "int64"], ["float16", "int64"]):
+        spec.check(UpdateMetadata(names=["w", "ids"], dtype_names=dtypes, shapes=[[2], [2]]))
+    for dtypes, says in ((["int8", "int64"], "send a floating-point dtype"), (["float32", "int32"], "send int64")):
+        with pytest.raises(ValueError, match=says):
+            spec.check(UpdateMetadata(names=["w", "ids"], dtype_names=dtypes, shapes=[[2], [2]]))
+
+
+def test_serve_options_that_cannot_work_are_refused(tmp_path):
+    for engine_args in (("--data-parallel-size", "2"), ("-dp=2",)):
+        with pytest.raises(ValueError, match="--engines N"):
+            ServeConfig(model=str(tmp_path), engine_args=engine_args)
+    with pytest.raises(ValueError, match="add --colocate"):
+        ServeConfig(model=str(tmp_path), allow_pickled_ipc=True)
+    with pytest.raises(ValueError, match="needs an --admin-key"):
+        ServeConfig(model=str(tmp_path), colocate=True, allow_pickled_ipc=True, host="0.0.0.0", allow_unauthenticated_admin=True)
+    ServeConfig(model=str(tmp_path), colocate=True, allow_pickled_ipc=True)  # loopback: the operator's own machine
