@@ -14,7 +14,9 @@ node's own metrics: HTTP calls per push. With ``--nodes 2`` each node is a separ
 ``--transport shm`` (colocated): one ``skyinfer serve --colocate`` with ``--engines`` engines,
 pushed into by ``SharedMemoryTrainer`` in the colocated shape (engines asleep, weights awake; the
 push alone is timed), against a plain memcpy of the same bytes into a buffer per engine (the
-physical limit on one node) and a raw gloo broadcast of them to one receiver per engine.
+physical limit on one node), a raw gloo broadcast of them to one receiver per engine, and
+skyinfer's own gloo push into the same engines started without ``--colocate`` (the same reload
+into vLLM, another transport).
 
     .venv/bin/python tools/bench_weight_sync.py --pushes 3
     .venv/bin/python tools/bench_weight_sync.py --pushes 3 --nodes 2
@@ -47,6 +49,7 @@ from skyinfer.transfer.packing import DEFAULT_BUFFER_SIZE_BYTES, TensorMeta, pac
 BENCH_MODEL = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=12, num_attention_heads=16,
                    num_key_value_heads=4, head_dim=64)  # fmt: skip
 ENGINE_ARGS = ["--cpu-kvcache-gib", "1", "--max-model-len", "512"]
+IDLE_S = 1.5
 
 
 WEIGHT_ROUTES = ("/start_weight_update", "/update_weights", "/finish_weight_update")
@@ -114,21 +117,28 @@ def _raw_receiver(port: int, rank: int, world: int, chunk_sizes: list[int], push
 
 
 class Memcpy:
-    """The same bytes copied into one buffer per engine, allocated and touched beforehand."""
+    """The same bytes copied into one buffer per engine: allocated and touched beforehand (the
+    engines' weights are), or fresh (the pages a new segment needs)."""
 
     def __init__(self, tensors, engines: int):
         self.sources = [t.reshape(-1).view(torch.uint8) for _, t in tensors]
-        total = sum(s.numel() for s in self.sources)
-        self.destinations = [torch.ones(total, dtype=torch.uint8) for _ in range(engines)]
+        self.total = sum(s.numel() for s in self.sources)
+        self.destinations = [torch.ones(self.total, dtype=torch.uint8) for _ in range(engines)]
 
-    def push(self) -> float:
+    def _copy(self, destinations) -> float:
         started = time.perf_counter()
-        for destination in self.destinations:
+        for destination in destinations:
             offset = 0
             for source in self.sources:
                 destination[offset : offset + source.numel()].copy_(source)
                 offset += source.numel()
         return time.perf_counter() - started
+
+    def push(self) -> float:
+        return self._copy(self.destinations)
+
+    def push_fresh(self) -> float:
+        return self._copy([torch.empty(self.total, dtype=torch.uint8) for _ in self.destinations])
 
 
 def timed_push(trainer, tensors, version: str) -> float:
@@ -139,7 +149,7 @@ def timed_push(trainer, tensors, version: str) -> float:
 
 def median_row(label: str, seconds: list[float], mib: float) -> str:
     s = statistics.median(seconds)
-    return f"{label:34s} {s:8.3f} {mib / s:8.0f}   {' '.join(f'{x:.3f}' for x in seconds)}"
+    return f"{label:38s} {s:8.3f} {mib / s:8.0f}   {' '.join(f'{x:.3f}' for x in seconds)}"
 
 
 def bench_gloo(args, model_dir: Path, tensors, mib: float, buffer_size: int) -> None:
@@ -174,7 +184,7 @@ def bench_gloo(args, model_dir: Path, tensors, mib: float, buffer_size: int) -> 
             stop(proc)
     print(f"{args.pushes} alternating rounds, {mib:.0f} MiB to {args.nodes} node(s), raw packed in "
           f"{buffer_size // 2**20} MiB buffers; median, then each round")  # fmt: skip
-    print(f"{'':34s} {'seconds':>8s} {'MiB/s':>8s}")
+    print(f"{'':38s} {'seconds':>8s} {'MiB/s':>8s}")
     print(median_row("raw gloo broadcast", raw_s, mib))
     print(median_row("skyinfer push (end to end)", sky_s, mib))
     print(median_row("skyinfer push, packed", packed_s, mib))
@@ -183,39 +193,57 @@ def bench_gloo(args, model_dir: Path, tensors, mib: float, buffer_size: int) -> 
 
 
 def bench_shm(args, model_dir: Path, tensors, mib: float, buffer_size: int) -> None:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = start_skyinfer(str(model_dir), port, ["--colocate", *ENGINE_ARGS], dict(os.environ), engines=args.engines,
-                          log_name="bench-skyinfer-colocated.log")  # fmt: skip
+    ports = [free_port(), free_port()]
+    colocated_url, separate_url = (f"http://127.0.0.1:{port}" for port in ports)
+    procs = [
+        start_skyinfer(str(model_dir), ports[0], ["--colocate", *ENGINE_ARGS], dict(os.environ), engines=args.engines,
+                       log_name="bench-skyinfer-colocated.log"),
+        # The same engines on devices of their own: the gloo transport, for the same bytes and the same reload.
+        start_skyinfer(str(model_dir), ports[1], ENGINE_ARGS, dict(os.environ), engines=args.engines,
+                       log_name="bench-skyinfer-separate.log"),
+    ]  # fmt: skip
     memcpy = Memcpy(tensors, args.engines)
     raw = RawGloo(tensors, buffer_size, receivers=args.engines, pushes=args.pushes)
-    memcpy_s, raw_s, shm_s = [], [], []
+    rows: dict[str, list[float]] = {k: [] for k in ("memcpy", "memcpy_fresh", "raw", "shm", "receiving", "gloo")}
     try:
-        asyncio.run(wait_servers([(url, proc)], path="/ready"))
-        trainer = SharedMemoryTrainer(url, timeout_s=300)
-        trainer.init()
-        with httpx.Client(base_url=url, timeout=300) as http:
+        asyncio.run(wait_servers(list(zip((colocated_url, separate_url), procs)), path="/ready"))
+        shm_trainer, gloo_trainer = SharedMemoryTrainer(colocated_url, timeout_s=300), GlooTrainer(separate_url, timeout_s=300)
+        shm_trainer.init()
+        gloo_trainer.init()
+        with httpx.Client(base_url=colocated_url, timeout=300) as http:
             for i in range(args.pushes):
-                memcpy_s.append(memcpy.push())
-                raw_s.append(raw.push())
+                # Each timed step starts on an idle machine: after each call, the workers of vLLM's CPU
+                # executor busy-wait 1 s for the next (shm_broadcast.SpinCondition), on these 2 cores.
+                for row, step in (("memcpy", memcpy.push), ("memcpy_fresh", memcpy.push_fresh), ("raw", raw.push),
+                                  ("gloo", lambda: timed_push(gloo_trainer, tensors, f"bench-{i}"))):  # fmt: skip
+                    time.sleep(IDLE_S)
+                    rows[row].append(step())
                 # The colocated shape: engines asleep, their weights awake; the push alone is timed.
                 for path, params in (("/sleep", {"level": "1"}), ("/wake_up", {"tags": "weights"})):
                     http.post(path, params=params).raise_for_status()
-                shm_s.append(timed_push(trainer, tensors, f"bench-{i}"))
+                time.sleep(IDLE_S)
+                rows["shm"].append(timed_push(shm_trainer, tensors, f"bench-{i}"))
+                rows["receiving"].append(http.get("/weight_info").json()["last_update_seconds"])
                 http.post("/wake_up", params={"tags": "kv_cache"}).raise_for_status()
-        trainer.close()
+        shm_trainer.close()
+        gloo_trainer.close()
     finally:
         raw.close()
-        stop(proc)
-    print(f"{args.pushes} alternating rounds, {mib:.0f} MiB ({len(tensors)} tensors) into {args.engines} engine(s) of one "
-          "colocated server; median, then each round")  # fmt: skip
-    print(f"{'':34s} {'seconds':>8s} {'MiB/s':>8s}")
-    print(median_row(f"memcpy into {args.engines} buffer(s)", memcpy_s, mib))
-    print(median_row(f"raw gloo broadcast to {args.engines}", raw_s, mib))
-    print(median_row("skyinfer shared-memory push", shm_s, mib))
-    shm = statistics.median(shm_s)
-    print(f"skyinfer shm / memcpy: {shm / statistics.median(memcpy_s):.2f}x the time; "
-          f"raw gloo / skyinfer shm: {statistics.median(raw_s) / shm:.2f}x faster")
+        for proc in procs:
+            stop(proc)
+    print(f"{args.pushes} alternating rounds, {mib:.0f} MiB ({len(tensors)} tensors) into {args.engines} engine(s); "
+          "median, then each round")  # fmt: skip
+    print(f"{'':38s} {'seconds':>8s} {'MiB/s':>8s}")
+    print(median_row(f"memcpy into {args.engines} buffer(s)", rows["memcpy"], mib))
+    print(median_row(f"memcpy into {args.engines} fresh buffer(s)", rows["memcpy_fresh"], mib))
+    print(median_row(f"raw gloo broadcast to {args.engines}", rows["raw"], mib))
+    print(median_row("skyinfer gloo push (separate)", rows["gloo"], mib))
+    print(median_row("skyinfer shared-memory push (colocated)", rows["shm"], mib))
+    print(median_row("  of which the engines' receive", rows["receiving"], mib))
+    shm = statistics.median(rows["shm"])
+    print(f"skyinfer shm / memcpy: {shm / statistics.median(rows['memcpy']):.2f}x the time "
+          f"({shm / statistics.median(rows['memcpy_fresh']):.2f}x into fresh pages); faster than raw gloo "
+          f"{statistics.median(rows['raw']) / shm:.2f}x, than skyinfer's gloo push {statistics.median(rows['gloo']) / shm:.2f}x")
 
 
 def main() -> None:
