@@ -9,6 +9,8 @@ default would bind every engine to the same cores).
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Callable
 
 import attrs
 
@@ -23,12 +25,13 @@ class LayoutError(ValueError):
 @attrs.frozen
 class EngineDevices:
     kind: str  # "cuda" or "cpu"
-    # GPU indices (as the parent sees them) or CPU core ids, grouped by worker.
-    worker_ids: tuple[tuple[int, ...], ...]
+    # GPUs as CUDA_VISIBLE_DEVICES names them in the parent (indices or UUIDs), or CPU core ids,
+    # grouped by worker.
+    worker_ids: tuple[tuple[int | str, ...], ...]
     env: dict[str, str]
 
     @property
-    def ids(self) -> tuple[int, ...]:
+    def ids(self) -> tuple[int | str, ...]:
         return tuple(i for group in self.worker_ids for i in group)
 
     @property
@@ -55,30 +58,65 @@ def detect_device_kind() -> str:
         pynvml.nvmlShutdown()
 
 
-def _visible_gpus() -> list[int]:
+# CUDA_VISIBLE_DEVICES names GPUs by index, by UUID (GPU-...) or, for MIG instances, by MIG UUID.
+_GPU_UUID = re.compile(r"^GPU-[0-9a-fA-F-]{36}$")
+_MIG_UUID = re.compile(r"^MIG-(?:GPU-)?[0-9a-fA-F-]+(?:/\d+/\d+)?$")
+
+
+def parse_visible_devices(value: str | None, count: int, uuid_exists: Callable[[str], bool]) -> list[str]:
+    """The GPUs a ``CUDA_VISIBLE_DEVICES`` value makes visible, as it names them: indices below
+    ``count``, or UUIDs (GPU or MIG) that ``uuid_exists``; each engine gets its share by the same
+    names. None (unset): every GPU."""
+    if value is None:
+        return [str(i) for i in range(count)]
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    if all(n.isdigit() for n in names):
+        missing = [n for n in names if int(n) >= count]
+        if missing:
+            raise LayoutError(f"CUDA_VISIBLE_DEVICES names GPUs {', '.join(missing)}, but only {count} exist")
+        return names
+    unknown = [n for n in names if not (_GPU_UUID.match(n) or _MIG_UUID.match(n))]
+    if unknown:
+        raise LayoutError(
+            f"CUDA_VISIBLE_DEVICES={value!r}: {', '.join(unknown)} is neither a GPU index nor a GPU or MIG UUID"
+            " (name every GPU one way: all indices, or all UUIDs)"
+        )
+    absent = [n for n in names if not uuid_exists(n)]
+    if absent:
+        raise LayoutError(f"CUDA_VISIBLE_DEVICES names {', '.join(absent)}, which NVML does not know on this machine")
+    return names
+
+
+def _visible_gpus() -> list[str]:
     import pynvml
 
     pynvml.nvmlInit()
     try:
         count = pynvml.nvmlDeviceGetCount()
+
+        def uuid_exists(uuid: str) -> bool:
+            try:
+                pynvml.nvmlDeviceGetHandleByUUID(uuid)
+            except pynvml.NVMLError:
+                return False
+            return True
+
+        return parse_visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES"), count, uuid_exists)
     finally:
         pynvml.nvmlShutdown()
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is None:
-        return list(range(count))
-    ids = [int(x) for x in visible.split(",") if x.strip()]
-    missing = [i for i in ids if i >= count]
-    if missing:
-        raise LayoutError(f"CUDA_VISIBLE_DEVICES names GPUs {missing}, but only {count} exist")
-    return ids
 
 
-def _id_list(ids: tuple[int, ...]) -> str:
+def _id_list(ids: tuple[int | str, ...]) -> str:
     return ",".join(str(i) for i in ids)
 
 
-def split_gpus(gpus: list[int], engines: int, workers_per_engine: int) -> list[EngineDevices]:
+def split_gpus(gpus: list[str], engines: int, workers_per_engine: int) -> list[EngineDevices]:
     """One group of ``workers_per_engine`` consecutive visible GPUs per engine."""
+    if workers_per_engine > 1 and any(str(g).startswith("MIG-") for g in gpus):
+        raise LayoutError(
+            "CUDA_VISIBLE_DEVICES names MIG instances: a process sees one MIG instance, so an engine cannot"
+            f" span {workers_per_engine} of them (tensor or pipeline parallelism); run one engine per instance"
+        )
     needed = engines * workers_per_engine
     if needed > len(gpus):
         raise LayoutError(

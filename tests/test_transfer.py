@@ -221,6 +221,25 @@ def test_pushed_dtypes_must_be_ones_vllm_casts_into_the_checkpoints():
             spec.check(UpdateMetadata(names=["w", "ids"], dtype_names=dtypes, shapes=[[2], [2]]))
 
 
+def test_cuda_visible_devices_by_index_or_uuid_and_mig_instances():
+    from skyinfer.devices import LayoutError, parse_visible_devices, split_gpus
+
+    gpu = ["GPU-2c3a1f1e-8f5e-4b4e-9c1d-0123456789a" + c for c in "bc"]
+    known = set(gpu)
+    assert parse_visible_devices(None, 2, known.__contains__) == ["0", "1"]
+    assert parse_visible_devices("1,0", 2, known.__contains__) == ["1", "0"]
+    assert parse_visible_devices(",".join(gpu), 2, known.__contains__) == gpu
+    plans = split_gpus(gpu, engines=2, workers_per_engine=1)
+    assert [p.env["CUDA_VISIBLE_DEVICES"] for p in plans] == gpu and plans[1].describe()["ids"] == [gpu[1]]
+    mig = ["MIG-4b9e3c5a-1f2e-5d6c-8b7a-0123456789ab", "MIG-GPU-2c3a1f1e-8f5e-4b4e-9c1d-0123456789ab/1/0"]
+    assert parse_visible_devices(",".join(mig), 1, lambda _uuid: True) == mig
+    for value, says in (("0,2", "only 2 exist"), ("0,GPU-zz", "neither a GPU index"), (gpu[0].replace("b", "f"), "does not know")):
+        with pytest.raises(LayoutError, match=says):
+            parse_visible_devices(value, 2, known.__contains__)
+    with pytest.raises(LayoutError, match="one MIG instance"):
+        split_gpus(mig, engines=1, workers_per_engine=2)
+
+
 def test_serve_options_that_cannot_work_are_refused(tmp_path):
     for engine_args in (("--data-parallel-size", "2"), ("-dp=2",)):
         with pytest.raises(ValueError, match="--engines N"):
@@ -230,3 +249,42 @@ def test_serve_options_that_cannot_work_are_refused(tmp_path):
     with pytest.raises(ValueError, match="needs an --admin-key"):
         ServeConfig(model=str(tmp_path), colocate=True, allow_pickled_ipc=True, host="0.0.0.0", allow_unauthenticated_admin=True)
     ServeConfig(model=str(tmp_path), colocate=True, allow_pickled_ipc=True)  # loopback: the operator's own machine
+
+
+async def test_the_front_refuses_ipc_bodies_over_http_before_any_engine(aiohttp_client, demo_model, tmp_path):
+    """A colocated GPU server's front, without its engines (none would be reached): bad JSON handles
+    and vLLM's own pickled body (made by vLLM's own HTTP client from its own handle tuples) are
+    OpenAI-shaped 400s; with the opt-in, the pickled body gets past the checks only with the admin key."""
+    from vllm.distributed.weight_transfer.clients import _json_safe_update_info
+
+    from skyinfer.app import create_app
+    from skyinfer.weights.sync import WEIGHT_SYNC
+
+    def front(allow_pickled_ipc: bool):
+        app = create_app(ServeConfig(model=str(demo_model), device="cpu", colocate=True, admin_key="admin-0123456789",
+                                     allow_pickled_ipc=allow_pickled_ipc, socket_dir=str(tmp_path)))  # fmt: skip
+        app.cleanup_ctx.clear()  # no engines: nothing here may reach one
+        app[WEIGHT_SYNC].transport = FrontTransport(IPC, (1, 1), 60.0, allow_pickled_ipc)
+        return app
+
+    key = {"Authorization": "Bearer admin-0123456789"}
+    args = cpu_rebuild_args(torch.zeros(128), random.Random(5))
+    norm = {"names": ["model.norm.weight"], "dtype_names": ["float32"], "shapes": [[128]]}
+    uuid = "GPU-2c3a1f1e-8f5e-4b4e-9c1d-0123456789ab"
+    pickled = _json_safe_update_info({**norm, "ipc_handles": [{uuid: args}]})  # what vLLM's client sends
+    assert set(pickled) == {*norm, "ipc_handles_pickled"}
+    client = await aiohttp_client(front(allow_pickled_ipc=False))
+    for update_info, says in (
+        (pickled, PICKLED_IPC_FLAG),
+        ({**norm, "ipc_handles": [{uuid: {**encode_handle(args), "tensor_class": "os.system"}}]}, "'Tensor' or 'Parameter'"),
+        ({**norm, "ipc_handles": [{uuid: {**encode_handle(args), "dtype": "bfloat16"}}]}, "update_info says float32"),
+    ):
+        r = await client.post("/update_weights", json={"update_info": update_info}, headers=key)
+        body = await r.json()
+        assert r.status == 400 and body["error"]["code"] == 400 and says in body["error"]["message"], body
+    opted_in = await aiohttp_client(front(allow_pickled_ipc=True))
+    r = await opted_in.post("/update_weights", json={"update_info": pickled})
+    assert r.status == 401
+    # Past the checks, it reaches the engines' group, which is not set up here: 409, and no engine touched.
+    r = await opted_in.post("/update_weights", json={"update_info": pickled}, headers=key)
+    assert r.status == 409 and "weight transfer needs every engine" in (await r.json())["error"]["message"]
