@@ -11,6 +11,7 @@ import random
 import re
 
 import pytest
+from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferInitInfo
 import torch
 
 from skyinfer.config import ServeConfig
@@ -204,6 +205,12 @@ async def test_init_info_says_which_transport_the_server_takes():
     unique = {"nccl_unique_id_b64": base64.b64encode(bytes(128)).decode(), "world_size": 3}
     assert (await nccl.plan_init(unique)).engine_init_infos[1] == {**unique, "rank_offset": 2, "packed": False,
                                                                     "packed_buffer_size_bytes": 1024**3, "packed_num_buffers": 2}  # fmt: skip
+    # What an engine on the NCCL backend does with them: vLLM's own parser takes every field.
+    for plan in (nccl_plan, await nccl.plan_init(unique)):
+        for info in plan.engine_init_infos:
+            NCCLWeightTransferInitInfo(**info)
+    with pytest.raises(TypeError):  # why timeout_s must not reach it
+        NCCLWeightTransferInitInfo(**nccl_plan.engine_init_infos[0], timeout_s=7)
     with pytest.raises(TransferRefused, match="only NCCL"):
         await gloo.plan_init(unique)
     with pytest.raises(WireError, match="not both"):

