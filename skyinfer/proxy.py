@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 
 import aiohttp
 import attrs
@@ -17,7 +18,7 @@ import orjson
 from aiohttp import web
 
 from .engine import ENGINE_DIED_HEADER
-from .errors import error_body, error_response, parse_json_object
+from .errors import ApiError, error_body, error_response, parse_json_object
 from .state import EngineBusy, EngineRecord, EngineRegistry, NoEngineAvailable
 from .wire import checked_session_id
 
@@ -145,7 +146,8 @@ async def forward(request: web.Request) -> web.StreamResponse:
     payload = _json_object(body) if body and (registry.has_adapters or (prefix_chars and not session_id)) else None
     group = _group_key(payload, prefix_chars) if payload and prefix_chars and not session_id else None
     adapter = await registry.adapter_for(payload.get("model")) if payload and registry.has_adapters else None
-    target = _Target(session_id, group, adapter)
+    pinned = _previous_response_engine(registry, body, session_id) if request.path == RESPONSES_PATH else None
+    target = _Target(session_id, group, adapter, pinned)
     try:
         return await _send(request, target, body, headers)
     except _EngineDied as died:
@@ -169,6 +171,36 @@ class _Target:
     group: int | None
     # The LoRA adapter it asks for; only engines holding the fleet's version of it serve it.
     adapter: str | None
+    # The engine storing the response this one continues (Responses' previous_response_id).
+    pinned: int | None = None
+
+
+RESPONSES_PATH = "/v1/responses"
+# The id of a stored response: the top-level "id" of an answer, or in a stream the "id" of the
+# response in its first event (response.created).
+_RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[A-Za-z0-9_-]+)"')
+
+
+def _previous_response_engine(registry: EngineRegistry, body: bytes, session_id: str | None) -> int | None:
+    """The engine that stores the response a Responses request continues, if this front saw it."""
+    if b'"previous_response_id"' not in body:
+        return None
+    previous = (_json_object(body) or {}).get("previous_response_id")
+    engine = registry.stored_responses.engine_of(previous) if isinstance(previous, str) else None
+    bound = registry.router.engine_of(session_id) if session_id and engine is not None else None
+    if bound is not None and bound != engine:
+        raise ApiError(
+            f"session {session_id!r} is on engine {bound}, but previous_response_id {previous!r} is stored on"
+            f" engine {engine}, the only one that can continue it: drop the session id or start a new chain",
+            status=409, param="previous_response_id",
+        )  # fmt: skip
+    return engine
+
+
+def _remember_response(request: web.Request, engine: EngineRecord, head: bytes) -> None:
+    """Record which engine stored a Responses answer, from the first bytes of its body."""
+    if request.path == RESPONSES_PATH and (found := _RESPONSE_ID.search(head[:4096])):
+        request.app[REGISTRY].stored_responses.record(found.group(1).decode(), engine.engine_id)
 
 
 async def _send(
@@ -181,7 +213,7 @@ async def _send(
         try:
             # Picked afresh each time: a session stays on its engine while that
             # one serves; a request without a session may go to another.
-            engine = registry.pick(target.session_id, exclude, target.group, target.adapter)
+            engine = registry.pick(target.session_id, exclude, target.group, target.adapter, target.pinned)
             async with engine.in_flight():
                 return await _relay(request, engine, body, headers, {**retried, **_version_header(engine, target.adapter)})
         except NoEngineAvailable as exc:
@@ -235,6 +267,8 @@ async def _relay(
         return _engine_failed(request, engine, exc)
     if ENGINE_DIED_HEADER in upstream.headers:
         raise _EngineDied(engine.engine_id, answer)
+    if upstream.status == 200:
+        _remember_response(request, engine, answer.body)
     return answer
 
 
@@ -289,6 +323,8 @@ async def _relay_stream(
     except aiohttp.ClientError as exc:
         # Nothing has reached the caller: the request may still go to another engine.
         raise _EngineDied(engine.engine_id, _engine_failed(request, engine, exc)) from None
+    if upstream.status == 200:
+        _remember_response(request, engine, first)
     response = web.StreamResponse(status=upstream.status, headers={**headers, "Cache-Control": "no-cache"})
     await response.prepare(request)
     try:

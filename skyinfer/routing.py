@@ -150,3 +150,26 @@ class SessionRouter:
             if now - self._last_used[oldest] <= self._idle_ttl_s:
                 return
             self.finish(oldest)
+
+
+# Stored responses remembered per server: far more than a run keeps chains open for.
+MAX_STORED_RESPONSES = 200_000
+
+
+class StoredResponses:
+    """Which engine stored each Responses-API answer: vLLM keeps a stored response (and so
+    a ``previous_response_id`` chain) in the memory of the engine that produced it, so the
+    next turn, a read-back and a cancel must go there. Oldest forgotten first."""
+
+    def __init__(self, max_entries: int = MAX_STORED_RESPONSES):
+        self._engine_of: OrderedDict[str, int] = OrderedDict()
+        self._max_entries = max_entries
+
+    def record(self, response_id: str, engine_id: int) -> None:
+        self._engine_of[response_id] = engine_id
+        self._engine_of.move_to_end(response_id)
+        while len(self._engine_of) > self._max_entries:
+            self._engine_of.popitem(last=False)
+
+    def engine_of(self, response_id: str) -> int | None:
+        return self._engine_of.get(response_id)

@@ -28,7 +28,7 @@ import attrs
 
 from .devices import EngineDevices
 from .errors import ApiError
-from .routing import Candidate, SessionRouter
+from .routing import Candidate, SessionRouter, StoredResponses
 
 log = logging.getLogger("skyinfer.state")
 
@@ -396,6 +396,7 @@ class EngineRegistry:
     def __init__(self, records: list[EngineRecord], router: SessionRouter | None = None):
         self.records = records
         self.router = router or SessionRouter()
+        self.stored_responses = StoredResponses()
         # The version of the last completed push; None while engines serve what they loaded.
         self.fleet_weight_version: str | None = None
         # What the last control calls asked of every engine: a new engine process is brought to it.
@@ -483,8 +484,17 @@ class EngineRegistry:
         exclude: Collection[int] = (),
         group_key: int | None = None,
         adapter: str | None = None,
+        pinned: int | None = None,
     ) -> EngineRecord:
+        """The engine for a request; ``pinned``: the only engine that can answer it (the one
+        storing the response it continues)."""
         live = [r for r in self.serving() if r.engine_id not in exclude and self.holds_adapter(r, adapter)]
+        if pinned is not None:
+            live = [r for r in live if r.engine_id == pinned]
+            if not live:
+                raise NoEngineAvailable(f"engine {pinned}, which stores the previous response, is "
+                                        f"{self.records[pinned].state.value}")  # fmt: skip
+            return live[0]
         if not live:
             states = ", ".join(
                 f"engine {r.engine_id} {r.state.value}" + (f": {r.stale}" if r.stale else "") for r in self.records

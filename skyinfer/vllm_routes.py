@@ -45,9 +45,12 @@ COLLECTIVE_RPC_METHODS = web.AppKey("collective_rpc_methods", frozenset)
 
 
 async def _stored_response(request: web.Request) -> web.StreamResponse:
-    """``/v1/responses/{id}`` (and ``/cancel``): only the engine that ran a response stores it."""
+    """``/v1/responses/{id}`` (and ``/cancel``): only the engine that ran a response stores it; asked
+    of that one where this front saw it answer, else of every engine."""
     body = await request.read()
-    serving = request.app[REGISTRY].serving()
+    registry = request.app[REGISTRY]
+    holder = registry.stored_responses.engine_of(request.match_info["response_id"])
+    serving = [r for r in registry.serving() if holder is None or r.engine_id == holder]
     if not serving:
         raise ApiError("no engine is serving", status=503)
     answers = await asyncio.gather(*(forward_to(request, record, body) for record in serving))
@@ -60,8 +63,13 @@ def _per_engine_view(path: str):
         registry = request.app[REGISTRY]
         timeout_s = request.app[CONTROL].timeout_s
         up = registry.up()
-        replies = await asyncio.gather(*(call_engine(r, path, method="GET", timeout_s=timeout_s) for r in up))
+        query = dict(request.query)
+        replies = await asyncio.gather(*(call_engine(r, path, method="GET", timeout_s=timeout_s, query=query) for r in up))
         body = {"engines": [reply.as_json() for reply in replies]}
+        if path == "/server_info" and (first := next((reply for reply in replies if reply.ok), None)):
+            # vLLM's shape at the top level (TRL reads vllm_config there): every engine serves the
+            # same model and config, so one engine's answer stands for the fleet; "engine" says whose.
+            body = {**first.body, "engine": first.engine_id, **body}
         if path == "/load":
             # vLLM's own key: what a load-aware client reads, summed over the fleet.
             body["server_load"] = sum(reply.body.get("server_load", 0) for reply in replies if reply.ok)

@@ -109,7 +109,10 @@ def two_float32_engines(model: Path, log_path: Path) -> ServerProcess:
     compared across batch shapes do not flip on bf16 rounding."""
     return ServerProcess(
         model, engines=2, log_path=log_path,
-        extra_args=("--allow-collective-rpc", COLLECTIVE_RPC_ALLOWED, "--dtype", "float32"),
+        extra_args=("--allow-collective-rpc", COLLECTIVE_RPC_ALLOWED, "--dtype", "float32",
+                    # What clients' features need of vLLM: tool_choice="auto" (the openai SDK, agent
+                    # harnesses) and TRL's prompt_logprobs=100.
+                    "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--max-logprobs", "-1"),
         # vLLM keeps Responses API answers (for GET /v1/responses/{id}) only when told to.
         env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"},
     )  # fmt: skip

@@ -415,3 +415,14 @@ def test_adapter_checks_name_the_first_problem():
     for says, (shapes, cfg, max_rank) in refused.items():
         with pytest.raises(AdapterError, match=re.escape(says)):
             check_adapter(cfg, shapes, base, max_rank)
+
+
+def test_stored_responses_remember_the_newest_per_engine():
+    from skyinfer.routing import StoredResponses
+
+    stored = StoredResponses(max_entries=2)
+    stored.record("resp_a", 0)
+    stored.record("resp_b", 1)
+    stored.record("resp_a", 0)  # used again: newest
+    stored.record("resp_c", 1)
+    assert [stored.engine_of(r) for r in ("resp_a", "resp_b", "resp_c", "resp_x")] == [0, None, 1, None]

@@ -20,6 +20,7 @@ import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
+import orjson
 import prometheus_client
 import pydantic
 from aiohttp import web
@@ -82,6 +83,8 @@ def _serving_route(
                 head = {"id": f"{prefix}-{uuid.uuid4().hex}", "object": chunk_object,
                         "created": int(time.time()), "model": parsed.model}  # fmt: skip
                 result = with_finish_reasons(result, choice_count(parsed), head)
+            if request.path == TOKEN_ROUTE:
+                result = _with_token_strings(result)
         except pydantic.ValidationError as exc:
             message, param = _validation_message(exc)
             return error_response(400, message, param)
@@ -97,6 +100,44 @@ def _serving_route(
     return handler
 
 
+TOKEN_ROUTE = "/inference/v1/generate"
+
+
+def _name_tokens(entries: list[dict]) -> None:
+    for entry in entries:
+        if "token_id" in entry and "token" not in entry:
+            entry["token"] = f"token_id:{entry['token_id']}"
+        _name_tokens(entry.get("top_logprobs") or [])
+
+
+def _named(payload: dict) -> dict:
+    for choice in payload.get("choices") or []:
+        if isinstance(logprobs := choice.get("logprobs"), dict):
+            _name_tokens(logprobs.get("content") or [])
+    return payload
+
+
+async def _named_frames(frames: AsyncGenerator[str, None]) -> AsyncGenerator[str, None]:
+    try:
+        async for frame in frames:
+            if frame.startswith("data: {") and '"token_id"' in frame:
+                frame = "data: " + orjson.dumps(_named(orjson.loads(frame[6:]))).decode() + "\n\n"
+            yield frame
+    finally:
+        await frames.aclose()
+
+
+def _with_token_strings(result: Any) -> Any:
+    """The token route's logprob entries also name their token as ``"token_id:N"``, the shape
+    vLLM's token route had before 0.32 and TRL's and verifiers' clients still read; 0.32's
+    fields stay, so clients of either shape read the same answer."""
+    if isinstance(result, ErrorResponse):
+        return result
+    if isinstance(result, pydantic.BaseModel):
+        return web.Response(body=orjson.dumps(_named(result.model_dump(mode="json"))), content_type="application/json")
+    return _named_frames(result)
+
+
 async def _respond(request: web.Request, result: Any) -> web.StreamResponse:
     if isinstance(result, ErrorResponse) and request.app[ENGINE_CLIENT].errored:
         # The engine died under this request: a retry elsewhere will do.
@@ -108,6 +149,8 @@ async def _respond(request: web.Request, result: Any) -> web.StreamResponse:
         )
     if isinstance(result, pydantic.BaseModel):
         return web.Response(body=result.model_dump_json(), content_type="application/json")
+    if isinstance(result, web.Response):
+        return result
     return await _stream_sse(request, result)
 
 
@@ -171,7 +214,7 @@ def create_engine_app(engine_client: Any, serving_state: Any) -> web.Application
         "/v1/chat/completions": (
             ChatCompletionRequest, lambda s: s.openai_serving_chat.create_chat_completion, "chat.completion.chunk"
         ),
-        "/inference/v1/generate": (GenerateRequest, lambda s: s.serving_tokens.serve_tokens, None),
+        TOKEN_ROUTE: (GenerateRequest, lambda s: s.serving_tokens.serve_tokens, None),
         "/tokenize": (TokenizeRequest, lambda s: s.serving_tokenization.create_tokenize, None),
         "/detokenize": (DetokenizeRequest, lambda s: s.serving_tokenization.create_detokenize, None),
     }
