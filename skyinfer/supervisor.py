@@ -210,6 +210,14 @@ def _engine_client(socket_path: str) -> aiohttp.ClientSession:
     )
 
 
+async def _close_client(record: EngineRecord) -> None:
+    """Drop an engine's client: gone from the record first, so that nobody picks up a session
+    that is closing (it raises rather than fail like an unreachable engine)."""
+    client, record.client = record.client, None
+    if client is not None:
+        await client.close()
+
+
 class Supervisor:
     """Owns the engine processes behind an ``EngineRegistry``."""
 
@@ -340,9 +348,7 @@ class Supervisor:
         # first, its requests see the connection drop and fail at once, streams included.
         process.kill()
         await process.stop(self.config.engine_stop_timeout_s)
-        if record.client is not None:
-            await record.client.close()
-            record.client = None
+        await _close_client(record)
         try:
             await self._launch(process)
         except Exception:  # whatever went wrong, the engine must not stay "restarting"
@@ -405,8 +411,6 @@ class Supervisor:
 
     async def _stop_one(self, process: EngineProcess, timeout_s: float) -> None:
         record = process.record
-        if record.client is not None:
-            await record.client.close()
-            record.client = None
+        await _close_client(record)
         await process.stop(timeout_s)
         self.registry.set_lifecycle(record, Lifecycle.STOPPED)

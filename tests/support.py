@@ -104,6 +104,10 @@ class ServerProcess(ChildProcess):
         return httpx.get(f"{self.url}/engines", headers=self.admin_headers, timeout=10).json()["engines"]
 
 
+# TRL's get_sequence_logprobs asks for the top 100 of every prompt token (vLLM's default cap: 20).
+MAX_LOGPROBS = 100
+
+
 def two_float32_engines(model: Path, log_path: Path) -> ServerProcess:
     """The shared server's kind: two engines in float32, so that greedy tokens
     compared across batch shapes do not flip on bf16 rounding."""
@@ -111,8 +115,8 @@ def two_float32_engines(model: Path, log_path: Path) -> ServerProcess:
         model, engines=2, log_path=log_path,
         extra_args=("--allow-collective-rpc", COLLECTIVE_RPC_ALLOWED, "--dtype", "float32",
                     # What clients' features need of vLLM: tool_choice="auto" (the openai SDK, agent
-                    # harnesses) and TRL's prompt_logprobs=100.
-                    "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--max-logprobs", "-1"),
+                    # harnesses) and TRL's default prompt_logprobs=100.
+                    "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--max-logprobs", str(MAX_LOGPROBS)),
         # vLLM keeps Responses API answers (for GET /v1/responses/{id}) only when told to.
         env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"},
     )  # fmt: skip

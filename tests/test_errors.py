@@ -8,6 +8,7 @@ import httpx
 import openai
 import orjson
 import pytest
+from support import MAX_LOGPROBS
 
 
 def assert_openai_error(r: httpx.Response, status: int) -> dict:
@@ -34,7 +35,7 @@ def test_wrong_model_is_404(server):
         ({"temperature": -2}, "temperature"),
         ({"top_p": 7}, "top_p"),
         ({"n": 0}, "n"),
-        ({"logprobs": 99}, "logprobs"),
+        ({"logprobs": MAX_LOGPROBS + 1}, "logprobs"),
     ],
 )
 def test_invalid_parameters_are_400(server, model_name, params, param_name):

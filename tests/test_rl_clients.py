@@ -92,7 +92,7 @@ def test_trl_chat_and_sequence_logprobs(trl_client, reference):
     (prompt_ids,), (completion,) = chat["prompt_ids"], chat["completion_ids"]
     assert len(completion) == 5
     assert_matches(reference, prompt_ids, completion, chat["logprobs"][0], chat["logprob_token_ids"][0], top=2)
-    # Teacher logprobs with TRL's default top 100 (needs --max-logprobs -1 on the engines).
+    # Teacher logprobs with TRL's default top 100 (needs --max-logprobs 100 or more on the engines).
     scored = trl_client.get_sequence_logprobs([prompt_ids + completion], [len(prompt_ids)])
     expected = reference(prompt_ids, completion)
     (values,), (ids,), (actual,) = scored["logprobs"], scored["logprob_token_ids"], scored["actual_logprobs"]
