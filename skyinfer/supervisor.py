@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import functools
 import logging
 import os
-import queue
 import signal
 import sys
-import threading
 import time
 from collections.abc import Awaitable, Callable
 
@@ -20,6 +17,7 @@ import aiohttp
 from .config import COLOCATED_GPU_MEMORY_UTILIZATION, ServeConfig
 from .devices import platform_engine_args
 from .engine import EXTENSION_PATH
+from .engine.output import read_tail
 from .state import EngineRecord, EngineRegistry, Lifecycle
 
 log = logging.getLogger("skyinfer.supervisor")
@@ -39,9 +37,8 @@ class EngineProcess:
         self.record = record
         self.config = config
         self.proc: asyncio.subprocess.Process | None = None
-        # The end of the engine's output, quoted when it fails to start.
-        self.log_tail: collections.deque[str] = collections.deque(maxlen=40)
-        self._pump: asyncio.Task | None = None
+        # The end of the engine's output, which the engine keeps itself (engine/output.py).
+        self.output_tail = os.path.splitext(record.socket_path)[0] + ".log"
         # For the restart backoff: consecutive crashes, and when it last became ready (0: not up since).
         self.crashes = 0
         self.ready_since = 0.0
@@ -57,15 +54,17 @@ class EngineProcess:
             *platform_engine_args(self.record.devices.kind, c.engine_args, c.colocate, COLOCATED_GPU_MEMORY_UTILIZATION),
             *c.engine_args,
         ]  # fmt: skip
-        own = ["--socket", self.record.socket_path, "--lifeline-fd", str(lifeline_fd)]
+        own = ["--socket", self.record.socket_path, "--lifeline-fd", str(lifeline_fd),
+               "--output-tail", self.output_tail, "--log-prefix", f"[engine {self.record.engine_id}] "]  # fmt: skip
         if self.record.devices.kind == "cpu":
             own += ["--cpus", ",".join(str(core) for core in self.record.devices.ids)]
         return [sys.executable, "-m", "skyinfer.engine", *own, "--", *vllm_args]
 
     async def spawn(self, lifeline_fd: int) -> None:
         """Start the engine; it dies with whoever holds the write end of ``lifeline_fd``'s pipe."""
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.record.socket_path)
+        for stale in (self.record.socket_path, self.output_tail, self.output_tail + ".1"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(stale)
         env = {**os.environ, **self.record.devices.env, "PYTHONUNBUFFERED": "1"}
         if self.config.allow_pickled_ipc:
             # vLLM's ipc backend unpickles ipc_handles_pickled only with it (the operator's opt-in).
@@ -73,23 +72,14 @@ class EngineProcess:
         self.proc = await asyncio.create_subprocess_exec(
             *self.argv(lifeline_fd),
             env=env,
+            # Its output goes to the front's stderr, relayed by the engine itself: never through here.
             stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
             # A group of its own: stopping it, or its lifeline running out, takes vLLM's processes too.
             start_new_session=True,
             pass_fds=(lifeline_fd,),
         )
         self.record.pid = self.proc.pid
-        self._pump = asyncio.create_task(self._pump_output())
         log.info("engine %d: started pid %d on %s", self.record.engine_id, self.proc.pid, self.record.devices.describe())
-
-    async def _pump_output(self) -> None:
-        prefix = f"[engine {self.record.engine_id}] ".encode()
-        assert self.proc is not None and self.proc.stdout is not None
-        async for line in self.proc.stdout:
-            self.log_tail.append(line.decode(errors="replace").rstrip())
-            _STDERR.write(prefix + line)
 
     @property
     def exited(self) -> bool:
@@ -101,8 +91,9 @@ class EngineProcess:
         next_report = started + START_PROGRESS_EVERY_S
         while True:
             if self.exited:
-                await self._drain_output()
-                tail = "\n".join(self.log_tail)
+                # Its relay may still be writing its last words.
+                await asyncio.sleep(0.2)
+                tail = read_tail(self.output_tail)
                 raise EngineStartError(
                     f"engine {self.record.engine_id} exited with code {self.proc.returncode} "
                     f"during start-up; its last output:\n{tail}"
@@ -133,11 +124,6 @@ class EngineProcess:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
 
-    async def _drain_output(self) -> None:
-        if self._pump is not None:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.shield(self._pump), 2.0)
-
     async def stop(self, timeout_s: float) -> None:
         """SIGTERM the engine (it shuts vLLM down cleanly), then SIGKILL its whole group."""
         if self.proc is None:
@@ -154,49 +140,6 @@ class EngineProcess:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, signal.SIGKILL)
         await self.proc.wait()
-        await self._drain_output()
-
-
-class _StderrWriter:
-    """The front's stderr, written by a thread of its own.
-
-    A write to a pipe or a terminal blocks while its reader lags; the engines'
-    output must never hold up the event loop that serves requests. Only that
-    loop writes, so starting the thread on first use needs no lock.
-    """
-
-    def __init__(self) -> None:
-        self._lines: queue.SimpleQueue[bytes | threading.Event] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-
-    def write(self, line: bytes) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="skyinfer-engine-output", daemon=True)
-            self._thread.start()
-        self._lines.put(line)
-
-    def flushed(self, timeout_s: float) -> bool:
-        """Block until every line written so far is out (or ``timeout_s`` passed); run it off the event loop."""
-        if self._thread is None:
-            return True
-        done = threading.Event()
-        self._lines.put(done)
-        return done.wait(timeout_s)
-
-    def _run(self) -> None:
-        out = sys.stderr.buffer
-        while True:
-            item = self._lines.get()
-            if isinstance(item, threading.Event):
-                out.flush()
-                item.set()
-                continue
-            out.write(item)
-            if self._lines.empty():
-                out.flush()
-
-
-_STDERR = _StderrWriter()
 
 
 def _engine_client(socket_path: str) -> aiohttp.ClientSession:
@@ -406,8 +349,6 @@ class Supervisor:
             for fd in self._lifeline:
                 os.close(fd)
             self._lifeline = None
-        # The engines' last words, before the process exits.
-        await asyncio.to_thread(_STDERR.flushed, 2.0)
 
     async def _stop_one(self, process: EngineProcess, timeout_s: float) -> None:
         record = process.record

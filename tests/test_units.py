@@ -335,6 +335,24 @@ async def test_an_unforeseen_exception_in_a_handler_is_an_openai_500(aiohttp_cli
     assert (await client.get("/broken")).status == 500
 
 
+def test_engine_output_is_prefixed_per_line_and_its_tail_file_is_bounded(tmp_path):
+    from skyinfer.engine.output import TAIL_LINES, _TailFile, prefixed, read_tail
+
+    # A line may arrive in pieces: the prefix goes where a line begins, never inside one.
+    assert prefixed(b"a\nb", b"[e] ", True) == b"[e] a\n[e] b"
+    assert prefixed(b"c\nd\n", b"[e] ", False) == b"c\n[e] d\n"
+    assert prefixed(b"\n\n", b"[e] ", True) == b"[e] \n[e] \n"
+    path = str(tmp_path / "engine-0.log")
+    tail = _TailFile(path, 200)
+    for i in range(100):
+        tail.write(f"line {i}\n".encode())
+    tail.write(b"w" * 500 + b"\n")  # longer than a whole generation: its end is kept
+    assert os.path.getsize(path) <= 200 and os.path.getsize(path + ".1") <= 200
+    lines = read_tail(path).splitlines()
+    assert lines[-1] == "w" * 199 and len(lines) <= TAIL_LINES
+    assert read_tail(str(tmp_path / "never-written.log")) == ""
+
+
 def test_wire_models_take_query_or_body_refuse_contradictions_and_say_what_is_wrong():
     from multidict import MultiDict
 
