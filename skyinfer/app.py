@@ -21,14 +21,11 @@ from .routing import SessionRouter
 from .security import AccessPolicy
 from .sessions import FINISH_SESSION_PATH, finish_session
 from .state import EngineRecord, EngineRegistry
-from .supervisor import Supervisor
+from .supervisor import SUPERVISOR, Supervisor, add_supervisor_routes
 from .vllm_routes import add_vllm_routes
 from .transfer import transport_for
 from .weights.sync import WEIGHT_SYNC, WeightSync, add_weight_routes
 from .weights.transports import FrontTransport
-
-SUPERVISOR = web.AppKey("supervisor", Supervisor)
-
 
 def build_registry(config: ServeConfig, kind: str, socket_dir: str) -> EngineRegistry:
     plans = plan_engine_devices(kind, config.engines, config.workers_per_engine, config.cpu_kvcache_gib)
@@ -43,7 +40,7 @@ def build_registry(config: ServeConfig, kind: str, socket_dir: str) -> EngineReg
         config.max_sessions, config.session_idle_ttl_s, config.session_rebalance_factor,
         config.group_prefix_chars, config.group_slack,
     )  # fmt: skip
-    return EngineRegistry(records, router)
+    return EngineRegistry(records, router, config.hold_requests_s)
 
 
 def create_app(config: ServeConfig) -> web.Application:
@@ -102,5 +99,6 @@ def create_app(config: ServeConfig) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/engines", engines_view(config.engine_probe_timeout_s))
+    add_supervisor_routes(app)
     app.router.add_get("/metrics", metrics_view(config.engine_probe_timeout_s))
     return app

@@ -7,6 +7,8 @@ once. The flag is the field's name with dashes, less a ``_s`` (seconds) suffix.
 
 from __future__ import annotations
 
+import sys
+
 import attrs
 
 from .devices import given
@@ -76,10 +78,17 @@ class ServeConfig:
     )
     # A crashed engine is restarted after restart_backoff_s, doubling per
     # consecutive crash up to restart_backoff_max_s; staying up
-    # restart_backoff_reset_s makes the next crash count as the first.
+    # restart_window_s makes the next crash count as the first.
     restart_backoff_s: float = 1.0
     restart_backoff_max_s: float = 60.0
-    restart_backoff_reset_s: float = 120.0
+    restart_window_s: float = _option(
+        300.0, "an engine that stays up this long after a restart has its failed restarts forgotten",
+        metavar="SECONDS", validator=attrs.validators.gt(0),
+    )  # fmt: skip
+    max_restarts: int = _option(
+        5, "an engine that needs more restarts in a row than N (none of them staying up --restart-window) is "
+        "retired: out of the fleet until POST /engines/{id}/restart", metavar="N", validator=attrs.validators.ge(0),
+    )  # fmt: skip
     # Per-call timeout for the front's short calls to an engine (status views, start-up polling).
     engine_probe_timeout_s: float = 5.0
     # Liveness probe of every running engine: health_failures probes in a row
@@ -92,6 +101,9 @@ class ServeConfig:
     health_failures: int = attrs.field(default=3, validator=_at_least_one)
     # Where engine Unix sockets live; None means a fresh temporary directory.
     socket_dir: str | None = None
+    # The engine program, given the engine's own arguments and vLLM's: skyinfer's engine. The
+    # front's own tests and benchmark run a fake one (tools/fake_engine.py) in its place.
+    engine_command: tuple[str, ...] = attrs.field(default=(sys.executable, "-m", "skyinfer.engine"), converter=tuple)
     adapter_dir: str | None = _option(
         None, "where each version of each LoRA adapter is kept for the engines (None: a temporary directory)",
         metavar="DIR",
@@ -121,6 +133,10 @@ class ServeConfig:
     engine_connections: int = _option(
         4096, "requests sent to one engine at once; more wait in the front for a connection", metavar="N",
         validator=_at_least_one,
+    )  # fmt: skip
+    hold_requests_s: float = _option(
+        60.0, "a request that finds no engine serving (all restarting, or stale until the next push) waits up to "
+        "this long for one, then gets 503 with Retry-After", metavar="SECONDS", validator=attrs.validators.ge(0),
     )  # fmt: skip
     engine_queue_limit: int = _option(
         0, "requests that may wait per engine before new ones get 503 with Retry-After (0: no cap)", metavar="N",

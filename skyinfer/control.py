@@ -10,6 +10,7 @@ called.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import Any
 
@@ -25,6 +26,9 @@ log = logging.getLogger("skyinfer.control")
 
 # The calls that move an engine's scheduler and memory (and the fleet's intent).
 RESIDENCY_OPERATIONS = frozenset({"pause", "resume", "sleep", "wake_up"})
+# Calls that never wait behind a fleet operation: an abort must be able to cut a wait-mode pause
+# (which holds the fleet's lock until the requests drain) short.
+LOCK_FREE_OPERATIONS = frozenset({"abort_requests"})
 
 
 class ControlPlane:
@@ -37,8 +41,8 @@ class ControlPlane:
     ) -> list[EngineReply]:
         """Run ``/operation`` on every up engine it applies to; record what each engine now is.
         ``params``: what the residency transition needs (a sleep's ``level``, a wake-up's ``tags``)."""
-        # One admin call at a time: a pause must not interleave with a resume.
-        async with self.registry.lock:
+        # One fleet operation at a time: a pause must not interleave with a resume.
+        async with contextlib.nullcontext() if operation in LOCK_FREE_OPERATIONS else self.registry.lock:
             targets, already_done = control_targets(operation, self.registry.up(), **params)
             moves_residency = operation in RESIDENCY_OPERATIONS
             if moves_residency:
@@ -57,7 +61,8 @@ class ControlPlane:
                 elif moves_residency:
                     self.registry.record_call(record, operation, **params)
         unchanged = [EngineReply(r.engine_id, 200, {"status": "unchanged", "state": r.state.value}) for r in already_done]
-        down = [EngineReply(r.engine_id, 503, {"error": f"engine is {r.state.value}"}) for r in self.registry.records if not r.up]
+        # A retired engine is out of the fleet: no call waits on it, or fails for it.
+        down = [EngineReply(r.engine_id, 503, {"error": f"engine is {r.state.value}"}) for r in self.registry.members() if not r.up]
         return sorted([*outcomes, *unchanged, *down], key=lambda o: o.engine_id)
 
     async def bring_to_intent(self, record: EngineRecord) -> None:
@@ -113,7 +118,7 @@ async def _params(request: web.Request, params: type[QueryParams]):
 
 async def _pause(request: web.Request) -> web.Response:
     p = await _params(request, PauseParams)
-    outcomes = await request.app[CONTROL].apply("pause", p.to_query())
+    outcomes = await request.app[CONTROL].apply("pause", p.to_query(), mode=p.mode)
     return aggregate("pause", outcomes, {"status": "paused", "mode": p.mode})
 
 

@@ -2,7 +2,8 @@
 
 ``{"error": {"message": ..., "type": ..., "param": ..., "code": <http status>}}``
 is what vLLM's own server and the OpenAI SDK use; the SDK maps the HTTP
-status to its exception classes and shows ``message``.
+status to its exception classes and shows ``message``. A refusal a client can
+act on by itself says so with a string ``code`` instead (``TRANSFER_GROUP_GONE``).
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ _TYPE_BY_STATUS = {
 }
 
 
-def error_body(status: int, message: str, param: str | None = None) -> dict:
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """``code``: what a client may act on without reading the message (default: the status)."""
     err_type = _TYPE_BY_STATUS.get(status) or HTTPStatus(status).phrase.replace(" ", "") + "Error"
-    return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code or status}}
 
 
 def error_response(
@@ -58,13 +60,24 @@ class ApiError(Exception):
     (each engine's answer, say) beside the error."""
 
     status = 400
+    code: str | None = None
 
-    def __init__(self, message: str, *, status: int | None = None, param: str | None = None, details: dict | None = None):
+    def __init__(
+        self, message: str, *, status: int | None = None, param: str | None = None, details: dict | None = None,
+        code: str | None = None,
+    ):  # fmt: skip
         super().__init__(message)
         if status is not None:
             self.status = status
+        if code is not None:
+            self.code = code
         self.param = param
         self.details = details or {}
+
+
+# The engines are not (or no longer) in the trainer's weight-transfer group: form it again
+# (POST /init_weight_transfer) and retry. skyinfer's trainer helpers do so by themselves.
+TRANSFER_GROUP_GONE = "transfer_group_gone"
 
 
 class BadRequest(ApiError, ValueError):
@@ -93,7 +106,7 @@ async def openai_errors_middleware(request: web.Request, handler):
     try:
         return await handler(request)
     except ApiError as exc:
-        return json_response({**error_body(exc.status, str(exc), exc.param), **exc.details}, status=exc.status)
+        return json_response({**error_body(exc.status, str(exc), exc.param, exc.code), **exc.details}, status=exc.status)
     except web.HTTPException as exc:
         if exc.status < 400 or exc.content_type == "application/json":
             raise

@@ -2,7 +2,8 @@
 
 ``/health`` is for a load balancer: 200 while at least one engine can serve.
 ``/ready`` is for whoever waits on the whole fleet (a training script after
-start-up or a restart): 200 only when every engine is ``ready``.
+start-up or a restart): 200 only when every engine of the fleet is ``ready``
+(a retired engine is out of the fleet).
 ``/engines`` adds what each engine reports live.
 """
 
@@ -30,14 +31,16 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
-    records = request.app[REGISTRY].records
-    waiting = [r for r in records if r.state is not EngineState.READY]
+    registry = request.app[REGISTRY]
+    members = registry.members()
+    waiting = [r for r in members if r.state is not EngineState.READY]
     body = {
-        "ready": not waiting,
+        "ready": bool(members) and not waiting,
         "not_ready": [{"engine": r.engine_id, "state": r.state.value} for r in waiting],
-        "engines": len(records),
+        "retired": [r.engine_id for r in registry.records if r.retired],
+        "engines": len(registry.records),
     }
-    return json_response(body, status=503 if waiting else 200)
+    return json_response(body, status=200 if body["ready"] else 503)
 
 
 async def _engine_status(record: EngineRecord, timeout_s: float) -> dict:
@@ -61,3 +64,4 @@ def engines_view(probe_timeout_s: float):
         return json_response({"engines": engines})
 
     return view
+

@@ -90,8 +90,10 @@ def _session_from_body(body: bytes) -> tuple[bytes, str | None]:
 # opened (its socket's backlog full, or it is going away): nothing was sent, so
 # sending again is safe. About 1.5 s in all.
 CONNECT_RETRY_DELAYS_S = (0.05, 0.1, 0.2, 0.4, 0.8)
-# What a refused request is told to wait before trying again.
+# What a refused request is told to wait before trying again: an engine's queue is full, or no
+# engine served while the request was held (restarts take tens of seconds or more).
 BUSY_RETRY_AFTER_S = 1
+NONE_SERVING_RETRY_AFTER_S = 10
 
 
 class _NotConnected(Exception):
@@ -153,10 +155,11 @@ async def forward(request: web.Request) -> web.StreamResponse:
     except _EngineDied as died:
         first_death = died
     dead = first_death.engine_id
-    if not any(r.serves for r in registry.records if r.engine_id != dead):
+    if not any(r.engine_id != dead for r in registry.members()):
         return first_death.answer
     log.warning("engine %d died under %s %s: sending it to another engine", dead, request.method, request.path)
-    # Once, and never to the engine that died: a request that kills engines must not walk through the fleet.
+    # Once, and never to the engine that died: a request that kills engines must not walk through the
+    # fleet. If no other engine serves now, it waits for one like any request.
     try:
         return await _send(request, target, body, headers, retried_from=dead)
     except _EngineDied as again:
@@ -213,11 +216,15 @@ async def _send(
         try:
             # Picked afresh each time: a session stays on its engine while that
             # one serves; a request without a session may go to another.
-            engine = registry.pick(target.session_id, exclude, target.group, target.adapter, target.pinned)
+            engine = await registry.pick_held(
+                session_id=target.session_id, exclude=exclude, group_key=target.group, adapter=target.adapter,
+                pinned=target.pinned,
+            )  # fmt: skip
             async with engine.in_flight():
                 return await _relay(request, engine, body, headers, {**retried, **_version_header(engine, target.adapter)})
         except NoEngineAvailable as exc:
-            return error_response(503, str(exc))
+            held = f" (held {registry.hold_requests_s:g}s)" if registry.hold_requests_s else ""
+            return error_response(503, f"{exc}{held}", headers={"Retry-After": str(NONE_SERVING_RETRY_AFTER_S)})
         except EngineBusy as exc:
             return error_response(503, str(exc), headers={"Retry-After": str(BUSY_RETRY_AFTER_S), **_own_headers(engine)})
         except _NotConnected as exc:

@@ -9,11 +9,11 @@ import signal
 
 from aiohttp import web
 
-from .app import SUPERVISOR, create_app
+from .app import create_app
 from .config import ServeConfig
 from .draining import IN_FLIGHT
 from .errors import OpenAIErrorsAppRunner
-from .supervisor import EngineStartError
+from .supervisor import SUPERVISOR, EngineStartError
 
 log = logging.getLogger("skyinfer")
 

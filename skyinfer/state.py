@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import enum
 import logging
+import time
 from collections.abc import Callable, Collection, Sequence
 
 import aiohttp
@@ -42,6 +43,9 @@ class Lifecycle(enum.Enum):
     DEAD = "dead"
     STOPPING = "stopping"
     STOPPED = "stopped"
+    # It could not come back (``--max-restarts`` failed restarts in a row): out of the fleet (no
+    # admin call, push or readiness waits for it) until an operator restarts it.
+    RETIRED = "retired"
 
 
 L = Lifecycle
@@ -50,9 +54,10 @@ _LIFECYCLE_STEPS: dict[Lifecycle, frozenset[Lifecycle]] = {
     L.STARTING: frozenset({L.UP, L.DEAD, L.STOPPING}),
     L.UP: frozenset({L.RESTARTING, L.DEAD, L.STOPPING}),
     L.RESTARTING: frozenset({L.UP, L.DEAD, L.STOPPING}),
-    L.DEAD: frozenset({L.RESTARTING, L.STOPPING, L.STOPPED}),
+    L.DEAD: frozenset({L.RESTARTING, L.STOPPING, L.STOPPED, L.RETIRED}),
     L.STOPPING: frozenset({L.STOPPED, L.DEAD}),
     L.STOPPED: frozenset(),
+    L.RETIRED: frozenset({L.RESTARTING, L.STOPPING}),
 }
 
 # An engine's residency and staleness are set while it is up, and while a new process is
@@ -93,8 +98,11 @@ class Residency:
     def weights_awake(self) -> bool:
         return "weights" not in self.asleep
 
-    def after(self, operation: str, *, level: int = 1, tags: Sequence[str] | None = None) -> Residency:
-        """What a successful ``operation`` leaves."""
+    def after(
+        self, operation: str, *, level: int = 1, tags: Sequence[str] | None = None, mode: str | None = None
+    ) -> Residency:
+        """What a successful ``operation`` leaves (a pause's ``mode`` decides what becomes of its
+        requests, not where the engine is)."""
         if operation == "pause":
             return attrs.evolve(self, paused=True)
         if operation == "resume":
@@ -147,6 +155,7 @@ class EngineState(enum.Enum):
     STOPPING = "stopping"
     STOPPED = "stopped"
     DEAD = "dead"
+    RETIRED = "retired"
 
 
 class Phase(enum.Enum):
@@ -170,8 +179,16 @@ PAUSE_FOR_PUSH = "pause for the push"
 _RECEIVING = "it is receiving a weight update; POST /finish_weight_update first"
 
 
-def _pause(r: EngineRecord) -> str:
-    return "it is sleeping; POST /wake_up first" if r.residency.sleeping else APPLY
+def _pause(mode: str | None) -> Callable[[EngineRecord], str]:
+    def verdict(r: EngineRecord) -> str:
+        if r.residency.sleeping:
+            return "it is sleeping; POST /wake_up first"
+        if mode == "wait" and r.receiving:
+            # vLLM's wait mode lets the scheduler step until the requests drain: on half-loaded layers.
+            return _RECEIVING + " (or pause with mode=keep)"
+        return APPLY
+
+    return verdict
 
 
 def _resume(r: EngineRecord) -> str:
@@ -206,7 +223,7 @@ def _always(_r: EngineRecord) -> str:
 
 # Every control operation over every combination of conditions, in one place.
 CONTROL_VERDICTS: dict[str, Callable[..., Callable[[EngineRecord], str]]] = {
-    "pause": lambda **_: _pause,
+    "pause": lambda mode=None, **_: _pause(mode),
     "resume": lambda **_: _resume,
     "sleep": lambda **_: _sleep,
     "wake_up": lambda tags=None, **_: _wake_up(tags),
@@ -309,6 +326,10 @@ class EngineRecord:
         return self.lifecycle is Lifecycle.UP
 
     @property
+    def retired(self) -> bool:
+        return self.lifecycle is Lifecycle.RETIRED
+
+    @property
     def serves(self) -> bool:
         """Requests may be routed to it. Paused and sleeping engines still take requests: vLLM
         queues them until resume / wake-up, which is what a trainer pausing for a push wants."""
@@ -393,9 +414,13 @@ class Adapter:
 
 
 class EngineRegistry:
-    def __init__(self, records: list[EngineRecord], router: SessionRouter | None = None):
+    def __init__(self, records: list[EngineRecord], router: SessionRouter | None = None, hold_requests_s: float = 0.0):
         self.records = records
         self.router = router or SessionRouter()
+        # How long a request that finds no engine serving waits for one.
+        self.hold_requests_s = hold_requests_s
+        # Set (and replaced) whenever an engine may have begun to serve: held requests look again.
+        self._may_serve = asyncio.Event()
         self.stored_responses = StoredResponses()
         # The version of the last completed push; None while engines serve what they loaded.
         self.fleet_weight_version: str | None = None
@@ -417,7 +442,9 @@ class EngineRegistry:
         if new not in _LIFECYCLE_STEPS[old]:
             raise RuntimeError(f"engine {record.engine_id}: illegal step {old.value} -> {new.value}")
         record.lifecycle = new
-        if new is not Lifecycle.UP:
+        if new is Lifecycle.UP:
+            self._look_again()
+        else:
             # Whatever the old process was, the next one starts fresh.
             record.residency, record.stale, record.receiving = Residency(), None, False
             record.adapters = {}
@@ -442,6 +469,8 @@ class EngineRegistry:
         assert record.lifecycle in _HAS_CONDITIONS, record.lifecycle
         if reason != record.stale:
             record.stale = reason
+            if reason is None:
+                self._look_again()
             log.info("engine %d: %s%s", record.engine_id, record.state.value, f" ({reason})" if reason else "")
 
     def holds_adapter(self, record: EngineRecord, adapter: str | None) -> bool:
@@ -452,6 +481,11 @@ class EngineRegistry:
 
     def up(self) -> list[EngineRecord]:
         return [r for r in self.records if r.up]
+
+    def members(self) -> list[EngineRecord]:
+        """The fleet: every engine but the retired ones, which take no part in admin calls,
+        weight transfers or readiness."""
+        return [r for r in self.records if not r.retired]
 
     def serving(self) -> list[EngineRecord]:
         return [r for r in self.records if r.serves]
@@ -477,6 +511,25 @@ class EngineRegistry:
         while (changing := self._adapters_changing.get(model)) is not None:
             await changing.wait()
         return model if model in self.fleet_adapters else None
+
+    def _look_again(self) -> None:
+        self._may_serve.set()
+        self._may_serve = asyncio.Event()
+
+    async def pick_held(self, **how) -> EngineRecord:
+        """``pick``; while no engine can serve the request (all restarting, or stale until the next
+        push), wait up to ``hold_requests_s`` for one that can."""
+        deadline = time.monotonic() + self.hold_requests_s
+        while True:
+            may_serve = self._may_serve  # before the pick: a change after it sets this one
+            try:
+                return self.pick(**how)
+            except NoEngineAvailable:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(may_serve.wait(), remaining)
 
     def pick(
         self,

@@ -8,17 +8,18 @@ import functools
 import logging
 import os
 import signal
-import sys
 import time
 from collections.abc import Awaitable, Callable
 
 import aiohttp
+from aiohttp import web
 
 from .config import COLOCATED_GPU_MEMORY_UTILIZATION, ServeConfig
 from .devices import platform_engine_args
 from .engine import EXTENSION_PATH
 from .engine.output import read_tail
-from .state import EngineRecord, EngineRegistry, Lifecycle
+from .errors import ApiError, json_response
+from .state import EngineRecord, EngineRegistry, Lifecycle, OrderingError
 
 log = logging.getLogger("skyinfer.supervisor")
 
@@ -58,7 +59,7 @@ class EngineProcess:
                "--output-tail", self.output_tail, "--log-prefix", f"[engine {self.record.engine_id}] "]  # fmt: skip
         if self.record.devices.kind == "cpu":
             own += ["--cpus", ",".join(str(core) for core in self.record.devices.ids)]
-        return [sys.executable, "-m", "skyinfer.engine", *own, "--", *vllm_args]
+        return [*c.engine_command, *own, "--", *vllm_args]
 
     async def spawn(self, lifeline_fd: int) -> None:
         """Start the engine; it dies with whoever holds the write end of ``lifeline_fd``'s pipe."""
@@ -203,7 +204,7 @@ class Supervisor:
     def _declare_dead(self, process: EngineProcess, reason: str) -> None:
         """Out of rotation now, its processes killed (its requests fail at once), revived after a backoff."""
         record = process.record
-        if record.lifecycle in (Lifecycle.STOPPING, Lifecycle.STOPPED, Lifecycle.DEAD):
+        if record.lifecycle in (Lifecycle.STOPPING, Lifecycle.STOPPED, Lifecycle.DEAD, Lifecycle.RETIRED):
             return
         log.error("engine %d: %s", record.engine_id, reason)
         self.registry.set_lifecycle(record, Lifecycle.DEAD)
@@ -315,19 +316,39 @@ class Supervisor:
             self._declare_dead(process, f"process {proc.pid} exited with code {code}")
 
     async def _revive(self, process: EngineProcess) -> None:
-        """Restart a crashed engine, backing off while it keeps crashing."""
+        """Restart a crashed engine, backing off while it keeps crashing; retire it once it has
+        needed more restarts in a row than it may have."""
         record = process.record
-        # An engine that stayed up a while starts its backoff afresh; one
-        # whose restart failed was never up, so its failures add up.
-        if process.ready_since and time.monotonic() - process.ready_since > self.config.restart_backoff_reset_s:
+        # An engine that stayed up a while starts afresh; one whose restart failed, or that died
+        # again soon after, adds to its failures.
+        if process.ready_since and time.monotonic() - process.ready_since > self.config.restart_window_s:
             process.crashes = 0
         process.ready_since = 0.0
+        if process.crashes >= self.config.max_restarts:
+            log.error(
+                "engine %d: retired: it needed %d restarts in a row (--max-restarts %d), none staying up %.0fs; "
+                "POST /engines/%d/restart brings it back", record.engine_id, process.crashes + 1,
+                self.config.max_restarts, self.config.restart_window_s, record.engine_id,
+            )  # fmt: skip
+            self.registry.set_lifecycle(record, Lifecycle.RETIRED)
+            return
         delay = min(self.config.restart_backoff_max_s, self.config.restart_backoff_s * 2**process.crashes)
         process.crashes += 1
         log.warning("engine %d: restarting in %.1fs (crash %d)", record.engine_id, delay, process.crashes)
         await asyncio.sleep(delay)
         if record.lifecycle is Lifecycle.DEAD:
             await self.restart(record, "it died")
+
+    async def restart_on_request(self, record: EngineRecord) -> None:
+        """An operator's restart (``POST /engines/{id}/restart``): a retired engine rejoins the fleet,
+        with its failures forgotten; returns once it is up (it raises if it did not come up)."""
+        if record.lifecycle not in (Lifecycle.UP, Lifecycle.DEAD, Lifecycle.RETIRED):
+            raise OrderingError(f"engine {record.engine_id} is {record.state.value}: restart it once that is over")
+        process = self.processes[record.engine_id]
+        process.crashes = 0
+        await self.restart(record, "an operator asked for it")
+        if not record.up:
+            raise EngineStartError(f"engine {record.engine_id} did not come back: it is {record.state.value}")
 
     async def stop(self, timeout_s: float) -> None:
         """Stop every engine: SIGTERM, then SIGKILL after ``timeout_s``."""
@@ -355,3 +376,26 @@ class Supervisor:
         await _close_client(record)
         await process.stop(timeout_s)
         self.registry.set_lifecycle(record, Lifecycle.STOPPED)
+
+
+SUPERVISOR = web.AppKey("supervisor", Supervisor)
+
+
+async def _restart_engine(request: web.Request) -> web.Response:
+    """``POST /engines/{id}/restart``: replace one engine's process, and answer once it is up (a
+    retired engine rejoins the fleet; stale until the next push if the fleet's weights moved on)."""
+    supervisor = request.app[SUPERVISOR]
+    records = supervisor.registry.records
+    engine_id = request.match_info["engine_id"]
+    if not engine_id.isdigit() or int(engine_id) >= len(records):
+        raise ApiError(f"no engine {engine_id!r}: engines are 0 to {len(records) - 1}", status=404, param="engine_id")
+    record = records[int(engine_id)]
+    try:
+        await supervisor.restart_on_request(record)
+    except EngineStartError as exc:
+        raise ApiError(str(exc), status=503) from None
+    return json_response({"status": "restarted", "engine": record.describe()})
+
+
+def add_supervisor_routes(app: web.Application) -> None:
+    app.router.add_post("/engines/{engine_id}/restart", _restart_engine)

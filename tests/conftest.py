@@ -16,6 +16,20 @@ from support import keyed_one_engine, restore_checkpoint, running, two_float32_e
 from skyinfer.demo_model import build_demo_model
 
 
+def pytest_addoption(parser) -> None:
+    parser.addoption(
+        "--fuzz-full", action="store_true",
+        help="fuzz with the whole corpus (34,400 bodies on the shared server; .ci/run does); by default a tenth"
+        " of it, drawn from the same seeded generator",
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def fuzz_share(request) -> float:
+    """The part of each fuzz corpus a run sends."""
+    return 1.0 if request.config.getoption("--fuzz-full") else 0.1
+
+
 @pytest.fixture(scope="session")
 def demo_model(tmp_path_factory) -> Path:
     return build_demo_model(tmp_path_factory.mktemp("demo-model"))
@@ -36,11 +50,11 @@ def server(request, demo_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def restores_checkpoint(server, demo_model):
+def restores_checkpoint(server):
     """For modules that push weights into the shared server: afterwards it serves the
     checkpoint again, outside any transfer group, whatever the module's tests did."""
     yield
-    restore_checkpoint(server, demo_model)
+    restore_checkpoint(server)
 
 
 @pytest.fixture(scope="session")

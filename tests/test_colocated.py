@@ -25,7 +25,7 @@ import pytest
 import torch
 from pushes import assert_engines_match, modified_weights, run_trainer, save
 
-from support import ServerProcess, engine_socket, is_openai_error, run_example, running, vllm_process
+from support import TRAINER, ServerProcess, admit_while_paused, engine_socket, is_openai_error, run_example, running, vllm_process
 
 SKYRL_CLIENT = Path(__file__).with_name("skyrl_client.py")
 ABORTED = "a weight update was aborted"
@@ -38,7 +38,9 @@ def colocated(demo_model, tmp_path_factory):
         # float32 for logprobs compared with transformers' float32 forward; a short transfer
         # timeout for the hung-engine case; probes fast enough for a test.
         extra_args=("--colocate", "--dtype", "float32", "--weight-transfer-timeout", "15",
-                    "--health-interval", "1", "--health-timeout", "4"),
+                    "--health-interval", "1", "--health-timeout", "4",
+                    # A request no engine can serve (stale after a level-2 sleep) is answered after a second.
+                    "--hold-requests", "1"),
     )  # fmt: skip
     with running(srv):
         yield srv
@@ -140,6 +142,7 @@ def test_a_level_2_wake_without_a_push_serves_nothing_and_says_why(colocated, de
     assert residency(colocated) == [("stale", None, [])] * 2
     r = httpx.post(f"{colocated.url}/v1/completions", json={"model": colocated.model, "prompt": "x", "max_tokens": 2}, timeout=30)
     assert r.status_code == 503 and is_openai_error(r) and "level-2 sleep discarded its weights" in r.json()["error"]["message"]
+    assert "held 1s" in r.json()["error"]["message"] and int(r.headers["Retry-After"]) > 0
     info = httpx.get(f"{colocated.url}/weight_info", timeout=30).json()
     assert all("level-2 sleep" in e["stale_reason"] for e in info["engines"])
     assert httpx.get(f"{colocated.url}/ready", timeout=30).status_code == 503
@@ -195,6 +198,41 @@ async def test_a_push_into_running_engines_holds_their_requests(colocated, demo_
     assert [(e["pid"], e["restarts"]) for e in engines(colocated)] == before
     assert residency(colocated) == [("ready", None, [])] * 2
     assert_engines_match(colocated, colocated.model, demo_model, weights, version)
+
+
+async def test_a_slow_trainer_waiting_for_the_fleet_is_not_aborted(colocated, demo_model, pushes):
+    """The trainer's silence limit is 3 s. Between its start and update calls a wait-mode pause
+    takes the fleet while 8 long requests drain, and its update call waits behind it for longer
+    than the limit. The trainer was there all along: its push is not aborted, and lands. (Shared
+    memory: no collective whose own timeout would end a transfer that waits.)"""
+    weights, path, version = pushes.next()
+    body = {"model": colocated.model, "prompt": "drain slowly", "max_tokens": 3500, "ignore_eos": True}
+    trainer = subprocess.Popen(
+        [sys.executable, str(TRAINER), colocated.url, str(path), version, "--transport", "shm", "--hold-before-update",
+         "--timeout", "3"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        async with httpx.AsyncClient(base_url=colocated.url, timeout=300) as http:
+            draining = await admit_while_paused(http, (http.post("/v1/completions", json={**body, "prompt": f"drain {i}"}) for i in range(8)))
+            assert (await asyncio.to_thread(trainer.stdout.readline)).strip() == "before update"
+            assert (await http.post("/resume")).status_code == 200
+            pausing = asyncio.create_task(http.post("/pause", params={"mode": "wait"}))
+            await asyncio.sleep(0.5)
+            assert not pausing.done(), "the requests drained at once: the pause held nothing up"
+            trainer.stdin.write("go\n")
+            trainer.stdin.flush()
+            out, err = await asyncio.to_thread(trainer.communicate, timeout=300)
+            assert trainer.returncode == 0, out + err
+            took = float(out.split("update took ")[1].split("s")[0])
+            assert took > 3, f"the update call took {took:.1f}s: it did not wait longer than the silence limit"
+            assert (await pausing).status_code == 200
+            for r in await asyncio.gather(*draining):
+                assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3500, r.text
+            assert (await http.post("/resume")).status_code == 200
+    finally:
+        trainer.kill()
+    assert not segments()
+    await asyncio.to_thread(assert_engines_match, colocated, colocated.model, demo_model, weights, version)
 
 
 def test_bad_transfer_metadata_is_refused_before_any_engine_touches_a_weight(colocated, demo_model):

@@ -113,6 +113,28 @@ async def test_wait_pause_returns_after_requests_finish(http, model_name):
     assert [(c["finish_reason"], len(c["token_ids"])) for c in choices] == [("length", 400)] * 4
 
 
+async def test_abort_requests_cuts_a_wait_pause_short(http, model_name):
+    """A wait-mode pause holds the fleet until 8 long requests drain: /abort_requests does not wait
+    behind it, ends all 8 with finish reason abort, and the pause then answers; readiness and
+    metrics answer meanwhile too."""
+    tasks = await admit_while_paused(http, [complete(http, model_name, f"long {i}", 3000) for i in range(8)])
+    await admin(http, "/resume")
+    pausing = asyncio.create_task(http.post("/pause", params={"mode": "wait"}))
+    await asyncio.sleep(1.0)
+    assert not pausing.done(), "the requests drained before the abort: nothing was cut short"
+    for path in ("/ready", "/health", "/metrics"):
+        assert (await asyncio.wait_for(http.get(path), 5)).status_code in (200, 503)
+    aborted = await asyncio.wait_for(admin(http, "/abort_requests"), 10)
+    assert aborted["aborted"] >= 8
+    try:
+        assert (await asyncio.wait_for(pausing, 10)).status_code == 200
+        choices = [r.json()["choices"][0] for r in await asyncio.wait_for(asyncio.gather(*tasks), 10)]
+    finally:
+        await admin(http, "/resume")
+    assert [c["finish_reason"] for c in choices] == ["abort"] * 8
+    assert all(len(c["token_ids"]) < 3000 for c in choices)
+
+
 async def test_requests_sent_while_paused_are_held_on_every_engine(http, model_name):
     sessions = await sessions_on_each_engine(http, model_name)
     await admin(http, "/pause", params={"mode": "keep"})

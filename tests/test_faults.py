@@ -52,10 +52,14 @@ class Fleet:
         return weights, save(weights, tmp_path / f"push-{self.pushes}.safetensors")
 
 
+def checkpoint(demo_model: Path) -> dict[str, torch.Tensor]:
+    return {n: t.float() for n, t in load_file(str(demo_model / "model.safetensors")).items()}
+
+
 @pytest.fixture(scope="module")
 def fleet(demo_model) -> Fleet:
     # Other modules leave the checkpoint served under the label engines give what they load.
-    return Fleet({n: t.float() for n, t in load_file(str(demo_model / "model.safetensors")).items()}, "default")
+    return Fleet(checkpoint(demo_model), "default")
 
 
 def request_body(model: str, i: int, stream: bool) -> dict:
@@ -213,8 +217,14 @@ async def test_trainer_killed_before_finish_aborts_the_update_within_its_timeout
         assert (await http.get("/weight_info")).json()["update_phase"] == "idle"
         ready_for_push = await stale_without_restart(server, http, model_name, pids, fault_at)
         await restore_fleet(http)
-    await push_next(server, fleet, demo_model, tmp_path, "after-finish-kill")
+        # The trainer is not coming back: the engines load the checkpoint on disk again, in place.
+        r = await http.post("/reload_weights")
+        assert r.status_code == 200 and r.json()["weight_version"] == "default", r.text
+    assert [(e["pid"], e["state"]) for e in server.engines()] == [(pid, "ready") for pid in pids]
+    fleet.weights, fleet.label = checkpoint(demo_model), "default"
+    await asyncio.to_thread(assert_engines_match, server, model_name, demo_model, fleet.weights, fleet.label)
     report("trainer SIGKILL before finish", ready_for_push=ready_for_push, serving=time.monotonic() - fault_at)
+    await push_next(server, fleet, demo_model, tmp_path, "after-finish-kill")
 
 
 ADMIN_CALLS = ["pause?mode=abort", "pause?mode=wait", "pause?mode=keep", "resume", "sleep", "wake_up"]

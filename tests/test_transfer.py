@@ -72,7 +72,10 @@ def test_verdicts_keep_half_loaded_engines_paused_and_pushes_off_sleeping_weight
     for operation, params in (("resume", {}), ("wake_up", {}), ("sleep", {"level": 1})):
         with pytest.raises(ApiError, match="receiving a weight update"):
             control_targets(operation, [receiving], **params)
-    assert control_targets("pause", [receiving]) == ([receiving], [])
+    assert control_targets("pause", [receiving], mode="keep") == ([receiving], [])
+    # A wait-mode pause lets vLLM's scheduler step until its requests drain: on half-loaded layers.
+    with pytest.raises(ApiError, match="receiving a weight update.*mode=keep"):
+        control_targets("pause", [receiving], mode="wait")
     receiving_asleep = record(residency=weights_awake.residency, receiving=True)
     with pytest.raises(ApiError, match="receiving a weight update"):
         control_targets("wake_up", [receiving_asleep], tags=["kv_cache"])
@@ -187,34 +190,43 @@ def test_ipc_handle_fields_are_checked_one_by_one():
         IpcUpdateInfo.parse({**update, "ipc_handles_pickled": "x"})
 
 
+# The engines taking part in a transfer: two, of one worker each.
+FLEET = (1, 1)
+
+
 async def test_init_info_says_which_transport_the_server_takes():
-    shm, gloo, nccl = (FrontTransport(t, (1, 1), 60.0, False) for t in (SHM, GLOO, NCCL))
-    plan = await shm.plan_init({"timeout_s": 5})
+    shm, gloo, nccl = (FrontTransport(t, FLEET, 60.0, False) for t in (SHM, GLOO, NCCL))
+    plan = await shm.plan_init({"timeout_s": 5}, FLEET)
     assert plan.answer == {"transport": "shm", "segment_prefix": shm.segment_prefix} and plan.timeout_s == 5
     assert plan.engine_init_infos == [{}, {}]
     with pytest.raises(TransferRefused, match="colocated"):
-        await shm.plan_init({"master_address": "127.0.0.1", "master_port": 1234, "world_size": 3})
+        await shm.plan_init({"master_address": "127.0.0.1", "master_port": 1234, "world_size": 3}, FLEET)
     with pytest.raises(TransferRefused, match="--colocate"):
-        await gloo.plan_init({"packed": False})  # vLLM's ipc trainer, to a server on devices of its own
+        await gloo.plan_init({"packed": False}, FLEET)  # vLLM's ipc trainer, to a server on devices of its own
     group = {"master_address": "127.0.0.1", "master_port": 1234, "world_size": 3, "timeout_s": 7}
-    gloo_plan, nccl_plan = await gloo.plan_init(group), await nccl.plan_init(group)
+    gloo_plan, nccl_plan = await gloo.plan_init(group, FLEET), await nccl.plan_init(group, FLEET)
     assert [i["rank_offset"] for i in gloo_plan.engine_init_infos] == [1, 2]
     # Only skyinfer's gloo backend takes a timeout; vLLM's nccl init_info refuses fields it lacks.
     assert gloo_plan.engine_init_infos[0]["timeout_s"] == 7 and "timeout_s" not in nccl_plan.engine_init_infos[0]
     # NCCL's torch-free rendezvous, without master_address.
     unique = {"nccl_unique_id_b64": base64.b64encode(bytes(128)).decode(), "world_size": 3}
-    assert (await nccl.plan_init(unique)).engine_init_infos[1] == {**unique, "rank_offset": 2, "packed": False,
+    assert (await nccl.plan_init(unique, FLEET)).engine_init_infos[1] == {**unique, "rank_offset": 2, "packed": False,
                                                                     "packed_buffer_size_bytes": 1024**3, "packed_num_buffers": 2}  # fmt: skip
     # What an engine on the NCCL backend does with them: vLLM's own parser takes every field.
-    for plan in (nccl_plan, await nccl.plan_init(unique)):
+    for plan in (nccl_plan, await nccl.plan_init(unique, FLEET)):
         for info in plan.engine_init_infos:
             NCCLWeightTransferInitInfo(**info)
     with pytest.raises(TypeError):  # why timeout_s must not reach it
         NCCLWeightTransferInitInfo(**nccl_plan.engine_init_infos[0], timeout_s=7)
     with pytest.raises(TransferRefused, match="only NCCL"):
-        await gloo.plan_init(unique)
+        await gloo.plan_init(unique, FLEET)
     with pytest.raises(WireError, match="not both"):
         GroupInitInfo.parse({**group, **unique})
+    # One engine retired: the group spans the other alone, and a world size for two is refused.
+    alone = await gloo.plan_init({**group, "world_size": 2}, (1,))
+    assert [i["rank_offset"] for i in alone.engine_init_infos] == [1]
+    with pytest.raises(TransferRefused, match="world_size"):
+        await gloo.plan_init({**group, "world_size": 2}, FLEET)
 
 
 def test_pushed_dtypes_must_be_ones_vllm_casts_into_the_checkpoints():

@@ -353,6 +353,26 @@ def test_engine_output_is_prefixed_per_line_and_its_tail_file_is_bounded(tmp_pat
     assert read_tail(str(tmp_path / "never-written.log")) == ""
 
 
+async def test_a_request_no_engine_can_serve_is_held_then_refused_with_retry_after(aiohttp_client, demo_model, tmp_path):
+    """The front's data path over engines that never come up (none is started): a request waits
+    --hold-requests-s for one, then gets a 503 in the OpenAI shape saying why, with Retry-After."""
+    import time
+
+    from skyinfer.app import create_app
+    from skyinfer.config import ServeConfig
+
+    front = create_app(ServeConfig(model=str(demo_model), device="cpu", socket_dir=str(tmp_path), hold_requests_s=0.6))
+    front.cleanup_ctx.clear()  # no engine processes: every engine stays "starting"
+    client = await aiohttp_client(front)
+    started = time.monotonic()
+    r = await client.post("/v1/completions", json={"model": str(demo_model), "prompt": "x"})
+    held = time.monotonic() - started
+    assert r.status == 503 and int(r.headers["Retry-After"]) > 0
+    err = (await r.json())["error"]
+    assert err["type"] == "ServiceUnavailableError" and "engine 0 starting" in err["message"] and "held 0.6s" in err["message"]
+    assert 0.6 <= held < 5, held
+
+
 def test_wire_models_take_query_or_body_refuse_contradictions_and_say_what_is_wrong():
     from multidict import MultiDict
 

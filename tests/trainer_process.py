@@ -6,6 +6,10 @@
     python tests/trainer_process.py URL ADAPTER_DIR VERSION --adapter NAME [--die-after N]
 
 With ``--adapter`` it pushes a PEFT adapter directory's tensors and config as LoRA adapter NAME.
+With ``--more`` it stays up after its push, as a training loop would: each line ``WEIGHTS VERSION``
+on its stdin is one more push with the same trainer, answered ``pushed VERSION`` (or a refusal).
+With ``--hold-before-update`` it prints ``before update`` once its update is started and makes
+the update call only when a line arrives on its stdin, then prints how long that call took.
 
 Exits 0 after a push; prints a refusal's status and message and exits 3; with
 --die-after it sends N tensors one by one and then dies mid-transfer; with
@@ -85,6 +89,8 @@ def main() -> int:
     p.add_argument("--transport", choices=["gloo", "shm"], default="gloo")
     p.add_argument("--colocated-step", type=int, choices=[0, 1, 2], metavar="LEVEL")
     p.add_argument("--stop-before-update", type=int, metavar="PID", help="SIGSTOP this process right before the update call")
+    p.add_argument("--hold-before-update", action="store_true", help="wait for a line on stdin before the update call")
+    p.add_argument("--more", action="store_true", help="then push WEIGHTS VERSION from each line of stdin")
     args = p.parse_args()
     if args.adapter:
         tensors = load_file(os.path.join(args.weights, "adapter_model.safetensors"))
@@ -123,6 +129,16 @@ def main() -> int:
             return updating(*a, **kw)
 
         trainer._calls.update_weights = stop_then_update
+    if args.hold_before_update:
+        # Whoever runs it does something to the fleet first (the update call may then wait for it).
+        def update_when_told(*a, **kw):
+            print("before update", flush=True)
+            sys.stdin.readline()
+            started = time.monotonic()
+            updating(*a, **kw)
+            print(f"update took {time.monotonic() - started:.1f}s", flush=True)
+
+        trainer._calls.update_weights = update_when_told
     if args.die_at == "segment":
         # The segment is written; the call that would name it to the server is never made.
         trainer._calls.update_weights = lambda *a, **kw: os._exit(9)
@@ -170,6 +186,15 @@ def main() -> int:
         TrlCalls(urls[0]).post("/wake_up", params={"tags": "kv_cache"})
     assert args.client == "vllm" or "vllm" not in sys.modules, "the trainer must not need vLLM"
     print("pushed", args.version, flush=True)
+    if args.more:
+        for line in sys.stdin:
+            weights, version = line.split()
+            try:
+                trainer.push(load_file(weights).items(), version=version)
+            except SkyinferError as exc:
+                print(f"refused {exc.status}: {exc.message}", flush=True)
+                continue
+            print("pushed", version, flush=True)
     return 0
 
 

@@ -426,7 +426,7 @@ def main() -> int:
         # On CPU the wide model would take minutes per engine start: the script's own check runs the demo.
         wide = build_demo_model(base / "wide", **WIDE_MODEL) if args.device == "cuda" else demo
         models = [("demo", demo)] + ([("wide", wide)] if wide != demo else [])
-        c.say(f"# models: " + ", ".join(f"{n} {(m / 'model.safetensors').stat().st_size / 1e9:.3f} GB" for n, m in models))
+        c.say("# models: " + ", ".join(f"{n} {(m / 'model.safetensors').stat().st_size / 1e9:.3f} GB" for n, m in models))
         checks = {
             "serve": lambda: [check_serve(c, args.device, m, n) for n, m in models],
             "sleep": lambda: check_sleep(c, args.device, *models[-1][::-1]),

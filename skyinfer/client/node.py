@@ -22,6 +22,13 @@ class SkyinferError(RuntimeError):
         self.message = message
         self.body = body
 
+    @property
+    def code(self) -> str | int | None:
+        """The error body's ``code``: a string where the server names what the caller can do
+        about it (``skyinfer.errors.TRANSFER_GROUP_GONE``), else the status."""
+        error = self.body.get("error") if isinstance(self.body, dict) else None
+        return error.get("code") if isinstance(error, dict) else None
+
 
 def _bool(value: bool) -> str:
     return "true" if value else "false"

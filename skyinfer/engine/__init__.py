@@ -11,6 +11,8 @@ CPU_WORKER_PATH = "skyinfer.engine.cpu_worker.SkyinferCPUWorker"
 ENGINE_DIED_HEADER = "X-Skyinfer-Engine-Died"
 # The worker call that ends a weight update however it went (worker_extension.py).
 END_WEIGHT_UPDATE_RPC = "skyinfer_end_weight_update"
+# The worker call that loads the checkpoint on disk inside a weight update (POST /reload_weights).
+LOAD_CHECKPOINT_RPC = "skyinfer_load_checkpoint"
 # LoRA adapters: the worker call that receives a pushed adapter's tensors, and the
 # file of PEFT's layout its config is written to.
 RECEIVE_ADAPTER_RPC = "skyinfer_receive_adapter"

@@ -57,6 +57,8 @@ NAMES: dict[str, tuple[str, ...]] = {
     "CPUWorker": ("vllm.v1.worker.cpu_worker",),
     "initialize_layerwise_reload": ("vllm.model_executor.model_loader.reload",),
     "finalize_layerwise_reload": ("vllm.model_executor.model_loader.reload",),
+    # The loader that read the checkpoint at start-up: a reload from disk reads it again.
+    "get_model_loader": ("vllm.model_executor.model_loader",),
     # LoRA: the request an adapter is loaded and served with.
     "LoRARequest": ("vllm.lora.request",),
 }

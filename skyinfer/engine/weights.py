@@ -13,7 +13,7 @@ import time
 from aiohttp import web
 
 from ..errors import error_response, json_response, parse_json_object
-from . import END_WEIGHT_UPDATE_RPC
+from . import END_WEIGHT_UPDATE_RPC, LOAD_CHECKPOINT_RPC
 from .admin import abort
 from .appkeys import ENGINE_CLIENT
 
@@ -71,6 +71,12 @@ async def finish_weight_update(request: web.Request) -> web.Response:
     return json_response({"status": "finished", "weight_version": await engine.get_weight_version()})
 
 
+async def load_checkpoint(request: web.Request) -> web.Response:
+    """Inside a weight update, every worker loads the checkpoint on disk (POST /reload_weights)."""
+    loaded = await request.app[ENGINE_CLIENT].collective_rpc(LOAD_CHECKPOINT_RPC)
+    return json_response({"status": "loaded", "tensors": loaded})
+
+
 async def abort_weight_update(request: web.Request) -> web.Response:
     """End an update that will not finish: drop every request held here, which would otherwise go
     on with weights no push finished (first: vLLM ends them at once, even while its EngineCore is
@@ -112,6 +118,7 @@ def add_weight_routes(app: web.Application) -> None:
     app.router.add_post("/start_weight_update", engine_call_route(start_weight_update))
     app.router.add_post("/update_weights", engine_call_route(update_weights))
     app.router.add_post("/finish_weight_update", engine_call_route(finish_weight_update))
+    app.router.add_post("/load_checkpoint", engine_call_route(load_checkpoint))
     app.router.add_post("/abort_weight_update", engine_call_route(abort_weight_update))
     app.router.add_post("/shutdown_weight_transfer_engine", engine_call_route(shutdown_weight_transfer_engine))
     app.router.add_post("/update_weight_version", engine_call_route(update_weight_version))

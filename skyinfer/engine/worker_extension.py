@@ -100,6 +100,16 @@ class SkyinferWorkerExtension:
         engine.finish_weight_update()
         engine.reset_weight_update_target()
 
+    def skyinfer_load_checkpoint(self) -> int:
+        """Inside a weight update (started by the front), load the checkpoint on disk, as vLLM
+        read it at start-up: a push whose tensors come from the model's own files. vLLM's finish
+        then closes the layerwise reload. How many tensors were loaded."""
+        from .vllm_api import get_model_loader
+
+        model = self.model_runner.get_model()
+        loader = get_model_loader(self.vllm_config.load_config)
+        return len(model.load_weights(loader.get_all_weights(self.model_config, model)))
+
     def skyinfer_receive_adapter(self, update_info: dict, directory: str) -> dict:
         """Receive a LoRA adapter's tensors over the weight-transfer group, whatever its backend,
         and write them where the engine loads the adapter from. The model's own weights are

@@ -95,13 +95,15 @@ class GlooTrainer(Trainer):
         self.packed = packed
         self.buffer_size_bytes = buffer_size_bytes
         self.rank_offset = rank_offset
+        # The caller's, if given; else the server's workers after rank_offset, asked at each init.
+        self._requested_world_size = world_size
         self.world_size = world_size
         self._store = None
         self._group = None
 
     def init(self) -> None:
         """Form the group with every engine; returns once all have joined."""
-        world_size = self.world_size or self.rank_offset + self.client.get_world_size()
+        world_size = self._requested_world_size or self.rank_offset + self.client.get_world_size()
         port = self.master_port or _free_port(self.master_address)
         init_info = {
             "master_address": self.master_address,
@@ -135,13 +137,17 @@ class GlooTrainer(Trainer):
         tensors = self._prepare(named_tensors)
         update_info = {**tensor_list(tensors), "packed": self.packed}
         config = _json_ready(peft_config.to_dict() if hasattr(peft_config, "to_dict") else dict(peft_config))
-        # Checked first (bad shapes, no group: a refusal, and nothing moves), so that the
-        # broadcast below never waits on engines that will not receive.
-        self.client.update_lora_adapter(lora_name, config, update_info, version, check_only=True)
-        with ThreadPoolExecutor(1) as pool:
-            receiving = pool.submit(self.client.update_lora_adapter, lora_name, config, update_info, version)
-            self._broadcast(tensors)
-            receiving.result()
+
+        def send() -> None:
+            # Checked first (bad shapes, no group: a refusal, and nothing moves), so that the
+            # broadcast below never waits on engines that will not receive.
+            self.client.update_lora_adapter(lora_name, config, update_info, version, check_only=True)
+            with ThreadPoolExecutor(1) as pool:
+                receiving = pool.submit(self.client.update_lora_adapter, lora_name, config, update_info, version)
+                self._broadcast(tensors)
+                receiving.result()
+
+        self._in_group(send)
 
     def _prepare(self, named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
         if self._group is None:

@@ -10,12 +10,16 @@ protocol instead (vLLM's ``HTTPVLLMWeightSyncClient``), in the protocol's shape.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import logging
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from ..client import Client
+from ..client import Client, SkyinferError
+from ..errors import TRANSFER_GROUP_GONE
 from .packing import dtype_name
+
+log = logging.getLogger("skyinfer.trainer")
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 
@@ -60,6 +64,26 @@ class Trainer:
         if one_call and verify:
             raise ValueError("verify needs the finish call: push with one_call=False")
         tensors = self._prepare(named_tensors)
+        self._in_group(lambda: self._push(tensors, version, one_call, verify))
+
+    def _in_group(self, send: Callable[[], None]) -> None:
+        """``send``, and if the server refuses it (before any byte moved) because its engines left
+        the transfer (an engine restarted or rejoined the fleet, a push was aborted), set the
+        transfer up again and send once more."""
+        try:
+            send()
+        except SkyinferError as exc:
+            if exc.code != TRANSFER_GROUP_GONE:
+                raise
+            log.warning("the server's engines left the weight transfer (%s): setting it up again", exc.message)
+            self.init()
+            send()
+
+    def init(self) -> None:
+        """Set up the transfer with every engine of the server."""
+        raise NotImplementedError
+
+    def _push(self, tensors: list[tuple[str, torch.Tensor]], version: str, one_call: bool, verify: bool) -> None:
         metadata = tensor_list(tensors)
         if not one_call:
             self._calls.start_weight_update(metadata)  # a refusal here: nothing moved

@@ -26,7 +26,7 @@ from typing import Any
 from aiohttp import web
 
 from ..engine_calls import EngineReply, call_engine, failure, gather_until_failure
-from ..errors import ApiError, json_response, parse_json_object
+from ..errors import TRANSFER_GROUP_GONE, ApiError, json_response, parse_json_object
 from ..metrics import ServiceMetrics
 from ..state import APPLY, PAUSE_FOR_PUSH, EngineRecord, EngineRegistry, Phase, push_verdict
 from ..transfer.protocol import UpdateMetadata
@@ -49,14 +49,19 @@ log = logging.getLogger("skyinfer.weights")
 
 # How a push pauses engines that are running: requests in flight are held, and their KV kept.
 _PAUSE_FOR_PUSH = PauseParams(mode="keep", clear_cache=False).to_query()
-ABORTED = "a weight update was aborted while it received: its layers are part new; push again"
+ABORTED = (
+    "a weight update was aborted while it received: its layers are part new; push again, or POST"
+    " /reload_weights for the checkpoint on disk"
+)
+# vLLM's label for the weights an engine loaded at start-up (what a restarted engine serves).
+CHECKPOINT_VERSION = "default"
 
 
 class SyncError(ApiError):
     """A weight-sync call refused or failed; ``engines``: each engine's own answer."""
 
-    def __init__(self, status: int, message: str, engines: list[dict] | None = None):
-        super().__init__(message, status=status, details=None if engines is None else {"engines": engines})
+    def __init__(self, status: int, message: str, engines: list[dict] | None = None, code: str | None = None):
+        super().__init__(message, status=status, details=None if engines is None else {"engines": engines}, code=code)
 
 
 class WeightSync:
@@ -92,20 +97,25 @@ class WeightSync:
 
     @property
     def worker_count(self) -> int:
-        """The inference side of the group (vLLM's ``/get_world_size``): every engine's workers."""
-        return sum(self.transport.workers_per_engine)
+        """The inference side of the group (vLLM's ``/get_world_size``): the fleet's workers (a
+        retired engine is out of it)."""
+        return sum(self._workers(self.registry.members()))
+
+    def _workers(self, records: list[EngineRecord]) -> tuple[int, ...]:
+        return tuple(self.transport.workers_per_engine[r.engine_id] for r in records)
 
     def _engines(self) -> list[EngineRecord]:
-        """Every engine takes part in every transfer: the trainer's group spans them all."""
-        down = [r for r in self.registry.records if not r.up]
-        if down:
+        """Every engine of the fleet takes part in every transfer: the trainer's group spans them all."""
+        members = self.registry.members()
+        down = [r for r in members if not r.up]
+        if down or not members:
             raise SyncError(
                 409,
-                "weight transfer needs every engine: "
-                + ", ".join(f"engine {r.engine_id} is {r.state.value}" for r in down)
+                "weight transfer needs every engine of the fleet: "
+                + (", ".join(f"engine {r.engine_id} is {r.state.value}" for r in down) or "every engine is retired")
                 + "; retry once it is up (GET /engines)",
             )
-        return self.registry.records
+        return members
 
     # -- the update's phases -------------------------------------------------------------
     def trainer_arrived(self) -> None:
@@ -151,7 +161,9 @@ class WeightSync:
 
     # -- init ------------------------------------------------------------------------------
     async def init(self, init_info: dict) -> dict:
-        plan = await self.transport.plan_init(init_info)
+        # Checked before waiting for the fleet: a bad body is refused at once.
+        members = self.registry.members()
+        plan = await self.transport.plan_init(init_info, self._workers(members))
         async with self.registry.lock:
             if self.phase is not Phase.IDLE:
                 # A trainer that sets up a transfer is a new one: the update the old one left is
@@ -162,6 +174,8 @@ class WeightSync:
                 else:
                     await self._end()
             records = self._engines()
+            if records != members:  # an engine retired or rejoined meanwhile: its ranks move
+                plan = await self.transport.plan_init(init_info, self._workers(records))
             # A group formed before is shut down first: vLLM's nccl backend would leak its communicator.
             await self._leave(records)
             replies = await asyncio.gather(
@@ -206,7 +220,10 @@ class WeightSync:
     def _check_group(self, records: list[EngineRecord]) -> None:
         missing = [r.engine_id for r in records if not r.in_transfer_group]
         if missing:
-            raise SyncError(409, f"engines {missing} are not in the trainer's group; POST /init_weight_transfer first")
+            raise SyncError(
+                409, f"engines {missing} are not in the trainer's group; POST /init_weight_transfer first",
+                code=TRANSFER_GROUP_GONE,
+            )  # fmt: skip
 
     def transfer_members(self) -> list[EngineRecord]:
         """The engines, for a transfer outside a weight update (an adapter push): every one up
@@ -291,33 +308,49 @@ class WeightSync:
         self._refuse_unless(Phase.RECEIVING)
         version = weight_version if weight_version is not None else f"update-{int(time.time())}"
         async with self.registry.lock:
-            records = self._engines()
-            replies = await asyncio.gather(
-                *(
-                    call_engine(r, "/finish_weight_update", timeout_s=self.timeout_s, body={"weight_version": version})
-                    for r in records
-                )
+            return await self._finish(self._engines(), version, verify, expected)
+
+    async def _finish(self, records: list[EngineRecord], version: str, verify: bool, expected: Checksums | None) -> dict:
+        """Finish the update on every engine. Called with the registry's lock held."""
+        replies = await asyncio.gather(
+            *(
+                call_engine(r, "/finish_weight_update", timeout_s=self.timeout_s, body={"weight_version": version})
+                for r in records
             )
-            await self._settle("finish_weight_update", replies)
-            self.registry.fleet_weight_version = version
-            if self._push_started is not None:
-                self.metrics.push_seconds.observe(time.monotonic() - self._push_started)
-                self._push_started = None
-            for record in records:
-                record.weight_version = version
-                record.receiving = False
-                if record.up:
-                    self.registry.set_stale(record, None)
-            self._agreed = None
-            try:
-                if verify:
-                    verdict, checked = await self._verify(records, expected)
-                    self._raise_unless_verified(verdict, checked)
-            finally:
-                await self._end()
+        )
+        await self._settle("finish_weight_update", replies)
+        self.registry.fleet_weight_version = version
+        if self._push_started is not None:
+            self.metrics.push_seconds.observe(time.monotonic() - self._push_started)
+            self._push_started = None
+        for record in records:
+            record.weight_version = version
+            record.receiving = False
+            if record.up:
+                self.registry.set_stale(record, None)
+        self._agreed = None
+        try:
+            if verify:
+                verdict, checked = await self._verify(records, expected)
+                self._raise_unless_verified(verdict, checked)
+        finally:
+            await self._end()
         log.info("weight version %s on %d engine(s)%s", version, len(records), ", verified" if verify else "")
         answer = {"status": "finished", "weight_version": version, "engines": [rep.as_json() for rep in replies]}
         return {**answer, "verified": True} if verify else answer
+
+    async def reload(self) -> dict:
+        """Every engine of the fleet loads the checkpoint on disk again, in place, as a push would
+        (engines that run are paused for it; no restart): for stale engines whose trainer is not
+        coming back. The fleet then serves the checkpoint under vLLM's own label for it."""
+        self._refuse_unless(Phase.IDLE)
+        async with self.registry.lock:
+            records = self._engines()
+            self._push_started = time.monotonic()
+            await self._begin(records)
+            replies = await asyncio.gather(*(call_engine(r, "/load_checkpoint", timeout_s=self.timeout_s) for r in records))
+            await self._settle("loading the checkpoint", replies)
+            return await self._finish(records, CHECKPOINT_VERSION, verify=False, expected=None)
 
     async def _settle(self, step: str, replies: list[EngineReply]) -> None:
         """Go on after a step, or abort the whole update if any engine failed it."""
@@ -534,7 +567,10 @@ def _sync_route(request_type: type[WireModel], handler: Callable[[WeightSync, An
         body = request_type.parse(parse_json_object(raw) if raw else {})
         # Shielded: a trainer that dies mid-call must not cancel the
         # bookkeeping (ending the update on engines whose transfer broke).
-        return json_response(await asyncio.shield(call(request.app[WEIGHT_SYNC], body)))
+        bookkeeping = asyncio.ensure_future(call(request.app[WEIGHT_SYNC], body))
+        # Its failure is logged where it happened; a trainer that is gone no longer reads it.
+        bookkeeping.add_done_callback(lambda task: task.cancelled() or task.exception())
+        return json_response(await asyncio.shield(bookkeeping))
 
     return route
 
@@ -563,6 +599,10 @@ async def _check_weights(sync: WeightSync, body: WeightCheckRequest) -> dict:
     return await sync.check_weights(body)
 
 
+async def _reload(sync: WeightSync, body: WireModel) -> dict:
+    return await sync.reload()
+
+
 async def _shutdown(sync: WeightSync, body: WireModel) -> dict:
     return await sync.shutdown()
 
@@ -584,5 +624,6 @@ def add_weight_routes(app: web.Application) -> None:
     app.router.add_post("/finish_weight_update", _sync_route(FinishRequest, _finish))
     app.router.add_post("/shutdown_weight_transfer_engine", _sync_route(WireModel, _shutdown))
     app.router.add_post("/update_weight_version", _sync_route(RelabelRequest, _relabel))
+    app.router.add_post("/reload_weights", _sync_route(WireModel, _reload))
     app.router.add_post("/weight_checker", _sync_route(WeightCheckRequest, _check_weights))
     app.router.add_get("/weight_info", _weight_info)

@@ -73,9 +73,10 @@ class FrontTransport:
         self.segment_prefix = segment_prefix(new_server_token())
 
     # -- init -------------------------------------------------------------------------
-    async def plan_init(self, init_info: dict) -> InitPlan:
+    async def plan_init(self, init_info: dict, workers_per_engine: tuple[int, ...]) -> InitPlan:
+        """``workers_per_engine``: of the engines taking part (the fleet, in engine order)."""
         if self.transport.group:
-            return await self._plan_group(init_info)
+            return await self._plan_group(init_info, workers_per_engine)
         rendezvous = {"master_address", "master_port", "nccl_unique_id_b64", "world_size"} & init_info.keys()
         if rendezvous:
             raise _wrong_transport(self.transport, f"has {', '.join(sorted(rendezvous))}")
@@ -85,16 +86,16 @@ class FrontTransport:
             answer["segment_prefix"] = self.segment_prefix
         timeout_s = self.timeout_s if info.timeout_s is None else info.timeout_s
         engine_info = info.model_dump(exclude={"timeout_s"})
-        return InitPlan([engine_info] * len(self.workers_per_engine), timeout_s, answer)
+        return InitPlan([engine_info] * len(workers_per_engine), timeout_s, answer)
 
-    async def _plan_group(self, init_info: dict) -> InitPlan:
+    async def _plan_group(self, init_info: dict, workers_per_engine: tuple[int, ...]) -> InitPlan:
         if init_info.keys() <= {"packed"}:
             raise _wrong_transport(self.transport, "has no rendezvous (vLLM's ipc backend sends this)")
         info = GroupInitInfo.parse(init_info, ("init_info",))
         if info.nccl_unique_id_b64 is not None and self.transport is not NCCL:
             raise _wrong_transport(self.transport, "has nccl_unique_id_b64, which only NCCL takes")
         try:
-            layout = RankLayout.build(info.rank_offset, info.world_size, self.workers_per_engine)
+            layout = RankLayout.build(info.rank_offset, info.world_size, workers_per_engine)
         except LayoutError as exc:
             raise TransferRefused(str(exc), param="init_info.world_size") from None
         if info.master_address is not None:
@@ -103,7 +104,7 @@ class FrontTransport:
         fields = info.model_dump(exclude_none=True, exclude={"timeout_s"})
         # skyinfer's gloo backend takes the group's timeout; vLLM's nccl init_info refuses fields it lacks.
         own = {"timeout_s": timeout_s} if self.transport is GLOO else {}
-        engine_infos = [{**fields, **own, "rank_offset": layout.rank_offset(i)} for i in range(len(self.workers_per_engine))]
+        engine_infos = [{**fields, **own, "rank_offset": layout.rank_offset(i)} for i in range(len(workers_per_engine))]
         answer = {"transport": self.transport.name, "world_size": info.world_size,
                   "rank_offsets": [e["rank_offset"] for e in engine_infos]}  # fmt: skip
         return InitPlan(engine_infos, timeout_s, answer)

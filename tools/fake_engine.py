@@ -1,0 +1,234 @@
+#!/usr/bin/env python
+"""A fake engine: answers the engine socket's routes as ``python -m skyinfer.engine`` does, with no
+model behind them, for the front's own tests (its state machine, with scripted delays and
+failures) and for benchmarking the front alone. Never a serving path.
+
+The front starts it in place of the real engine (``ServeConfig.engine_command``) with the same
+arguments; it takes the engine's own (socket, cores, lifeline, output relay) and ignores vLLM's.
+Its behaviour comes from the environment, or from ``POST /fake/script`` at any time:
+
+* ``tokens_per_s``: how fast each request generates (0: as fast as it can);
+* ``delay_s``: ``{path: seconds}`` to wait before answering a route;
+* ``fail``: ``{path: status}`` to answer a route with an error;
+* ``hang``: paths that never answer.
+
+    FAKE_ENGINE_SCRIPT='{"tokens_per_s": 200, "delay_s": {"/pause": 2}}' python tools/fake_engine.py --socket S
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+import uuid
+
+import orjson
+from aiohttp import web
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from skyinfer.engine.__main__ import set_up_process  # noqa: E402
+from skyinfer.errors import error_response, json_response  # noqa: E402
+
+SCRIPT = web.AppKey("script", dict)
+STATE = web.AppKey("state", "FakeEngine")
+
+
+class FakeEngine:
+    """What a vLLM engine holds that the front reads back: its scheduler, memory, weights' label."""
+
+    def __init__(self) -> None:
+        self.paused = False
+        self.asleep: set[str] = set()
+        self.weight_version = "default"
+        self.updating = False
+        self.unfinished = 0
+        self.resumed = asyncio.Event()
+        self.resumed.set()
+
+    def pause(self) -> None:
+        self.paused = True
+        self.resumed.clear()
+
+    def resume(self) -> None:
+        self.paused = False
+        self.resumed.set()
+
+
+def _scripted(handler):
+    async def route(request: web.Request) -> web.StreamResponse:
+        script = request.app[SCRIPT]
+        if request.path in script.get("hang", ()):
+            await asyncio.Event().wait()
+        if delay := script.get("delay_s", {}).get(request.path):
+            await asyncio.sleep(delay)
+        if status := script.get("fail", {}).get(request.path):
+            return error_response(status, f"scripted failure of {request.path}")
+        return await handler(request)
+
+    return route
+
+
+async def _body(request: web.Request) -> dict:
+    raw = await request.read()
+    return orjson.loads(raw) if raw else {}
+
+
+async def _generate(request: web.Request, tokens: int) -> None:
+    """Wait while paused, then take the time ``tokens`` take at the scripted rate."""
+    engine = request.app[STATE]
+    await engine.resumed.wait()
+    if rate := request.app[SCRIPT].get("tokens_per_s", 0):
+        await asyncio.sleep(tokens / rate)
+
+
+def _completion(kind: str, model: str, tokens: int, index_text: str) -> dict:
+    choice = {"index": 0, "finish_reason": "length", "logprobs": None}
+    if kind == "chat.completion":
+        choice["message"] = {"role": "assistant", "content": index_text}
+    else:
+        choice["text"] = index_text
+    return {"id": f"fake-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()), "model": model,
+            "choices": [choice], "usage": {"prompt_tokens": 1, "completion_tokens": tokens, "total_tokens": tokens + 1}}  # fmt: skip
+
+
+async def _openai(request: web.Request) -> web.StreamResponse:
+    body = await _body(request)
+    engine = request.app[STATE]
+    tokens = int(body.get("max_tokens") or 16)
+    chat = request.path == "/v1/chat/completions"
+    engine.unfinished += 1
+    try:
+        if not body.get("stream"):
+            await _generate(request, tokens)
+            kind = "chat.completion" if chat else "text_completion"
+            return json_response(_completion(kind, body.get("model", "fake"), tokens, "x" * tokens))
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        head = {"id": f"fake-{uuid.uuid4().hex}", "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()), "model": body.get("model", "fake")}  # fmt: skip
+        await engine.resumed.wait()
+        rate = request.app[SCRIPT].get("tokens_per_s", 0)
+        for i in range(tokens):
+            if rate:
+                await asyncio.sleep(1 / rate)
+            choice = {"index": 0, "logprobs": None, "finish_reason": "length" if i == tokens - 1 else None}
+            choice.update({"delta": {"content": "x"}} if chat else {"text": "x"})
+            await response.write(b"data: " + orjson.dumps({**head, "choices": [choice]}) + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+    finally:
+        engine.unfinished -= 1
+
+
+async def _tokens(request: web.Request) -> web.Response:
+    body = await _body(request)
+    tokens = int(body.get("sampling_params", {}).get("max_tokens") or 16)
+    await _generate(request, tokens)
+    engine = request.app[STATE]
+    return json_response({"request_id": f"fake-{uuid.uuid4().hex}", "choices": [
+        {"index": 0, "token_ids": [7] * tokens, "finish_reason": "length",
+         "weight_versions": [{"version": engine.weight_version, "tokens": tokens}]}]})  # fmt: skip
+
+
+async def _info(request: web.Request) -> web.Response:
+    return json_response({"weight_version": request.app[STATE].weight_version, "model_dtype": "float32", "max_lora_rank": None})
+
+
+async def _health(request: web.Request) -> web.Response:
+    return json_response({"pid": os.getpid(), "unfinished_requests": request.app[STATE].unfinished})
+
+
+async def _conditions(request: web.Request) -> web.Response:
+    engine = request.app[STATE]
+    return json_response({"paused": engine.paused, "sleeping": engine.paused or bool(engine.asleep)})
+
+
+async def _pause(request: web.Request) -> web.Response:
+    request.app[STATE].pause()
+    return json_response({"status": "paused", "mode": request.query.get("mode", "abort")})
+
+
+async def _resume(request: web.Request) -> web.Response:
+    request.app[STATE].resume()
+    return json_response({"status": "resumed"})
+
+
+async def _sleep(request: web.Request) -> web.Response:
+    engine = request.app[STATE]
+    engine.pause()
+    level = int(request.query.get("level", "1"))
+    engine.asleep = {"weights", "kv_cache"} if level else set()
+    return json_response({"status": "sleeping", "level": level})
+
+
+async def _wake_up(request: web.Request) -> web.Response:
+    engine = request.app[STATE]
+    tags = set(request.query.getall("tags", [])) or {"weights", "kv_cache"}
+    engine.asleep -= tags
+    if not engine.asleep:
+        engine.resume()
+    return json_response({"status": "awake" if not engine.asleep else "sleeping", "fully_awake": not engine.asleep})
+
+
+def _step(status: str, then=None):
+    async def handler(request: web.Request) -> web.Response:
+        body = await _body(request)
+        engine = request.app[STATE]
+        if then is not None:
+            then(engine, body)
+        return json_response({"status": status, "weight_version": engine.weight_version})
+
+    return handler
+
+
+def _finish(engine: FakeEngine, body: dict) -> None:
+    engine.updating = False
+    if body.get("weight_version") is not None:
+        engine.weight_version = body["weight_version"]
+
+
+async def _metrics(_request: web.Request) -> web.Response:
+    return web.Response(text="", content_type="text/plain")
+
+
+async def _set_script(request: web.Request) -> web.Response:
+    request.app[SCRIPT].clear()
+    request.app[SCRIPT].update(await _body(request))
+    return json_response(request.app[SCRIPT])
+
+
+def create_fake_engine_app(script: dict) -> web.Application:
+    app = web.Application(client_max_size=1024**3)
+    app[SCRIPT] = script
+    app[STATE] = FakeEngine()
+    posts = {
+        "/v1/completions": _openai, "/v1/chat/completions": _openai, "/inference/v1/generate": _tokens,
+        "/pause": _pause, "/resume": _resume, "/sleep": _sleep, "/wake_up": _wake_up,
+        "/reset_prefix_cache": _step("reset"), "/abort_requests": _step("aborted"),
+        "/init_weight_transfer": _step("joined"), "/shutdown_weight_transfer_engine": _step("left"),
+        "/start_weight_update": _step("started", lambda e, b: setattr(e, "updating", True)),
+        "/update_weights": _step("updated"), "/load_checkpoint": _step("loaded"),
+        "/finish_weight_update": _step("finished", _finish),
+        "/abort_weight_update": _step("aborted", lambda e, b: setattr(e, "updating", False)),
+        "/update_weight_version": _step("relabelled", lambda e, b: setattr(e, "weight_version", b["new_version"])),
+    }  # fmt: skip
+    for path, handler in posts.items():
+        app.router.add_post(path, _scripted(handler))
+    for path, handler in {"/info": _info, "/health": _health, "/conditions": _conditions}.items():
+        app.router.add_get(path, _scripted(handler))
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_post("/fake/script", _set_script)
+    return app
+
+
+def main() -> None:
+    # The engine's own arguments and process plumbing, as the real engine takes them; vLLM's are ignored.
+    ns, _vllm_args = set_up_process(sys.argv[1:])
+    script = orjson.loads(os.environ.get("FAKE_ENGINE_SCRIPT", "{}"))
+    web.run_app(create_fake_engine_app(script), path=ns.socket, print=None, handler_cancellation=True)
+
+
+if __name__ == "__main__":
+    main()
