@@ -16,6 +16,7 @@ observation. What matters here is the plumbing a harness needs.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import uuid
@@ -64,7 +65,7 @@ def check(records: list[dict]) -> None:
     assert len(engines) == 1, f"one session must stay on one engine; it used {engines}"
     for r in records:
         assert len(r["completion_token_ids"]) == len(r["completion_logprobs"]) > 0
-    for earlier, later in zip(records, records[1:]):
+    for earlier, later in itertools.pairwise(records):
         # The conversation grows: each prompt holds more than the one before plus its reply.
         assert len(later["prompt_token_ids"]) > len(earlier["prompt_token_ids"]) + len(earlier["completion_token_ids"])
 

@@ -54,14 +54,20 @@ def sequence_logprob(policy, prompt_ids: list[int], completion_ids: list[int]) -
     return logits.log_softmax(-1).gather(1, torch.tensor(completion_ids)[:, None]).sum()
 
 
-async def rollouts(client: AsyncClient, prompt_ids: list[list[int]], group: int, max_tokens: int, it: int) -> list[dict]:
+async def rollouts(
+    client: AsyncClient, prompt_ids: list[list[int]], group: int, max_tokens: int, it: int
+) -> list[dict]:
     async def one(p: int, g: int) -> dict:
         out = await client.generate(
             prompt_ids[p], {"max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True},
             session_id=f"iter{it}-prompt{p}-sample{g}",
         )  # fmt: skip
         choice = out["choices"][0]
-        return {"prompt": p, "token_ids": choice["token_ids"], "versions": {s["version"] for s in choice["weight_versions"]}}
+        return {
+            "prompt": p,
+            "token_ids": choice["token_ids"],
+            "versions": {s["version"] for s in choice["weight_versions"]},
+        }
 
     return await asyncio.gather(*(one(p, g) for p in range(len(prompt_ids)) for g in range(group)))
 
@@ -75,7 +81,9 @@ def train_step(policy, optimizer, prompt_ids, samples, vocab_size: int) -> tuple
         r = rewards[mask]
         advantages[mask] = (r - r.mean()) / (r.std() + 1e-4)
     optimizer.zero_grad()
-    loss = -sum(a * sequence_logprob(policy, prompt_ids[s["prompt"]], s["token_ids"]) for a, s in zip(advantages, samples))
+    loss = -sum(
+        a * sequence_logprob(policy, prompt_ids[s["prompt"]], s["token_ids"]) for a, s in zip(advantages, samples)
+    )
     loss = loss / len(samples)
     loss.backward()
     optimizer.step()
@@ -97,7 +105,9 @@ class Loop:
         return train_step(self.policy, self.optimizer, self.prompt_ids, samples, self.vocab_size)
 
     def push(self, version: str) -> None:
-        weights = [(n, t.detach().to(self.served_dtype)) for n, t in self.policy.state_dict().items() if n != "lm_head.weight"]
+        weights = [
+            (n, t.detach().to(self.served_dtype)) for n, t in self.policy.state_dict().items() if n != "lm_head.weight"
+        ]
         self.trainer.push(weights, version)
 
     async def separate_step(self, samples: list[dict], it: int, new_version: str) -> tuple[float, float, dict]:
@@ -106,8 +116,13 @@ class Loop:
         mean_reward, loss = await asyncio.to_thread(self.train, samples)
         trained = time.perf_counter()
         stragglers = [
-            asyncio.create_task(self.client.generate(self.prompt_ids[0], {"max_tokens": self.args.straggler_tokens,
-                                                     "ignore_eos": True}, session_id=f"straggler-{it}-{i}"))  # fmt: skip
+            asyncio.create_task(
+                self.client.generate(
+                    self.prompt_ids[0],
+                    {"max_tokens": self.args.straggler_tokens, "ignore_eos": True},
+                    session_id=f"straggler-{it}-{i}",
+                )
+            )
             for i in range(2)
         ]
         await asyncio.sleep(0.1)  # let them start
@@ -136,7 +151,12 @@ class Loop:
         pushed = time.perf_counter()
         await self.client.wake_up(tags=["kv_cache"])  # fully awake: the engines serve again
         woken = time.perf_counter()
-        timings = {"sleep": slept - started, "train": trained - slept, "wake+push": pushed - trained, "wake_kv": woken - pushed}
+        timings = {
+            "sleep": slept - started,
+            "train": trained - slept,
+            "wake+push": pushed - trained,
+            "wake_kv": woken - pushed,
+        }
         return mean_reward, loss, timings
 
 

@@ -31,7 +31,9 @@ from skyinfer.client import AsyncClient
 from skyinfer.trainer import GlooTrainer
 
 
-async def rollouts(http: aiohttp.ClientSession, url: str, adapter: str, prompt_ids, group: int, max_tokens: int, it: int):
+async def rollouts(
+    http: aiohttp.ClientSession, url: str, adapter: str, prompt_ids, group: int, max_tokens: int, it: int
+):
     async def one(p: int, g: int) -> dict:
         body = {"model": adapter, "prompt": prompt_ids[p], "max_tokens": max_tokens, "temperature": 1.0,
                 "ignore_eos": True, "return_token_ids": True}  # fmt: skip
@@ -58,7 +60,9 @@ async def run(args) -> dict:
     await asyncio.to_thread(trainer.init)
 
     async def push(version: str) -> None:
-        await asyncio.to_thread(trainer.push_adapter, args.adapter, get_peft_model_state_dict(policy).items(), config, version)
+        await asyncio.to_thread(
+            trainer.push_adapter, args.adapter, get_peft_model_state_dict(policy).items(), config, version
+        )
 
     # The adapter as initialized (PEFT's B is zero: the base model's behaviour) serves the first rollouts.
     version = f"{args.adapter}-step-0"

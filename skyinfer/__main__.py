@@ -26,7 +26,11 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
         ),
         allow_abbrev=False,
     )
-    p.add_argument("--model", metavar="PATH", help=f"model directory or name (default: the built-in demo model, built in {DEFAULT_DEMO_DIR})")
+    p.add_argument(
+        "--model",
+        metavar="PATH",
+        help=f"model directory or name (default: the built-in demo model, built in {DEFAULT_DEMO_DIR})",
+    )
     groups = {None: p}
     for field, option in cli_fields():
         if option.group not in groups:
@@ -82,9 +86,14 @@ def _status_parser(sub) -> argparse.ArgumentParser:
         help="show a running server's engines: state, devices, weight version, requests in flight",
         description="Print one row per engine of the skyinfer server at URL (GET /engines).",
     )
-    p.add_argument("url", nargs="?", default="http://127.0.0.1:8000", help="server address (default: http://127.0.0.1:8000)")
-    p.add_argument("--admin-key", default=os.environ.get("SKYINFER_ADMIN_KEY"),
-                   help="the server's admin key, if it has one (default: $SKYINFER_ADMIN_KEY)")
+    p.add_argument(
+        "url", nargs="?", default="http://127.0.0.1:8000", help="server address (default: http://127.0.0.1:8000)"
+    )
+    p.add_argument(
+        "--admin-key",
+        default=os.environ.get("SKYINFER_ADMIN_KEY"),
+        help="the server's admin key, if it has one (default: $SKYINFER_ADMIN_KEY)",
+    )
     p.add_argument("--json", action="store_true", help="print the raw JSON instead of a table")
     return p
 

@@ -32,10 +32,10 @@ from .engine import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
 from .engine_calls import EngineReply, call_engine, failure
 from .errors import ApiError, json_response, parse_json_object
 from .state import Adapter, EngineRecord, EngineRegistry
+from .transfer.protocol import UpdateMetadata
 from .weights.checkpoint import CheckpointSpec, safetensors_shapes
 from .weights.sync import SyncError, WeightSync
-from .transfer.protocol import UpdateMetadata
-from .wire import LoadAdapterRequest, PushAdapterRequest, UnloadAdapterRequest
+from .wire import LoadAdapterRequest, PushAdapterRequest, UnloadAdapterRequest, takes
 
 log = logging.getLogger("skyinfer.adapters")
 
@@ -76,7 +76,9 @@ def check_adapter(config: dict, shapes: dict[str, tuple[int, ...]], base: Checkp
         if len(a) != 2 or len(b) != 2 or a[0] != b[1]:
             raise AdapterError(f"module {module!r}: lora_A {list(a)} and lora_B {list(b)} are not a rank-r pair")
         if a[0] > max_rank:
-            raise AdapterError(f"module {module!r} has rank {a[0]}; the engines take at most --max-lora-rank {max_rank}")
+            raise AdapterError(
+                f"module {module!r} has rank {a[0]}; the engines take at most --max-lora-rank {max_rank}"
+            )
         if a[0] != rank and not config.get("rank_pattern"):
             raise AdapterError(f"module {module!r} has rank {a[0]} but the adapter config says r={rank}")
         if base is None:
@@ -148,7 +150,10 @@ class AdapterFleet:
     def _max_rank(self, engines: list[EngineRecord]) -> int:
         ranks = {r.max_lora_rank for r in engines}
         if None in ranks or not ranks:
-            raise ApiError("the engines serve no LoRA adapters: start skyinfer with --enable-lora (and --max-lora-rank)", status=400)
+            raise ApiError(
+                "the engines serve no LoRA adapters: start skyinfer with --enable-lora (and --max-lora-rank)",
+                status=400,
+            )
         return min(ranks)
 
     def _targets(self, name: str, load_inplace: bool) -> list[EngineRecord]:
@@ -168,6 +173,8 @@ class AdapterFleet:
 
     # -- load, push, unload ------------------------------------------------------
     async def load(self, request: LoadAdapterRequest) -> dict:
+        """Load an adapter from a directory on every engine (vLLM's body, plus ``version``), or
+        reload it in place; checked against the checkpoint first, rolled back if an engine fails."""
         async with self.registry.lock:
             engines = self._targets(request.lora_name, request.load_inplace)
             config, shapes = await asyncio.to_thread(_read_adapter_dir, request.lora_path)
@@ -198,7 +205,9 @@ class AdapterFleet:
             body = {"peft_config": request.peft_config, "update_info": request.update_info}
             replies = await asyncio.gather(
                 *(
-                    call_engine(r, "/adapters/receive", timeout_s=self.timeout_s, body={**body, "directory": paths[r.engine_id]})
+                    call_engine(
+                        r, "/adapters/receive", timeout_s=self.timeout_s, body={**body, "directory": paths[r.engine_id]}
+                    )
                     for r in engines
                 )
             )
@@ -225,12 +234,19 @@ class AdapterFleet:
                 self._restart_unanswered(engines, replies, f"loading adapter {name!r}")
                 await self._roll_back(name, previous, [r for r, rep in zip(engines, replies) if rep.ok])
                 await asyncio.to_thread(shutil.rmtree, directory, True)
-                raise SyncError(failed[0], failed[1] + "; every engine keeps what it had", [rep.as_json() for rep in replies])
+                raise SyncError(
+                    failed[0], failed[1] + "; every engine keeps what it had", [rep.as_json() for rep in replies]
+                )
             self.adapters[name] = adapter
         if previous is not None:
             await asyncio.to_thread(shutil.rmtree, previous.directory, True)
         log.info("adapter %s at version %s on %d engine(s)", name, adapter.version, len(engines))
-        return {"status": "loaded", "lora_name": name, "version": adapter.version, "engines": [rep.as_json() for rep in replies]}
+        return {
+            "status": "loaded",
+            "lora_name": name,
+            "version": adapter.version,
+            "engines": [rep.as_json() for rep in replies],
+        }
 
     async def _load_on(self, record: EngineRecord, name: str, adapter: Adapter) -> EngineReply:
         reply = await call_engine(
@@ -264,6 +280,7 @@ class AdapterFleet:
         return await call_engine(record, "/adapters/unload", timeout_s=self.timeout_s, body={"lora_name": name})
 
     async def unload(self, request: UnloadAdapterRequest) -> dict:
+        """Take an adapter out of routing, then off every engine."""
         async with self.registry.lock:
             # Out of routing first: no request is sent to an adapter on its way out.
             adapter = self.adapters.pop(request.lora_name, None)
@@ -294,12 +311,14 @@ ADAPTERS = web.AppKey("adapters", AdapterFleet)
 
 
 def _route(request_type, call):
+    @takes(request_type)
     async def route(request: web.Request) -> web.Response:
         raw = await request.read()
         body = request_type.parse(parse_json_object(raw) if raw else {})
         # Shielded: a caller that goes away must not leave engines half-changed.
         return json_response(await asyncio.shield(call(request.app[ADAPTERS], body)))
 
+    route.__doc__ = call.__doc__
     return route
 
 
@@ -307,4 +326,3 @@ def add_adapter_routes(app: web.Application) -> None:
     app.router.add_post("/v1/load_lora_adapter", _route(LoadAdapterRequest, AdapterFleet.load))
     app.router.add_post("/v1/unload_lora_adapter", _route(UnloadAdapterRequest, AdapterFleet.unload))
     app.router.add_post("/update_lora_adapter", _route(PushAdapterRequest, AdapterFleet.push))
-

@@ -11,8 +11,8 @@ from aiohttp import web
 from .adapters import ADAPTERS, AdapterFleet, add_adapter_routes
 from .config import ServeConfig
 from .control import CONTROL, ControlPlane, add_control_routes
-from .draining import IN_FLIGHT, InFlight
 from .devices import detect_device_kind, plan_engine_devices
+from .draining import IN_FLIGHT, InFlight
 from .errors import openai_errors_middleware
 from .health import engines_view, health, ready
 from .metrics import METRICS, ServiceMetrics, metrics_view
@@ -22,18 +22,22 @@ from .security import AccessPolicy
 from .sessions import FINISH_SESSION_PATH, finish_session
 from .state import EngineRecord, EngineRegistry
 from .supervisor import SUPERVISOR, Supervisor, add_supervisor_routes
-from .vllm_routes import add_vllm_routes
 from .transfer import transport_for
+from .vllm_routes import add_vllm_routes
 from .weights.sync import WEIGHT_SYNC, WeightSync, add_weight_routes
 from .weights.transports import FrontTransport
+
 
 def build_registry(config: ServeConfig, kind: str, socket_dir: str) -> EngineRegistry:
     plans = plan_engine_devices(kind, config.engines, config.workers_per_engine, config.cpu_kvcache_gib)
     records = [
         EngineRecord(
-            engine_id=i, devices=plan, socket_path=os.path.join(socket_dir, f"engine-{i}.sock"),
-            connection_limit=config.engine_connections, queue_limit=config.engine_queue_limit,
-        )  # fmt: skip
+            engine_id=i,
+            devices=plan,
+            socket_path=os.path.join(socket_dir, f"engine-{i}.sock"),
+            connection_limit=config.engine_connections,
+            queue_limit=config.engine_queue_limit,
+        )
         for i, plan in enumerate(plans)
     ]
     router = SessionRouter(

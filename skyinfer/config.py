@@ -105,7 +105,8 @@ class ServeConfig:
     # front's own tests and benchmark run a fake one (tools/fake_engine.py) in its place.
     engine_command: tuple[str, ...] = attrs.field(default=(sys.executable, "-m", "skyinfer.engine"), converter=tuple)
     adapter_dir: str | None = _option(
-        None, "where each version of each LoRA adapter is kept for the engines (None: a temporary directory)",
+        None,
+        "where each version of each LoRA adapter is kept for the engines (None: a temporary directory)",
         metavar="DIR",
     )
     max_request_mb: float = _option(

@@ -16,11 +16,11 @@ from typing import Any
 
 from aiohttp import web
 
-from .errors import error_body, json_response, parse_json_object
 from .engine_calls import EngineReply, call_engine, failure
+from .errors import error_body, json_response, parse_json_object
 from .proxy import REGISTRY
 from .state import SLEEP_TAGS, EngineRecord, EngineRegistry, Residency, control_targets
-from .wire import AbortParams, PauseParams, QueryParams, ResetPrefixCacheParams, SleepParams, WakeUpParams
+from .wire import AbortParams, PauseParams, QueryParams, ResetPrefixCacheParams, SleepParams, WakeUpParams, takes
 
 log = logging.getLogger("skyinfer.control")
 
@@ -60,9 +60,15 @@ class ControlPlane:
                     await self._reread(record)
                 elif moves_residency:
                     self.registry.record_call(record, operation, **params)
-        unchanged = [EngineReply(r.engine_id, 200, {"status": "unchanged", "state": r.state.value}) for r in already_done]
+        unchanged = [
+            EngineReply(r.engine_id, 200, {"status": "unchanged", "state": r.state.value}) for r in already_done
+        ]
         # A retired engine is out of the fleet: no call waits on it, or fails for it.
-        down = [EngineReply(r.engine_id, 503, {"error": f"engine is {r.state.value}"}) for r in self.registry.members() if not r.up]
+        down = [
+            EngineReply(r.engine_id, 503, {"error": f"engine is {r.state.value}"})
+            for r in self.registry.members()
+            if not r.up
+        ]
         return sorted([*outcomes, *unchanged, *down], key=lambda o: o.engine_id)
 
     async def bring_to_intent(self, record: EngineRecord) -> None:
@@ -107,6 +113,7 @@ def aggregate(operation: str, outcomes: list[EngineReply], ok_body: dict) -> web
 
 CONTROL = web.AppKey("control", ControlPlane)
 
+
 async def _body(request: web.Request) -> dict | None:
     raw = await request.read()
     return parse_json_object(raw) if raw else None
@@ -116,24 +123,34 @@ async def _params(request: web.Request, params: type[QueryParams]):
     return params.from_request(request.query, await _body(request))
 
 
+@takes(PauseParams)
 async def _pause(request: web.Request) -> web.Response:
+    """Pause every engine: ``abort`` ends the requests in flight, ``wait`` lets them finish,
+    ``keep`` freezes them until ``/resume``. Requests sent meanwhile wait."""
     p = await _params(request, PauseParams)
     outcomes = await request.app[CONTROL].apply("pause", p.to_query(), mode=p.mode)
     return aggregate("pause", outcomes, {"status": "paused", "mode": p.mode})
 
 
 async def _resume(request: web.Request) -> web.Response:
+    """Resume every paused engine."""
     outcomes = await request.app[CONTROL].apply("resume")
     return aggregate("resume", outcomes, {"status": "resumed"})
 
 
+@takes(SleepParams)
 async def _sleep(request: web.Request) -> web.Response:
+    """Put every engine to sleep: level 1 offloads the weights and drops the KV cache, level 2
+    drops both (a push must follow), level 0 only pauses."""
     p = await _params(request, SleepParams)
     outcomes = await request.app[CONTROL].apply("sleep", p.to_query(), level=p.level)
     return aggregate("sleep", outcomes, {"status": "sleeping", "level": p.level})
 
 
+@takes(WakeUpParams)
 async def _wake_up(request: web.Request) -> web.Response:
+    """Wake every engine, or only the memory ``tags`` name (``weights``, ``kv_cache``); fully
+    awake engines run again."""
     p = await _params(request, WakeUpParams)
     control = request.app[CONTROL]
     outcomes = await control.apply("wake_up", p.to_query(), tags=p.tags)
@@ -142,13 +159,18 @@ async def _wake_up(request: web.Request) -> web.Response:
     return aggregate("wake_up", outcomes, {"status": "awake" if awake else "sleeping", "tags": list(p.tags or [])})
 
 
+@takes(ResetPrefixCacheParams)
 async def _reset_prefix_cache(request: web.Request) -> web.Response:
+    """Drop every engine's prefix cache."""
     p = await _params(request, ResetPrefixCacheParams)
     outcomes = await request.app[CONTROL].apply("reset_prefix_cache", p.to_query())
     return aggregate("reset_prefix_cache", outcomes, {"status": "reset"})
 
 
+@takes(AbortParams)
 async def _abort_requests(request: web.Request) -> web.Response:
+    """Abort the requests ``request_ids`` name (response ids), or every request in flight; never
+    waits behind another fleet operation."""
     p = AbortParams.parse(await _body(request) or {})
     outcomes = await request.app[CONTROL].apply("abort_requests", body=p.to_body())
     aborted = sum(o.body.get("aborted", 0) for o in outcomes if o.ok)
@@ -157,6 +179,7 @@ async def _abort_requests(request: web.Request) -> web.Response:
 
 def _flag_view(name: str, condition: str):
     async def view(request: web.Request) -> web.Response:
+        """Whether any engine is (and each engine's own answer), as vLLM's route says it."""
         records = request.app[REGISTRY].records
         engines = [{"engine": r.engine_id, name: getattr(r, condition), "state": r.state.value} for r in records]
         return json_response({name: any(e[name] for e in engines), "engines": engines})

@@ -80,9 +80,7 @@ def _build_tokenizer(seed: int):
     tokenizer.train_from_iterator(_corpus(seed), trainer=trainer)
     if tokenizer.get_vocab_size() != VOCAB_SIZE:
         # Every id the model can sample must decode to something.
-        raise RuntimeError(
-            f"demo tokenizer has {tokenizer.get_vocab_size()} tokens, expected {VOCAB_SIZE}"
-        )
+        raise RuntimeError(f"demo tokenizer has {tokenizer.get_vocab_size()} tokens, expected {VOCAB_SIZE}")
     return tokenizer
 
 

@@ -170,7 +170,9 @@ def given(flag: str, args: tuple[str, ...]) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in args)
 
 
-def platform_engine_args(kind: str, user_args: tuple[str, ...], colocate: bool, gpu_memory_utilization: float) -> tuple[str, ...]:
+def platform_engine_args(
+    kind: str, user_args: tuple[str, ...], colocate: bool, gpu_memory_utilization: float
+) -> tuple[str, ...]:
     """vLLM arguments an engine needs on this kind of device, and colocated or not, unless the user gave them."""
     args: list[str] = []
     if kind == "cpu" and not given("--enforce-eager", user_args):

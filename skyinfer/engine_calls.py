@@ -34,7 +34,13 @@ class EngineReply:
 
 
 async def call_engine(
-    record: EngineRecord, path: str, *, timeout_s: float, query: Any = None, body: dict | None = None, method: str = "POST"
+    record: EngineRecord,
+    path: str,
+    *,
+    timeout_s: float,
+    query: Any = None,
+    body: dict | None = None,
+    method: str = "POST",
 ) -> EngineReply:
     """Call one engine; a timeout or an unreachable engine is a reply too (504, 503)."""
     if record.client is None:

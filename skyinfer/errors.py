@@ -49,9 +49,7 @@ def error_response(
 
 
 def json_response(payload, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(
-        status=status, body=orjson.dumps(payload), content_type="application/json", headers=headers
-    )
+    return web.Response(status=status, body=orjson.dumps(payload), content_type="application/json", headers=headers)
 
 
 class ApiError(Exception):
@@ -106,7 +104,9 @@ async def openai_errors_middleware(request: web.Request, handler):
     try:
         return await handler(request)
     except ApiError as exc:
-        return json_response({**error_body(exc.status, str(exc), exc.param, exc.code), **exc.details}, status=exc.status)
+        return json_response(
+            {**error_body(exc.status, str(exc), exc.param, exc.code), **exc.details}, status=exc.status
+        )
     except web.HTTPException as exc:
         if exc.status < 400 or exc.content_type == "application/json":
             raise

@@ -20,6 +20,7 @@ from .state import EngineRecord, EngineState
 
 
 async def health(request: web.Request) -> web.Response:
+    """200 while at least one engine can serve (for a load balancer); every engine's state."""
     registry = request.app[REGISTRY]
     serving = len(registry.serving())
     body = {
@@ -31,6 +32,7 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
+    """200 when every engine of the fleet is ready (a retired engine is out of it)."""
     registry = request.app[REGISTRY]
     members = registry.members()
     waiting = [r for r in members if r.state is not EngineState.READY]
@@ -59,9 +61,9 @@ async def _engine_status(record: EngineRecord, timeout_s: float) -> dict:
 
 def engines_view(probe_timeout_s: float):
     async def view(request: web.Request) -> web.Response:
+        """Every engine: state, process, devices, weights, load, and what it reports itself."""
         records = request.app[REGISTRY].records
         engines = await asyncio.gather(*(_engine_status(r, probe_timeout_s) for r in records))
         return json_response({"engines": engines})
 
     return view
-

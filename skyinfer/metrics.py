@@ -20,7 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.parser import text_string_to_metric_families
 
 from .proxy import ENGINE_HEADER, REGISTRY
-from .state import EngineRegistry, EngineState
+from .state import EngineRegistry, EngineState, Phase
 
 log = logging.getLogger("skyinfer.metrics")
 
@@ -37,11 +37,19 @@ class _EngineCollector:
         self.registry = registry
 
     def collect(self):
-        state = GaugeMetricFamily("skyinfer_engine_state", "1 for the state each engine is in", labels=["engine", "state"])
-        paused = GaugeMetricFamily("skyinfer_engine_paused", "1 if the engine is paused (or sleeping)", labels=["engine"])
+        state = GaugeMetricFamily(
+            "skyinfer_engine_state", "1 for the state each engine is in", labels=["engine", "state"]
+        )
+        paused = GaugeMetricFamily(
+            "skyinfer_engine_paused", "1 if the engine is paused (or sleeping)", labels=["engine"]
+        )
         sleeping = GaugeMetricFamily("skyinfer_engine_sleeping", "1 if the engine is sleeping", labels=["engine"])
-        in_flight = GaugeMetricFamily("skyinfer_engine_in_flight", "requests the front holds for it: sent, or queued", labels=["engine"])
-        queued = GaugeMetricFamily("skyinfer_engine_queued", "requests waiting in the front for a connection to it", labels=["engine"])
+        in_flight = GaugeMetricFamily(
+            "skyinfer_engine_in_flight", "requests the front holds for it: sent, or queued", labels=["engine"]
+        )
+        queued = GaugeMetricFamily(
+            "skyinfer_engine_queued", "requests waiting in the front for a connection to it", labels=["engine"]
+        )
         refused = CounterMetricFamily(
             "skyinfer_engine_queue_refusals", "requests answered 503 because its queue was full", labels=["engine"]
         )
@@ -50,8 +58,14 @@ class _EngineCollector:
             "skyinfer_engine_weight_version_info", "the weight version each engine serves", labels=["engine", "version"]
         )
         moves = CounterMetricFamily(
-            "skyinfer_session_moves", "sessions moved off the engine at a request, it being far busier", labels=["engine"]
+            "skyinfer_session_moves",
+            "sessions moved off the engine at a request, it being far busier",
+            labels=["engine"],
         )
+        retried = CounterMetricFamily(
+            "skyinfer_engine_requests_retried", "requests sent to another engine because this one died under them",
+            labels=["engine"],
+        )  # fmt: skip
         for r in self.registry.records:
             engine = str(r.engine_id)
             for s in EngineState:
@@ -64,7 +78,8 @@ class _EngineCollector:
             restarts.add_metric([engine], r.restarts)
             version.add_metric([engine, r.weight_version or ""], 1)
             moves.add_metric([engine], self.registry.router.moves.get(r.engine_id, 0))
-        return [state, paused, sleeping, in_flight, queued, refused, restarts, version, moves]
+            retried.add_metric([engine], r.retried_elsewhere)
+        return [state, paused, sleeping, in_flight, queued, refused, restarts, version, moves, retried]
 
 
 class ServiceMetrics:
@@ -84,7 +99,18 @@ class ServiceMetrics:
         self.push_failures = prometheus_client.Counter(
             "skyinfer_weight_update_failures", "weight pushes that failed on some engine", registry=self.prom
         )
+        self.update_phase = prometheus_client.Gauge(
+            "skyinfer_weight_update_phase",
+            "1 for the phase the fleet's weight update is in",
+            ["phase"],
+            registry=self.prom,
+        )
+        self.set_update_phase(Phase.IDLE)
         self.prom.register(_EngineCollector(registry))
+
+    def set_update_phase(self, phase: Phase) -> None:
+        for known in Phase:
+            self.update_phase.labels(known.value).set(float(known is phase))
 
     def middleware(self):
         @web.middleware
@@ -158,7 +184,9 @@ def prefix_cache_hit_rates(engine_families: list[Metric]) -> GaugeMetricFamily:
                 if s.name.endswith("_total"):
                     per_engine = counts.setdefault(s.labels["engine"], {})
                     per_engine[family.name] = per_engine.get(family.name, 0.0) + s.value
-    gauge = GaugeMetricFamily(HIT_RATE, "prompt tokens found in the engine's prefix cache / looked up", labels=["engine"])
+    gauge = GaugeMetricFamily(
+        HIT_RATE, "prompt tokens found in the engine's prefix cache / looked up", labels=["engine"]
+    )
     for engine, count in sorted(counts.items()):
         if count.get(_PREFIX_QUERIES):
             gauge.add_metric([engine], count.get(_PREFIX_HITS, 0.0) / count[_PREFIX_QUERIES])
@@ -182,6 +210,7 @@ def _render(metrics: ServiceMetrics, engine_texts: dict[int, str]) -> bytes:
 
 def metrics_view(probe_timeout_s: float):
     async def view(request: web.Request) -> web.Response:
+        """Prometheus text: the front's own metrics and every engine's vLLM metrics, labelled by engine."""
         records = [r for r in request.app[REGISTRY].up() if r.client is not None]
         fetched = await asyncio.gather(*(_engine_metrics(r.engine_id, r.client, probe_timeout_s) for r in records))
         texts = {engine_id: text for engine_id, text in fetched if text is not None}

@@ -134,11 +134,16 @@ def _forwarded_headers(request: web.Request) -> dict[str, str]:
 
 
 async def forward(request: web.Request) -> web.StreamResponse:
+    """One engine answers, with vLLM's own body for the route: the session's engine
+    (``X-Session-ID``, or a ``session_id`` field), else the one holding the prompt's group, else
+    the least loaded; ``X-Skyinfer-Engine`` and ``X-Weight-Version`` say which and with what."""
     body = await request.read()
     body, body_session = _session_from_body(body)
     session_id = request.headers.get(SESSION_HEADER) or body_session
     if session_id:
-        session_id = checked_session_id(session_id, SESSION_HEADER if SESSION_HEADER in request.headers else "session_id")
+        session_id = checked_session_id(
+            session_id, SESSION_HEADER if SESSION_HEADER in request.headers else "session_id"
+        )
     headers = _forwarded_headers(request)
     if session_id:
         headers[SESSION_HEADER] = session_id
@@ -158,6 +163,7 @@ async def forward(request: web.Request) -> web.StreamResponse:
     if not any(r.engine_id != dead for r in registry.members()):
         return first_death.answer
     log.warning("engine %d died under %s %s: sending it to another engine", dead, request.method, request.path)
+    registry.records[dead].retried_elsewhere += 1
     # Once, and never to the engine that died: a request that kills engines must not walk through the
     # fleet. If no other engine serves now, it waits for one like any request.
     try:
@@ -221,15 +227,21 @@ async def _send(
                 pinned=target.pinned,
             )  # fmt: skip
             async with engine.in_flight():
-                return await _relay(request, engine, body, headers, {**retried, **_version_header(engine, target.adapter)})
+                return await _relay(
+                    request, engine, body, headers, {**retried, **_version_header(engine, target.adapter)}
+                )
         except NoEngineAvailable as exc:
             held = f" (held {registry.hold_requests_s:g}s)" if registry.hold_requests_s else ""
             return error_response(503, f"{exc}{held}", headers={"Retry-After": str(NONE_SERVING_RETRY_AFTER_S)})
         except EngineBusy as exc:
-            return error_response(503, str(exc), headers={"Retry-After": str(BUSY_RETRY_AFTER_S), **_own_headers(engine)})
+            return error_response(
+                503, str(exc), headers={"Retry-After": str(BUSY_RETRY_AFTER_S), **_own_headers(engine)}
+            )
         except _NotConnected as exc:
             if delay_s is None:
-                return error_response(503, f"engine {engine.engine_id} could not be reached: {exc}", headers=_own_headers(engine))
+                return error_response(
+                    503, f"engine {engine.engine_id} could not be reached: {exc}", headers=_own_headers(engine)
+                )
             log.info("engine %d: %s; trying again in %.2fs", engine.engine_id, exc, delay_s)
             await asyncio.sleep(delay_s)
     raise AssertionError("unreachable: the last attempt returns")

@@ -11,13 +11,15 @@ from aiohttp import web
 
 from .errors import json_response, parse_json_object
 from .proxy import REGISTRY
-from .wire import FinishSessionParams, WireError
+from .wire import FinishSessionParams, WireError, takes
 
 # A data-plane route: the rollout client that opened the session ends it.
 FINISH_SESSION_PATH = "/finish_session"
 
 
+@takes(FinishSessionParams)
 async def finish_session(request: web.Request) -> web.Response:
+    """The trajectory is over: the session's engine binding goes (unknown ids are a no-op)."""
     raw = await request.read()
     p = FinishSessionParams.from_request(request.query, parse_json_object(raw) if raw else None)
     if p.session_id is None:

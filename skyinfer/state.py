@@ -211,7 +211,9 @@ def _wake_up(tags: Sequence[str] | None) -> Callable[[EngineRecord], str]:
         if not r.residency.vllm_is_sleeping:
             return DONE
         if r.receiving and not r.residency.after("wake_up", tags=tags).paused:
-            return "it is receiving a weight update: its scheduler must stay paused; wake it after /finish_weight_update"
+            return (
+                "it is receiving a weight update: its scheduler must stay paused; wake it after /finish_weight_update"
+            )
         return APPLY
 
     return verdict
@@ -300,6 +302,8 @@ class EngineRecord:
     queued: int = 0
     # Requests refused because the queue was full.
     refused: int = 0
+    # Requests sent to another engine because this one died under them.
+    retried_elsewhere: int = 0
     # HTTP client over this engine's Unix socket; set once it is ready.
     client: aiohttp.ClientSession | None = None
     # The weights it serves, as the engine reports them ("default": as loaded).

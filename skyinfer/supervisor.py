@@ -80,7 +80,9 @@ class EngineProcess:
             pass_fds=(lifeline_fd,),
         )
         self.record.pid = self.proc.pid
-        log.info("engine %d: started pid %d on %s", self.record.engine_id, self.proc.pid, self.record.devices.describe())
+        log.info(
+            "engine %d: started pid %d on %s", self.record.engine_id, self.proc.pid, self.record.devices.describe()
+        )
 
     @property
     def exited(self) -> bool:
@@ -102,7 +104,9 @@ class EngineProcess:
             if os.path.exists(self.record.socket_path):
                 client = _engine_client(self.record.socket_path)
                 try:
-                    async with client.get("/info", timeout=aiohttp.ClientTimeout(total=self.config.engine_probe_timeout_s)) as resp:
+                    async with client.get(
+                        "/info", timeout=aiohttp.ClientTimeout(total=self.config.engine_probe_timeout_s)
+                    ) as resp:
                         if resp.status == 200:
                             info = await resp.json()
                             log.info("engine %d: up in %.1fs", self.record.engine_id, time.monotonic() - started)
@@ -248,7 +252,9 @@ class Supervisor:
             fleet = self.registry.fleet_weight_version
             if fleet is not None and record.weight_version != fleet:
                 # It loaded the checkpoint from disk: behind a fleet that has had pushes.
-                self.registry.set_stale(record, f"it restarted from the checkpoint on disk; the fleet serves {fleet}: push to bring it in")
+                self.registry.set_stale(
+                    record, f"it restarted from the checkpoint on disk; the fleet serves {fleet}: push to bring it in"
+                )
             for step in self.before_serving:
                 await step(record)
             if record.lifecycle not in (Lifecycle.STARTING, Lifecycle.RESTARTING):

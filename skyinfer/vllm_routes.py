@@ -5,7 +5,7 @@ routes whose answer needs more than one engine: a stored response is looked
 up on the engine that holds it, engine views are gathered per engine, cache
 resets and ``/collective_rpc`` are fanned out like every admin call.
 ``NOT_SERVED`` names the few routes of vLLM's app skyinfer leaves out, each
-with the reason (the README lists them; a test holds this module to vLLM's own
+with the reason (the docs list them; a test holds this module to vLLM's own
 route table).
 """
 
@@ -23,7 +23,7 @@ from .proxy import REGISTRY, forward_to
 
 NOT_SERVED = {
     "/openapi.json": "the OpenAPI schema of vLLM's FastAPI app, not of skyinfer's routes",
-    "/docs": "FastAPI's interactive docs for vLLM's app; skyinfer's routes are in its README",
+    "/docs": "FastAPI's interactive docs for vLLM's app; skyinfer's routes are in its docs (reference)",
     "/docs/oauth2-redirect": "part of FastAPI's interactive docs",
     "/redoc": "FastAPI's interactive docs for vLLM's app",
     "/scale_elastic_ep": "elastic expert parallelism rescales one Ray data-parallel engine; skyinfer's is fixed",
@@ -60,11 +60,16 @@ async def _stored_response(request: web.Request) -> web.StreamResponse:
 
 def _per_engine_view(path: str):
     async def view(request: web.Request) -> web.Response:
+        """vLLM's answer of every engine, under ``engines``; for ``/server_info`` one engine's
+        fields also at the top level (``engine`` says whose), as vLLM answers it; for ``/load``
+        the fleet's ``server_load``. The query is forwarded."""
         registry = request.app[REGISTRY]
         timeout_s = request.app[CONTROL].timeout_s
         up = registry.up()
         query = dict(request.query)
-        replies = await asyncio.gather(*(call_engine(r, path, method="GET", timeout_s=timeout_s, query=query) for r in up))
+        replies = await asyncio.gather(
+            *(call_engine(r, path, method="GET", timeout_s=timeout_s, query=query) for r in up)
+        )
         body = {"engines": [reply.as_json() for reply in replies]}
         if path == "/server_info" and (first := next((reply for reply in replies if reply.ok), None)):
             # vLLM's shape at the top level (TRL reads vllm_config there): every engine serves the
@@ -80,6 +85,7 @@ def _per_engine_view(path: str):
 
 def _cache_reset(operation: str):
     async def reset(request: web.Request) -> web.Response:
+        """vLLM's cache reset on every engine, one answer per engine."""
         outcomes = await request.app[CONTROL].apply(operation)
         return aggregate(operation, outcomes, {"status": "reset"})
 
@@ -87,6 +93,8 @@ def _cache_reset(operation: str):
 
 
 async def _collective_rpc(request: web.Request) -> web.Response:
+    """vLLM's ``collective_rpc`` on every engine, for the worker methods ``--allow-collective-rpc``
+    allows (body: ``method``, ``args``, ``kwargs``, ``timeout``); any other is a 403."""
     body = parse_json_object(await request.read())
     method = body.get("method")
     if not isinstance(method, str) or not method:

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+
 # typing.Self is 3.11+; pydantic brings typing_extensions.
 from typing_extensions import Self
 
@@ -34,7 +35,9 @@ def _header_value(what: str, header: str, *, strip: bool = False) -> AfterValida
     def check(value: str) -> str:
         printable = 0 < len(value) <= 256 and value.isascii() and value.isprintable()
         if not printable or (strip and value != value.strip()):
-            raise ValueError(f"{what} is 1 to 256 printable ASCII characters{edges} (it travels in the {header} header)")
+            raise ValueError(
+                f"{what} is 1 to 256 printable ASCII characters{edges} (it travels in the {header} header)"
+            )
         return value
 
     return AfterValidator(check)
@@ -53,6 +56,17 @@ def checked_session_id(value: str, param: str) -> str:
         raise WireError(f"{param}: {exc}; got {value[:80]!r}", param) from None
 
 
+def takes(model: type[WireModel]):
+    """Mark a route's handler with the body or query parameters it reads: the route reference
+    (docs/) lists them from here."""
+
+    def mark(handler):
+        handler.takes = model
+        return handler
+
+    return mark
+
+
 class WireError(BadRequest):
     """Bad admin input; the message says what is wrong and how to fix it."""
 
@@ -63,7 +77,11 @@ class WireError(BadRequest):
     def from_validation(cls, exc: ValidationError, model: type[BaseModel], prefix: tuple = ()) -> WireError:
         first, *rest = exc.errors()
         # A union's branch shows in the location as its type ("list[...]"), a validator as "function-...".
-        loc = [part for part in first["loc"] if not (isinstance(part, str) and ("[" in part or part.startswith("function-")))]
+        loc = [
+            part
+            for part in first["loc"]
+            if not (isinstance(part, str) and ("[" in part or part.startswith("function-")))
+        ]
         param = ".".join(str(part) for part in (*prefix, *loc)) or None
         reason = first["msg"].removeprefix("Value error, ")
         if first["type"] == "missing":

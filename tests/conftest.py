@@ -11,15 +11,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from support import keyed_one_engine, restore_checkpoint, running, two_float32_engines
 
 from skyinfer.demo_model import build_demo_model
+
+from support import keyed_one_engine, restore_checkpoint, running, two_float32_engines
 
 
 def pytest_addoption(parser) -> None:
     parser.addoption(
         "--fuzz-full", action="store_true",
-        help="fuzz with the whole corpus (34,400 bodies on the shared server; .ci/run does); by default a tenth"
+        help="fuzz with the whole corpus (35,925 bodies on the shared server; .ci/run does); by default a tenth"
         " of it, drawn from the same seeded generator",
     )  # fmt: skip
 

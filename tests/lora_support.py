@@ -45,7 +45,9 @@ def write_adapter(directory: Path, config: dict, tensors: dict[str, torch.Tensor
     return directory
 
 
-def reference_logprobs(demo_model: Path, adapter: Path | None, prompt_ids: list[int], out_ids: list[int]) -> list[float]:
+def reference_logprobs(
+    demo_model: Path, adapter: Path | None, prompt_ids: list[int], out_ids: list[int]
+) -> list[float]:
     """Each out token's logprob under transformers (+ peft with ``adapter``), float32."""
     model = AutoModelForCausalLM.from_pretrained(demo_model, dtype=torch.float32)
     if adapter is not None:
@@ -62,8 +64,15 @@ def reference_logprobs(demo_model: Path, adapter: Path | None, prompt_ids: list[
 def complete(server, model: str, prompt: str, session: str, max_tokens: int = 12) -> httpx.Response:
     r = httpx.post(
         f"{server.url}/v1/completions",
-        json={"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 1,
-              "return_token_ids": True, "ignore_eos": True},  # fmt: skip
+        json={
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "logprobs": 1,
+            "return_token_ids": True,
+            "ignore_eos": True,
+        },
         headers={"X-Session-ID": session},
         timeout=120,
     )
@@ -71,9 +80,13 @@ def complete(server, model: str, prompt: str, session: str, max_tokens: int = 12
     return r
 
 
-def served_vs_reference(server, base_model: str, demo_model: Path, model: str, adapter: Path | None, prompt: str, session: str) -> tuple[float, httpx.Response]:
+def served_vs_reference(
+    server, base_model: str, demo_model: Path, model: str, adapter: Path | None, prompt: str, session: str
+) -> tuple[float, httpx.Response]:
     """The largest logprob difference between what ``model`` serves and the reference of ``adapter``."""
-    prompt_ids = httpx.post(f"{server.url}/tokenize", json={"model": base_model, "prompt": prompt}, timeout=30).json()["tokens"]
+    prompt_ids = httpx.post(f"{server.url}/tokenize", json={"model": base_model, "prompt": prompt}, timeout=30).json()[
+        "tokens"
+    ]
     r = complete(server, model, prompt, session)
     choice = r.json()["choices"][0]
     expected = reference_logprobs(demo_model, adapter, prompt_ids, choice["token_ids"])
@@ -89,4 +102,6 @@ def assert_serves(server, base_model, demo_model, model, adapter, version, sessi
             diff, r = served_vs_reference(server, base_model, demo_model, model, adapter, prompt, session)
             assert engine_of(r) == engine
             assert r.headers["X-Weight-Version"] == version
-            assert diff < 0.05, f"engine {engine}, {model} ({version}), prompt {prompt[:20]!r}: logprobs differ by {diff:.4f}"
+            assert diff < 0.05, (
+                f"engine {engine}, {model} ({version}), prompt {prompt[:20]!r}: logprobs differ by {diff:.4f}"
+            )

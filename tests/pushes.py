@@ -52,7 +52,9 @@ def run_trainer(
     )
 
 
-def reference_logprobs(demo_model: Path, weights: dict[str, torch.Tensor], prompt_ids: list[int], out_ids: list[int]) -> list[float]:
+def reference_logprobs(
+    demo_model: Path, weights: dict[str, torch.Tensor], prompt_ids: list[int], out_ids: list[int]
+) -> list[float]:
     model = AutoModelForCausalLM.from_pretrained(demo_model, dtype=torch.float32)
     model.load_state_dict(weights, strict=False)
     model.tie_weights()
@@ -77,11 +79,20 @@ def sessions_per_engine(server, model_name) -> dict[int, str]:
 def assert_engines_match(server, model_name, demo_model, weights, version):
     for engine, session in sessions_per_engine(server, model_name).items():
         for prompt in PROMPTS:
-            prompt_ids = httpx.post(f"{server.url}/tokenize", json={"model": model_name, "prompt": prompt}, timeout=30).json()["tokens"]
+            prompt_ids = httpx.post(
+                f"{server.url}/tokenize", json={"model": model_name, "prompt": prompt}, timeout=30
+            ).json()["tokens"]
             r = httpx.post(
                 f"{server.url}/v1/completions",
-                json={"model": model_name, "prompt": prompt, "max_tokens": 16, "temperature": 0, "logprobs": 1,
-                      "return_token_ids": True, "ignore_eos": True},  # fmt: skip
+                json={
+                    "model": model_name,
+                    "prompt": prompt,
+                    "max_tokens": 16,
+                    "temperature": 0,
+                    "logprobs": 1,
+                    "return_token_ids": True,
+                    "ignore_eos": True,
+                },
                 headers={"X-Session-ID": session},
                 timeout=60,
             )
@@ -98,7 +109,13 @@ def assert_engines_match(server, model_name, demo_model, weights, version):
 def greedy(server, model_name, session: str) -> list[int]:
     r = httpx.post(
         f"{server.url}/v1/completions",
-        json={"model": model_name, "prompt": "unchanged?", "max_tokens": 12, "temperature": 0, "return_token_ids": True},
+        json={
+            "model": model_name,
+            "prompt": "unchanged?",
+            "max_tokens": 12,
+            "temperature": 0,
+            "return_token_ids": True,
+        },
         headers={"X-Session-ID": session},
         timeout=60,
     )

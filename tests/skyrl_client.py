@@ -73,7 +73,7 @@ async def main(url: str, model: str) -> dict:
     # Outside a push (no transfer group): refused with the reason, nothing changes.
     norm = {"names": ["model.norm.weight"], "dtype_names": ["float32"], "shapes": [[128]]}
     await call("update_named_weights", client.update_named_weights(norm))
-    # Calls that need SkyRL's own server or worker extension (see the README).
+    # Calls that need SkyRL's own server or worker extension (see docs/clients.rst).
     await call("sleep_for_weight_sync", client.sleep_for_weight_sync())
     await call("load_lora_adapter", client.load_lora_adapter("skyrl-lora", "/nonexistent"))
     await call("unload_lora_adapter", client.unload_lora_adapter("skyrl-lora"))
@@ -82,7 +82,9 @@ async def main(url: str, model: str) -> dict:
     return results
 
 
-async def colocated_sync(url: str, model: str, level: int, weights: str, version: str, sockets: list[str]) -> list[dict]:
+async def colocated_sync(
+    url: str, model: str, level: int, weights: str, version: str, sockets: list[str]
+) -> list[dict]:
     import httpx
     from safetensors.torch import load_file
 
@@ -99,7 +101,9 @@ async def colocated_sync(url: str, model: str, level: int, weights: str, version
         for path in sockets:
             async with httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=path), base_url="http://engine") as own:
                 vllm.append((await own.get("/conditions")).json())
-        steps.append({"after": after, "skyrl_is_sleeping": await client.is_sleeping(), "engines": engines, "vllm": vllm})
+        steps.append(
+            {"after": after, "skyrl_is_sleeping": await client.is_sleeping(), "engines": engines, "vllm": vllm}
+        )
 
     await asyncio.to_thread(trainer.init)
     if not await client.is_sleeping():
@@ -124,6 +128,10 @@ if __name__ == "__main__":
     args = p.parse_args()
     if args.colocated:
         level, weights, version, sockets = args.colocated
-        print(json.dumps(asyncio.run(colocated_sync(args.url, args.model, int(level), weights, version, sockets.split(",")))))
+        print(
+            json.dumps(
+                asyncio.run(colocated_sync(args.url, args.model, int(level), weights, version, sockets.split(",")))
+            )
+        )
     else:
         print(json.dumps(asyncio.run(main(args.url, args.model))))

@@ -40,7 +40,7 @@ class ChildProcess:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
-        self._log = open(log_path, "wb")
+        self._log = open(log_path, "wb")  # noqa: SIM115 (the child writes it for its whole life; stop() closes it)
         self.proc = subprocess.Popen(
             argv, stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=preexec_fn,
             env=None if env is None else {**os.environ, **env},
@@ -189,7 +189,9 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 def run_example(name: str, *args: str, timeout_s: float = 600) -> subprocess.CompletedProcess:
     """One of examples/ run as a user runs it; it must exit 0."""
-    done = subprocess.run([sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True, timeout=timeout_s)
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True, timeout=timeout_s
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     return done
 
@@ -205,7 +207,11 @@ def is_openai_error(r: httpx.Response) -> bool:
         return isinstance(err, dict) and isinstance(err.get("message"), str)
     # The code is the status, or a string naming what a client can do (TRANSFER_GROUP_GONE).
     code = err.get("code") if isinstance(err, dict) else None
-    return isinstance(err, dict) and isinstance(err.get("message"), str) and (code == r.status_code or isinstance(code, str))
+    return (
+        isinstance(err, dict)
+        and isinstance(err.get("message"), str)
+        and (code == r.status_code or isinstance(code, str))
+    )
 
 
 def engine_of(response) -> int:
@@ -249,7 +255,9 @@ def scrape(server) -> dict[str, list]:
 
 def total(families: dict, family: str, sample: str, **labels) -> float:
     return sum(
-        s.value for s in families.get(family, []) if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items())
+        s.value
+        for s in families.get(family, [])
+        if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items())
     )
 
 
@@ -277,8 +285,9 @@ async def admit_while_paused(http: httpx.AsyncClient, coros, already_in_flight: 
 
 
 def concrete(path: str) -> str:
-    """A route's path with its variable parts filled in (``/v1/responses/{response_id}``)."""
-    return path.replace("{response_id}", "resp_test")
+    """A route's path with its variable parts filled in (``/v1/responses/{response_id}``; an engine
+    that does not exist, so that nothing restarts)."""
+    return path.replace("{response_id}", "resp_test").replace("{engine_id}", "99")
 
 
 def app_routes(model, socket_dir) -> set[tuple[str, str]]:

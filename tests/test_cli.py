@@ -38,7 +38,9 @@ async def test_status_exit_codes(server):
 
 def test_serve_exits_when_an_engine_cannot_start(demo_model, tmp_path):
     # The demo model's context is 4096 tokens: vLLM refuses the engine arguments while starting.
-    srv = ServerProcess(demo_model, engines=1, log_path=tmp_path / "server.log", extra_args=("--max-model-len", "65536"))
+    srv = ServerProcess(
+        demo_model, engines=1, log_path=tmp_path / "server.log", extra_args=("--max-model-len", "65536")
+    )
     try:
         code = srv.proc.wait(180)
         log = srv.log_tail(400)

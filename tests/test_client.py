@@ -13,6 +13,7 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 
 from skyinfer.client import AsyncClient, Client, SkyinferError
+
 from support import scrape, total
 
 
@@ -110,7 +111,9 @@ def _rollout_in_child(client: AsyncClient, prompt_ids: list[int]) -> dict:
 async def test_client_pickles_into_another_process(server):
     client = AsyncClient(server.url, timeout_s=120)
     # Used here first, so it holds a live connection pool when pickled.
-    here = await client.generate([9, 8, 7], {"max_tokens": 5, "temperature": 0, "ignore_eos": True}, session_id="child-session")
+    here = await client.generate(
+        [9, 8, 7], {"max_tokens": 5, "temperature": 0, "ignore_eos": True}, session_id="child-session"
+    )
     copy = pickle.loads(pickle.dumps(client))
     assert copy.base_url == client.base_url and copy.timeout_s == 120
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
@@ -136,8 +139,22 @@ async def test_two_thousand_concurrent_requests(server):
     assert all(len(r["choices"][0]["token_ids"]) == 4 for r in results)
     after = scrape(server)
     per_engine = [
-        total(after, "skyinfer_requests", "skyinfer_requests_total", route="/inference/v1/generate", status="200", engine=e)
-        - total(before, "skyinfer_requests", "skyinfer_requests_total", route="/inference/v1/generate", status="200", engine=e)
+        total(
+            after,
+            "skyinfer_requests",
+            "skyinfer_requests_total",
+            route="/inference/v1/generate",
+            status="200",
+            engine=e,
+        )
+        - total(
+            before,
+            "skyinfer_requests",
+            "skyinfer_requests_total",
+            route="/inference/v1/generate",
+            status="200",
+            engine=e,
+        )
         for e in ("0", "1")
     ]
     assert sum(per_engine) == n and min(per_engine) > n / 4, per_engine

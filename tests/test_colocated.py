@@ -23,9 +23,18 @@ import attrs
 import httpx
 import pytest
 import torch
-from pushes import assert_engines_match, modified_weights, run_trainer, save
 
-from support import TRAINER, ServerProcess, admit_while_paused, engine_socket, is_openai_error, run_example, running, vllm_process
+from pushes import assert_engines_match, modified_weights, run_trainer, save
+from support import (
+    TRAINER,
+    ServerProcess,
+    admit_while_paused,
+    engine_socket,
+    is_openai_error,
+    run_example,
+    running,
+    vllm_process,
+)
 
 SKYRL_CLIENT = Path(__file__).with_name("skyrl_client.py")
 ABORTED = "a weight update was aborted"
@@ -80,7 +89,9 @@ def vllm_conditions(server) -> list[dict]:
     """What each engine's vLLM says of itself, asked on the engine's own socket."""
     said = []
     for e in engines(server):
-        with httpx.Client(transport=httpx.HTTPTransport(uds=engine_socket(server, e["id"])), base_url="http://e") as own:
+        with httpx.Client(
+            transport=httpx.HTTPTransport(uds=engine_socket(server, e["id"])), base_url="http://e"
+        ) as own:
             said.append(own.get("/conditions", timeout=30).json())
     return said
 
@@ -122,7 +133,10 @@ def test_skyrl_colocated_syncs_at_levels_1_and_2_say_what_vllm_says(colocated, d
             reported = [(e["paused"], e["sleeping"]) for e in step["engines"]]
             assert reported == [(v["paused"], v["sleeping"]) for v in step["vllm"]], step
             assert step["skyrl_is_sleeping"] == any(v["sleeping"] for v in step["vllm"])
-        states = {s["after"]: [(e["state"], e["sleep_level"], e["asleep"], e["stale_reason"]) for e in s["engines"]] for s in steps}
+        states = {
+            s["after"]: [(e["state"], e["sleep_level"], e["asleep"], e["stale_reason"]) for e in s["engines"]]
+            for s in steps
+        }
         discarded = "a level-2 sleep discarded its weights: push weights before it serves" if level == 2 else None
         assert states == {
             "sleep": [("sleeping", level, ["kv_cache", "weights"], discarded)] * 2,
@@ -140,8 +154,14 @@ def test_a_level_2_wake_without_a_push_serves_nothing_and_says_why(colocated, de
     admin(colocated, "/wake_up")
     assert [c["sleeping"] for c in vllm_conditions(colocated)] == [False, False]
     assert residency(colocated) == [("stale", None, [])] * 2
-    r = httpx.post(f"{colocated.url}/v1/completions", json={"model": colocated.model, "prompt": "x", "max_tokens": 2}, timeout=30)
-    assert r.status_code == 503 and is_openai_error(r) and "level-2 sleep discarded its weights" in r.json()["error"]["message"]
+    r = httpx.post(
+        f"{colocated.url}/v1/completions", json={"model": colocated.model, "prompt": "x", "max_tokens": 2}, timeout=30
+    )
+    assert (
+        r.status_code == 503
+        and is_openai_error(r)
+        and "level-2 sleep discarded its weights" in r.json()["error"]["message"]
+    )
     assert "held 1s" in r.json()["error"]["message"] and int(r.headers["Retry-After"]) > 0
     info = httpx.get(f"{colocated.url}/weight_info", timeout=30).json()
     assert all("level-2 sleep" in e["stale_reason"] for e in info["engines"])
@@ -185,7 +205,9 @@ async def test_a_push_into_running_engines_holds_their_requests(colocated, demo_
             assert r.status_code == 200, r.text
             return r.json()["choices"][0]
 
-        tasks = [asyncio.create_task(streamed(i)) for i in range(16)] + [asyncio.create_task(generated(i)) for i in range(16)]
+        tasks = [asyncio.create_task(streamed(i)) for i in range(16)] + [
+            asyncio.create_task(generated(i)) for i in range(16)
+        ]
         await asyncio.sleep(1.0)
         trainer = await asyncio.to_thread(run_trainer, colocated, path, version, "--transport", "shm")
         assert trainer.returncode == 0, trainer.stdout + trainer.stderr
@@ -213,7 +235,9 @@ async def test_a_slow_trainer_waiting_for_the_fleet_is_not_aborted(colocated, de
     )  # fmt: skip
     try:
         async with httpx.AsyncClient(base_url=colocated.url, timeout=300) as http:
-            draining = await admit_while_paused(http, (http.post("/v1/completions", json={**body, "prompt": f"drain {i}"}) for i in range(8)))
+            draining = await admit_while_paused(
+                http, (http.post("/v1/completions", json={**body, "prompt": f"drain {i}"}) for i in range(8))
+            )
             assert (await asyncio.to_thread(trainer.stdout.readline)).strip() == "before update"
             assert (await http.post("/resume")).status_code == 200
             pausing = asyncio.create_task(http.post("/pause", params={"mode": "wait"}))
@@ -236,7 +260,9 @@ async def test_a_slow_trainer_waiting_for_the_fleet_is_not_aborted(colocated, de
 
 
 def test_bad_transfer_metadata_is_refused_before_any_engine_touches_a_weight(colocated, demo_model):
-    prefix = httpx.post(f"{colocated.url}/init_weight_transfer", json={"init_info": {}}, timeout=60).json()["segment_prefix"]
+    prefix = httpx.post(f"{colocated.url}/init_weight_transfer", json={"init_info": {}}, timeout=60).json()[
+        "segment_prefix"
+    ]
     small = Path(f"/dev/shm/{prefix}{'a' * 32}")
     small.write_bytes(b"\0" * 1024)
     norm = {"names": ["model.norm.weight"], "dtype_names": ["float32"], "shapes": [[128]]}
@@ -244,7 +270,10 @@ def test_bad_transfer_metadata_is_refused_before_any_engine_touches_a_weight(col
     cases = {
         "path in the name": ({**norm, "segment": "../../etc/passwd", "offsets": [0]}, "update_info.segment"),
         "slash in the name": ({**norm, "segment": f"{prefix}x/y", "offsets": [0]}, "update_info.segment"),
-        "another server's": ({**norm, "segment": f"skyinfer-00000000-{'b' * 32}", "offsets": [0]}, "update_info.segment"),
+        "another server's": (
+            {**norm, "segment": f"skyinfer-00000000-{'b' * 32}", "offsets": [0]},
+            "update_info.segment",
+        ),
         "missing": ({**norm, "segment": f"{prefix}{'c' * 32}", "offsets": [0]}, "update_info.segment"),
         "past the end": ({**norm, "segment": small.name, "offsets": [768]}, "update_info.segment"),
         "misaligned": ({**norm, "segment": small.name, "offsets": [2]}, "update_info"),
@@ -271,7 +300,9 @@ def test_fuzzed_shared_memory_updates_are_4xx_and_change_nothing(colocated):
     in the OpenAI shape (400 for what the checks refuse, 409 for the rest), nothing changes."""
     from test_fuzz import bodies
 
-    prefix = httpx.post(f"{colocated.url}/init_weight_transfer", json={"init_info": {}}, timeout=60).json()["segment_prefix"]
+    prefix = httpx.post(f"{colocated.url}/init_weight_transfer", json={"init_info": {}}, timeout=60).json()[
+        "segment_prefix"
+    ]
     assert httpx.post(f"{colocated.url}/shutdown_weight_transfer_engine", timeout=60).status_code == 200
     segment = Path(f"/dev/shm/{prefix}{'d' * 32}")
     segment.write_bytes(b"\0" * 4096)
@@ -327,7 +358,9 @@ def test_an_engine_core_killed_while_the_fleet_sleeps_comes_back_asleep(colocate
     vllm_process(pid1, "EngineCore").send_signal(signal.SIGKILL)
     fault_at = time.monotonic()
     # Down, then back as a new process: asleep like the fleet, and never serving meanwhile.
-    wait_until(lambda: engines(colocated)[1]["pid"] != pid1 and engines(colocated)[1]["state"] == "sleeping", 240, "no restart")
+    wait_until(
+        lambda: engines(colocated)[1]["pid"] != pid1 and engines(colocated)[1]["state"] == "sleeping", 240, "no restart"
+    )
     back = engines(colocated)
     assert back[0]["pid"] == pid0
     assert [(e["sleep_level"], e["asleep"]) for e in back] == [(1, ["kv_cache", "weights"])] * 2
@@ -359,7 +392,9 @@ def test_an_engine_hung_during_a_push_is_restarted_into_the_fleets_state(colocat
             core.send_signal(signal.SIGCONT)
     assert failed.returncode == 3 and "refused 504" in failed.stdout, failed.stdout + failed.stderr
     assert engines(colocated)[0]["pid"] == pid0 and engines(colocated)[0]["stale_reason"].startswith(ABORTED)
-    wait_until(lambda: engines(colocated)[1]["pid"] != pid1 and engines(colocated)[1]["state"] == "sleeping", 240, "no restart")
+    wait_until(
+        lambda: engines(colocated)[1]["pid"] != pid1 and engines(colocated)[1]["state"] == "sleeping", 240, "no restart"
+    )
     assert residency(colocated) == [("sleeping", 1, ["kv_cache"])] * 2
     assert not segments()
     weights, path, version = pushes.next()

@@ -155,7 +155,10 @@ async def engine_states(http) -> list[tuple[str, bool, bool]]:
 
 
 async def greedy_on_each_engine(http, model, sessions) -> dict[int, list[int]]:
-    return {e: (await complete(http, model, "sleep test", 16, s)).json()["choices"][0]["token_ids"] for e, s in sessions.items()}
+    return {
+        e: (await complete(http, model, "sleep test", 16, s)).json()["choices"][0]["token_ids"]
+        for e, s in sessions.items()
+    }
 
 
 async def test_sleep_and_wake_up_round_trip(http, model_name):
@@ -228,7 +231,9 @@ async def test_parameters_come_from_the_query_or_the_body_and_must_agree(http, m
     # SkyRL's reset_prefix_cache() sends its flag as a JSON body.
     result = await admin(http, "/reset_prefix_cache", json={"reset_running_requests": True})
     assert [e["result"]["reset"] for e in result["engines"]] == [True, True]
-    await admin(http, "/reset_prefix_cache?reset_running_requests=false", expect=400, json={"reset_running_requests": True})
+    await admin(
+        http, "/reset_prefix_cache?reset_running_requests=false", expect=400, json={"reset_running_requests": True}
+    )
 
 
 async def test_reset_prefix_cache(http):
@@ -239,19 +244,23 @@ async def test_reset_prefix_cache(http):
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 async def test_abort_requests_by_response_id(http, model_name, path):
     body = {"model": model_name, "max_tokens": 3000, "ignore_eos": True, "stream": True}
-    body.update({"prompt": "abort by id"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "abort by id"}]})
+    body.update(
+        {"prompt": "abort by id"}
+        if path == "/v1/completions"
+        else {"messages": [{"role": "user", "content": "abort by id"}]}
+    )
     async with http.stream("POST", path, json=body) as r:
         lines = r.aiter_lines()
         async for line in lines:
             if line.startswith("data: {"):
-                request_id = json.loads(line[len("data: "):])["id"]
+                request_id = json.loads(line[len("data: ") :])["id"]
                 break
         # Held (keep), the request cannot finish before the abort reaches it.
         await admin(http, "/pause", params={"mode": "keep"})
         result = await admin(http, "/abort_requests", json={"request_ids": [request_id]})
         assert result["aborted"] == 1
         await admin(http, "/resume")
-        rest = [json.loads(line[len("data: "):]) for line in [x async for x in lines] if line.startswith("data: {")]
+        rest = [json.loads(line[len("data: ") :]) for line in [x async for x in lines] if line.startswith("data: {")]
     assert rest[-1]["choices"][0]["finish_reason"] == "abort"
     await wait_unfinished(http, 0, timeout_s=5)
     # Aborting everything when nothing runs is a no-op, not an error.

@@ -27,7 +27,9 @@ def wait_for(predicate, timeout_s: float = 15.0) -> bool:
 
 
 def pause(server, paused: bool) -> None:
-    r = httpx.post(f"{server.url}/{'pause' if paused else 'resume'}", params={"mode": "keep"} if paused else None, timeout=60)
+    r = httpx.post(
+        f"{server.url}/{'pause' if paused else 'resume'}", params={"mode": "keep"} if paused else None, timeout=60
+    )
     assert r.status_code == 200, r.text
 
 

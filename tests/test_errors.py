@@ -8,6 +8,7 @@ import httpx
 import openai
 import orjson
 import pytest
+
 from support import MAX_LOGPROBS
 
 
@@ -67,7 +68,9 @@ def test_malformed_json_is_400(server, path, body):
 def test_wrong_types_are_400(server, model_name):
     r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": model_name, "messages": "hello"}, timeout=30)
     assert_openai_error(r, 400)
-    r = httpx.post(f"{server.url}/v1/completions", json={"model": model_name, "prompt": "x", "max_tokens": "many"}, timeout=30)
+    r = httpx.post(
+        f"{server.url}/v1/completions", json={"model": model_name, "prompt": "x", "max_tokens": "many"}, timeout=30
+    )
     err = assert_openai_error(r, 400)
     assert "max_tokens" in err["message"]
 
@@ -153,7 +156,10 @@ def _raw_exchange(server, request: bytes) -> tuple[int, dict]:
 @pytest.mark.parametrize(
     "request_bytes, says",
     [
-        (b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-H%d: v\r\n" % i for i in range(500)) + b"\r\n", "headers"),
+        (
+            b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-H%d: v\r\n" % i for i in range(500)) + b"\r\n",
+            "headers",
+        ),
         (b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 100_000 + b"\r\n\r\n", "bytes"),
         (b"NOT A REQUEST LINE\r\n\r\n", "method"),
         (b"GET /health HTTP/1.1\r\nHost: x\r\nX-Bad: a\rb\r\n\r\n", "header"),
@@ -187,8 +193,10 @@ def test_a_seeded_request_whose_prefill_is_chunked_is_served(server, model_name)
     # Several at once share steps, so each is chunked wherever the budget runs out.
     with httpx.Client(timeout=120) as http:
         for seed in range(3):
-            r = http.post(f"{server.url}/inference/v1/generate",
-                          json={"token_ids": prompt[seed:], "sampling_params": {"max_tokens": 4, "seed": seed}})
+            r = http.post(
+                f"{server.url}/inference/v1/generate",
+                json={"token_ids": prompt[seed:], "sampling_params": {"max_tokens": 4, "seed": seed}},
+            )
             assert r.status_code == 200, r.text
     assert [e["pid"] for e in server.engines()] == pids
 

@@ -6,6 +6,7 @@ import json
 
 import httpx
 import pytest
+
 from support import run_example
 
 # The RL loop pushes weights into the shared server.
@@ -25,7 +26,9 @@ def test_agent_keeps_exact_tokens_on_one_engine(server, demo_model, tmp_path):
         model = http.get("/v1/models").json()["data"][0]["id"]
         for t in turns:
             # The prompt ids are the engine's own rendering of the conversation so far.
-            tokenized = http.post("/tokenize", json={"model": model, "messages": t["messages"], "add_generation_prompt": True})
+            tokenized = http.post(
+                "/tokenize", json={"model": model, "messages": t["messages"], "add_generation_prompt": True}
+            )
             assert tokenized.json()["tokens"] == t["prompt_token_ids"]
             # The sampled ids are the reply itself, special tokens left out of the text as
             # vLLM does. The text may lack the last bytes of a character the ids end inside

@@ -55,7 +55,9 @@ async def test_requests_are_held_while_every_engine_restarts_and_answered_after(
     for engine in (0, 1):
         kill(app, engine)
     await until(lambda: asyncio.sleep(0, not any(r.serves for r in app[REGISTRY].records)))
-    answers = await asyncio.gather(*(client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}) for _ in range(16)))
+    answers = await asyncio.gather(
+        *(client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}) for _ in range(16))
+    )
     assert [r.status for r in answers] == [200] * 16
     await until(lambda: asyncio.sleep(0, [r.state.value for r in app[REGISTRY].records] == ["ready", "ready"]))
 
@@ -106,7 +108,9 @@ async def test_a_restart_the_operator_asks_for_while_one_runs_is_a_409(aiohttp_c
     assert (await first).status == 200
 
 
-async def test_an_admin_call_one_engine_fails_is_reported_per_engine_and_not_hidden(aiohttp_client, demo_model, tmp_path):
+async def test_an_admin_call_one_engine_fails_is_reported_per_engine_and_not_hidden(
+    aiohttp_client, demo_model, tmp_path
+):
     app, client = await fake_fleet(aiohttp_client, demo_model, tmp_path)
     await script(app, 1, {"fail": {"/pause": 500}})
     r = await client.post("/pause", params={"mode": "keep"})
@@ -115,7 +119,9 @@ async def test_an_admin_call_one_engine_fails_is_reported_per_engine_and_not_hid
     assert await states(client) == ["paused", "ready"]
 
 
-async def test_a_push_step_one_engine_fails_ends_the_update_everywhere_without_a_restart(aiohttp_client, demo_model, tmp_path):
+async def test_a_push_step_one_engine_fails_ends_the_update_everywhere_without_a_restart(
+    aiohttp_client, demo_model, tmp_path
+):
     app, client = await fake_fleet(aiohttp_client, demo_model, tmp_path)
     pids = [r.pid for r in app[REGISTRY].records]
     await script(app, 1, {"fail": {"/start_weight_update": 500}})

@@ -8,7 +8,7 @@ Every case ends with the same three checks:
 (b) every engine serves the old or the new weights under the right label (greedy logprobs
     within 0.05 of a transformers float32 forward of those weights), or serves nothing;
 (c) the next push succeeds at the first attempt.
-Each case prints the time until the fleet served again (README, "Measured").
+Each case prints the time until the fleet served again (docs: benchmarks).
 
 The engines are the shared server's; the checkpoint is pushed back afterwards. Faults that
 stop or kill the server's own processes live with that server: SIGTERM mid-push in
@@ -28,9 +28,9 @@ import attrs
 import httpx
 import pytest
 import torch
-from pushes import assert_engines_match, modified_weights, run_trainer, save
 from safetensors.torch import load_file
 
+from pushes import assert_engines_match, modified_weights, run_trainer, save
 from support import admit_while_paused, engine_of, engine_socket, restore_fleet, scrape, total
 
 pytestmark = pytest.mark.usefixtures("restores_checkpoint")
@@ -75,7 +75,11 @@ async def chat(http: httpx.AsyncClient, body: dict) -> tuple[int, dict, float]:
         payload = r.json()
         if r.status_code != 200:
             return r.status_code, payload, time.monotonic()
-        return 200, {"reasons": [payload["choices"][0]["finish_reason"]], "tokens": payload["usage"]["completion_tokens"]}, time.monotonic()
+        return (
+            200,
+            {"reasons": [payload["choices"][0]["finish_reason"]], "tokens": payload["usage"]["completion_tokens"]},
+            time.monotonic(),
+        )
     reasons, tokens, error = [], None, None
     async with http.stream("POST", "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
@@ -91,7 +95,10 @@ async def chat(http: httpx.AsyncClient, body: dict) -> tuple[int, dict, float]:
 
 
 def assert_ended(
-    outcomes: list[tuple[int, dict, float]], fault_at: float, aborts_allowed: bool = False, aborted_by_fault: bool = False
+    outcomes: list[tuple[int, dict, float]],
+    fault_at: float,
+    aborts_allowed: bool = False,
+    aborted_by_fault: bool = False,
 ) -> None:
     """Check (a): each request completed in full, or failed in the OpenAI shape within 5 s (or, where
     the fault aborts what the engines held, ended with finish reason "abort" within 5 s)."""
@@ -122,7 +129,9 @@ async def wait_for_states(server, wanted: set[str], timeout_s: float = 240) -> l
     return states
 
 
-async def push_next(server, fleet: Fleet, demo_model, tmp_path, label: str, *trainer_args: str, paused: bool = False) -> None:
+async def push_next(
+    server, fleet: Fleet, demo_model, tmp_path, label: str, *trainer_args: str, paused: bool = False
+) -> None:
     """Check (c) and then (b): the next push succeeds at once and every engine serves it (checked
     by the caller once it resumes the fleet, if it pushed into a paused one)."""
     weights, path = fleet.next_weights(demo_model, tmp_path)
@@ -201,7 +210,9 @@ async def test_trainer_killed_mid_transfer_costs_no_restart(server, model_name, 
     report("trainer SIGKILL after two tensors", ready_for_push=ready_for_push, serving=time.monotonic() - fault_at)
 
 
-async def test_trainer_killed_before_finish_aborts_the_update_within_its_timeout(server, model_name, demo_model, tmp_path, fleet):
+async def test_trainer_killed_before_finish_aborts_the_update_within_its_timeout(
+    server, model_name, demo_model, tmp_path, fleet
+):
     """SIGKILL after every tensor arrived, before /finish_weight_update: the engines hold the new
     weights under no label; the update is aborted when the trainer has been silent for its
     group's timeout, without a restart, as after a break mid-transfer."""
@@ -209,7 +220,9 @@ async def test_trainer_killed_before_finish_aborts_the_update_within_its_timeout
     pids = [e["pid"] for e in server.engines()]
     async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
         held = await held_requests(http, model_name)
-        trainer = await asyncio.to_thread(run_trainer, server, path, "never-served", "--die-at", "finish", "--timeout", "3")
+        trainer = await asyncio.to_thread(
+            run_trainer, server, path, "never-served", "--die-at", "finish", "--timeout", "3"
+        )
         fault_at = time.monotonic()
         assert trainer.returncode == 9
         # The silence limit (3 s), then the abort: within the 5 s of check (a).
@@ -265,7 +278,9 @@ async def test_concurrent_admin_calls_under_load_are_serialised(server, model_na
     report("64 in flight + 20 concurrent admin calls", serving=served_at - fault_at)
 
 
-async def test_pushes_are_verified_and_an_engine_holding_other_weights_is_held_out(server, model_name, demo_model, tmp_path, fleet):
+async def test_pushes_are_verified_and_an_engine_holding_other_weights_is_held_out(
+    server, model_name, demo_model, tmp_path, fleet
+):
     """vLLM's /weight_checker over the fleet: engines are held to the checksums they agreed on at
     a verified push; one whose weights change behind the front's back (vLLM's reset, through
     its own socket) is found out and serves nothing until the next push, which goes through

@@ -33,7 +33,9 @@ def enough_open_files():
 
 def _failed_503s(srv) -> float:
     return sum(
-        s.value for s in scrape(srv).get("skyinfer_requests", []) if s.name == "skyinfer_requests_total" and s.labels["status"] == "503"
+        s.value
+        for s in scrape(srv).get("skyinfer_requests", [])
+        if s.name == "skyinfer_requests_total" and s.labels["status"] == "503"
     )
 
 
@@ -43,14 +45,18 @@ async def test_plain_client_without_retries(keyed_server):
 
     async def plain(session: aiohttp.ClientSession, i: int) -> int:
         body = {"model": model, "prompt": f"load {i}", "max_tokens": MAX_TOKENS, "ignore_eos": True}
-        async with session.post("/v1/completions", data=orjson.dumps(body), headers={"Content-Type": "application/json"}) as r:
+        async with session.post(
+            "/v1/completions", data=orjson.dumps(body), headers={"Content-Type": "application/json"}
+        ) as r:
             assert r.status == 200, await r.text()
             return (await r.json())["usage"]["completion_tokens"]
 
     async def streamed(session: aiohttp.ClientSession, i: int) -> int:
         body = {"model": model, "messages": [{"role": "user", "content": f"stream {i}"}], "max_tokens": MAX_TOKENS,
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
-        async with session.post("/v1/chat/completions", data=orjson.dumps(body), headers={"Content-Type": "application/json"}) as r:
+        async with session.post(
+            "/v1/chat/completions", data=orjson.dumps(body), headers={"Content-Type": "application/json"}
+        ) as r:
             assert r.status == 200, await r.text()
             events = [line[6:] for line in (await r.text()).splitlines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
@@ -60,7 +66,9 @@ async def test_plain_client_without_retries(keyed_server):
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=600)
     headers = bearer(API_KEY)
-    async with aiohttp.ClientSession(keyed_server.url, connector=connector, timeout=timeout, headers=headers) as session:
+    async with aiohttp.ClientSession(
+        keyed_server.url, connector=connector, timeout=timeout, headers=headers
+    ) as session:
         counts = await asyncio.gather(
             *(plain(session, i) for i in range(N_PLAIN)), *(streamed(session, i) for i in range(N_STREAM))
         )
@@ -75,10 +83,14 @@ async def test_openai_sdk_without_retries(keyed_server):
     http_client = openai.DefaultAsyncHttpxClient(
         limits=httpx.Limits(max_connections=None, max_keepalive_connections=None), timeout=600
     )
-    client = openai.AsyncOpenAI(base_url=f"{keyed_server.url}/v1", api_key=API_KEY, max_retries=0, http_client=http_client)
+    client = openai.AsyncOpenAI(
+        base_url=f"{keyed_server.url}/v1", api_key=API_KEY, max_retries=0, http_client=http_client
+    )
 
     async def plain(i: int) -> int:
-        r = await client.completions.create(model=model, prompt=f"sdk {i}", max_tokens=MAX_TOKENS, extra_body={"ignore_eos": True})
+        r = await client.completions.create(
+            model=model, prompt=f"sdk {i}", max_tokens=MAX_TOKENS, extra_body={"ignore_eos": True}
+        )
         return r.usage.completion_tokens
 
     async def streamed(i: int) -> int:

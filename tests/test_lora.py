@@ -20,6 +20,7 @@ import time
 import httpx
 import pytest
 import torch
+
 from lora_support import LONG_PROMPT, assert_serves, complete, make_adapter, served_vs_reference, write_adapter
 from pushes import run_trainer, sessions_per_engine
 from support import ServerProcess, engine_socket, is_openai_error, run_example, running, vllm_process
@@ -50,7 +51,9 @@ def lora_server(demo_model, tmp_path_factory, adapter_store):
 @pytest.fixture(scope="module")
 def adapters(demo_model, tmp_path_factory) -> dict[str, object]:
     root = tmp_path_factory.mktemp("adapters")
-    return {name: make_adapter(demo_model, root / name, seed) for name, seed in (("A", 1), ("B", 2), ("C", 3), ("D", 4))}
+    return {
+        name: make_adapter(demo_model, root / name, seed) for name, seed in (("A", 1), ("B", 2), ("C", 3), ("D", 4))
+    }
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +63,12 @@ def sessions(lora_server, model_name) -> dict[int, str]:
 
 
 def load(server, name: str, path, version: str | None = None, inplace: bool = False) -> httpx.Response:
-    body = {"lora_name": name, "lora_path": str(path), "load_inplace": inplace, **({"version": version} if version else {})}
+    body = {
+        "lora_name": name,
+        "lora_path": str(path),
+        "load_inplace": inplace,
+        **({"version": version} if version else {}),
+    }
     return httpx.post(f"{server.url}/v1/load_lora_adapter", json=body, timeout=120)
 
 
@@ -93,7 +101,9 @@ def test_an_adapter_serves_its_peft_weights_on_every_engine_and_leaves_the_base_
         assert after.headers["X-Weight-Version"] == "default"
         choice = after.json()["choices"][0]
         assert choice["token_ids"] == before[engine]["token_ids"]
-        assert choice["logprobs"]["token_logprobs"] == pytest.approx(before[engine]["logprobs"]["token_logprobs"], abs=1e-4)
+        assert choice["logprobs"]["token_logprobs"] == pytest.approx(
+            before[engine]["logprobs"]["token_logprobs"], abs=1e-4
+        )
         assert engine_models(lora_server, engine) == {model_name, "policy"}
     assert "policy" in {m["id"] for m in httpx.get(f"{lora_server.url}/v1/models", timeout=30).json()["data"]}
     assert fleet_adapters(lora_server) == {"policy": "policy-1"}
@@ -127,7 +137,9 @@ def test_a_pushed_adapter_replaces_the_old_one_on_every_engine(lora_server, demo
     assert fleet_adapters(lora_server) == {"policy": "policy-3"}
 
 
-def test_two_adapters_at_once_each_with_its_weights_and_version(lora_server, demo_model, model_name, adapters, sessions):
+def test_two_adapters_at_once_each_with_its_weights_and_version(
+    lora_server, demo_model, model_name, adapters, sessions
+):
     r = load(lora_server, "critic", adapters["D"], "critic-1")
     assert r.status_code == 200, r.text
     assert_serves(lora_server, model_name, demo_model, "critic", adapters["D"], "critic-1", sessions)
@@ -145,7 +157,9 @@ def test_sleep_and_wake_keep_the_adapters(lora_server, demo_model, model_name, a
 def test_bad_adapters_are_refused_naming_the_problem_and_nothing_is_loaded(
     lora_server, demo_model, model_name, adapters, tmp_path
 ):
-    unknown = httpx.post(f"{lora_server.url}/v1/completions", json={"model": "nobody", "prompt": "x", "max_tokens": 2}, timeout=30)
+    unknown = httpx.post(
+        f"{lora_server.url}/v1/completions", json={"model": "nobody", "prompt": "x", "max_tokens": 2}, timeout=30
+    )
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == 404
     rank, hidden = MAX_RANK * 2, 128
     config = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}
@@ -154,15 +168,25 @@ def test_bad_adapters_are_refused_naming_the_problem_and_nothing_is_loaded(
         "missing": (tmp_path / "nowhere", "does not exist"),
         "rank": (make_adapter(demo_model, tmp_path / "rank", seed=5, rank=rank), f"rank {rank}"),
         "shape": (
-            write_adapter(tmp_path / "shape", config, {
-                f"{prefix}.q_proj.lora_A.weight": torch.zeros(8, hidden // 2), f"{prefix}.q_proj.lora_B.weight": torch.zeros(hidden, 8),
-            }),  # fmt: skip
+            write_adapter(
+                tmp_path / "shape",
+                config,
+                {
+                    f"{prefix}.q_proj.lora_A.weight": torch.zeros(8, hidden // 2),
+                    f"{prefix}.q_proj.lora_B.weight": torch.zeros(hidden, 8),
+                },
+            ),
             "'model.layers.0.self_attn.q_proj'",
         ),
         "module": (
-            write_adapter(tmp_path / "module", config, {
-                f"{prefix}.z_proj.lora_A.weight": torch.zeros(8, hidden), f"{prefix}.z_proj.lora_B.weight": torch.zeros(hidden, 8),
-            }),  # fmt: skip
+            write_adapter(
+                tmp_path / "module",
+                config,
+                {
+                    f"{prefix}.z_proj.lora_A.weight": torch.zeros(8, hidden),
+                    f"{prefix}.z_proj.lora_B.weight": torch.zeros(hidden, 8),
+                },
+            ),
             "does not have",
         ),
         "pickle": (write_adapter(tmp_path / "pickle", config, {}), "safetensors only"),
@@ -174,9 +198,14 @@ def test_bad_adapters_are_refused_naming_the_problem_and_nothing_is_loaded(
         assert says in r.json()["error"]["message"], (case, r.json())
     # A push with a wrong shape is refused before any byte moves: the trainer hears it, nothing hangs.
     done = run_trainer(lora_server, bad["shape"][0], "bad-push", "--adapter", "bad-push")
-    assert done.returncode == 3 and "refused 400" in done.stdout and "q_proj" in done.stdout, done.stdout + done.stderr[-2000:]
+    assert done.returncode == 3 and "refused 400" in done.stdout and "q_proj" in done.stdout, (
+        done.stdout + done.stderr[-2000:]
+    )
     assert load(lora_server, "critic", adapters["A"]).status_code == 400  # already loaded, not in place
-    assert httpx.post(f"{lora_server.url}/v1/unload_lora_adapter", json={"lora_name": "nobody"}, timeout=30).status_code == 404
+    assert (
+        httpx.post(f"{lora_server.url}/v1/unload_lora_adapter", json={"lora_name": "nobody"}, timeout=30).status_code
+        == 404
+    )
     assert fleet_adapters(lora_server) == {"policy": "policy-3", "critic": "critic-1"}
     for engine in (0, 1):
         assert engine_models(lora_server, engine) == {model_name, "policy", "critic"}
@@ -190,9 +219,11 @@ def fuzzed_adapter_bodies(rng: random.Random, paths: list[str], model_name: str)
     for _ in range(200):
         route = rng.choice(["/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/update_lora_adapter"])
         # Unloading a name the fleet serves would succeed: those names only go to the load routes.
-        name = rng.choice(names if route != "/v1/unload_lora_adapter" else [n for n in names if n not in ("policy", "critic")])
+        name = rng.choice(
+            names if route != "/v1/unload_lora_adapter" else [n for n in names if n not in ("policy", "critic")]
+        )
         body = {"lora_name": name, "lora_path": rng.choice(paths + values),
-                "load_inplace": rng.choice([True, False, "yes", None]), "version": rng.choice(values + ["ok-1"]),
+                "load_inplace": rng.choice([True, False, "yes", None]), "version": rng.choice([*values, "ok-1"]),
                 "peft_config": rng.choice([{}, {"r": 8}, {"r": "8"}, None, []]),
                 "update_info": rng.choice([{}, {"names": ["x"], "dtype_names": ["float32"], "shapes": [[2]]}, None, []])}  # fmt: skip
         for key in rng.sample(list(body), rng.randint(0, 3)):
@@ -212,10 +243,7 @@ def test_fuzzed_adapter_calls_get_4xx_and_change_nothing(lora_server, model_name
     statuses, offenders = {}, []
     with httpx.Client(base_url=lora_server.url, timeout=60) as http:
         for route, body in fuzzed_adapter_bodies(random.Random(1122), paths, model_name):
-            if isinstance(body, (str, bytes)):
-                r = http.post(route, content=body)
-            else:
-                r = http.post(route, json=body)
+            r = http.post(route, content=body) if isinstance(body, (str, bytes)) else http.post(route, json=body)
             statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
             if not (400 <= r.status_code < 500 and is_openai_error(r)):
                 offenders.append((route, str(body)[:200], r.status_code, r.text[:300]))
@@ -314,7 +342,7 @@ async def test_an_unload_with_a_hung_engine_takes_the_name_out_at_once_and_resta
         await _wait_ready(http, [restarts[0], restarts[1] + 1])
         after = await http.post("/v1/completions", json={"model": "doomed", "prompt": "x", "max_tokens": 2})
         assert after.status_code == 404, after.text
-    assert [e["pid"] for e in lora_server.engines()][0] == engines[0]["pid"]
+    assert next(e["pid"] for e in lora_server.engines()) == engines[0]["pid"]
     assert set(adapter_store.iterdir()) == stored
     assert fleet_adapters(lora_server) == {"policy": "policy-4", "critic": "critic-1"}
     for engine in (0, 1):

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 
@@ -18,7 +21,10 @@ def test_metrics_parse_and_count_traffic(server, model_name):
         r = httpx.post(f"{server.url}/v1/completions", json=body, headers={"X-Session-ID": f"metrics-{i}"}, timeout=60)
         assert r.status_code == 200
         served_by.add(r.headers["X-Skyinfer-Engine"])
-    assert httpx.post(f"{server.url}/v1/completions", json={"model": model_name, "prompt": 1}, timeout=60).status_code == 400
+    assert (
+        httpx.post(f"{server.url}/v1/completions", json={"model": model_name, "prompt": 1}, timeout=60).status_code
+        == 400
+    )
     assert httpx.get(f"{server.url}/no/such/route", timeout=10).status_code == 404
     after = scrape(server)
 
@@ -28,7 +34,10 @@ def test_metrics_parse_and_count_traffic(server, model_name):
     # The front's own counters, by route, engine and status.
     assert moved("skyinfer_requests", "skyinfer_requests_total", route="/v1/completions", status="200") == 6
     for engine in served_by:
-        assert moved("skyinfer_requests", "skyinfer_requests_total", route="/v1/completions", status="200", engine=engine) >= 1
+        assert (
+            moved("skyinfer_requests", "skyinfer_requests_total", route="/v1/completions", status="200", engine=engine)
+            >= 1
+        )
     assert moved("skyinfer_requests", "skyinfer_requests_total", route="/v1/completions", status="400") == 1
     assert moved("skyinfer_requests", "skyinfer_requests_total", route="unmatched", status="404") == 1
     latency = "skyinfer_request_duration_seconds"
@@ -66,3 +75,27 @@ def test_prefix_cache_hit_rate_per_engine_in_metrics_and_status(server, model_na
     header, *rows = done.stdout.splitlines()
     cells = {row.split()[0]: row.split() for row in rows if row[:1].isdigit()}
     assert "PREFIX HITS" in header and f"{rate:.0%}" in cells[engine], done.stdout
+
+
+DASHBOARD = Path(__file__).resolve().parent.parent / "docs" / "grafana-dashboard.json"
+# What the operations guide promises the dashboard shows, by the metric that shows it.
+DASHBOARD_MUST_SHOW = {
+    "engine state": "skyinfer_engine_state", "requests in flight": "skyinfer_engine_in_flight",
+    "requests queued": "skyinfer_engine_queued", "prefix-cache hit rate": "skyinfer_engine_prefix_cache_hit_rate",
+    "weight version": "skyinfer_engine_weight_version_info", "update phase": "skyinfer_weight_update_phase",
+    "restarts": "skyinfer_engine_restarts_total", "retries": "skyinfer_engine_requests_retried_total",
+    "refusals": "skyinfer_engine_queue_refusals_total", "vLLM's own": "vllm:num_requests_running",
+}  # fmt: skip
+
+
+def test_the_grafana_dashboard_queries_only_metrics_the_server_exposes(server):
+    dashboard = json.loads(DASHBOARD.read_text())
+    exposed = {sample.name for samples in scrape(server).values() for sample in samples}
+    queried: set[str] = set()
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            names = set(re.findall(r"\b(?:skyinfer_[a-z_]+|vllm:[a-z_:]+)", target["expr"]))
+            assert names, (panel["title"], target["expr"])
+            queried |= names
+    assert not queried - exposed, f"the dashboard queries metrics /metrics does not expose: {sorted(queried - exposed)}"
+    assert not set(DASHBOARD_MUST_SHOW.values()) - queried, sorted(set(DASHBOARD_MUST_SHOW.values()) - queried)

@@ -11,17 +11,18 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from lora_support import assert_serves, make_adapter
-from pushes import assert_engines_match, modified_weights, run_trainer, save, sessions_per_engine
 
 from skyinfer.client import MultiNodeClient, SkyinferError
+
+from lora_support import assert_serves, make_adapter
+from pushes import assert_engines_match, modified_weights, run_trainer, save, sessions_per_engine
 from support import ChildProcess, ServerProcess, free_port, running, scrape, total
 
 ROUTER = shutil.which("vllm-router", path=str(Path(sys.executable).parent))
 
 
 class RouterProcess(ChildProcess):
-    """``vllm-router`` with session affinity on X-Session-ID, as the README gives it."""
+    """``vllm-router`` with session affinity on X-Session-ID, as the multi-node guide (docs) gives it."""
 
     ready_path = "/v1/models"
 
@@ -38,8 +39,13 @@ def nodes(demo_model, tmp_path_factory):
     # Each node on a core of its own, as separate machines would be: nodes sharing
     # cores starve each other's weight-transfer threads.
     servers = [
-        ServerProcess(demo_model, engines=1, log_path=logs / f"node{k}.log", cpus={k},
-                      extra_args=("--dtype", "float32", "--enable-lora", "--max-lora-rank", "8"))  # fmt: skip
+        ServerProcess(
+            demo_model,
+            engines=1,
+            log_path=logs / f"node{k}.log",
+            cpus={k},
+            extra_args=("--dtype", "float32", "--enable-lora", "--max-lora-rank", "8"),
+        )
         for k in range(2)
     ]
     with running(servers[0]), running(servers[1]):
@@ -71,7 +77,9 @@ def test_router_serves_openai_clients_with_session_affinity(nodes, router):
     def send(session: str, times: int) -> list[float]:
         before = completions_per_node(nodes)
         for _ in range(times):
-            client.chat.completions.create(model=model, messages=chat, max_tokens=2, extra_headers={"X-Session-ID": session})
+            client.chat.completions.create(
+                model=model, messages=chat, max_tokens=2, extra_headers={"X-Session-ID": session}
+            )
         return [a - b for a, b in zip(completions_per_node(nodes), before)]
 
     # A session for each node (the hash ring decides which).
@@ -92,11 +100,15 @@ def test_one_trainer_pushes_an_adapter_to_both_nodes_without_a_shared_disk(nodes
     """Each node keeps its adapters in a directory of its own (a temporary one each): the
     adapter travels over the one gloo group, never through a file both nodes see."""
     adapter = make_adapter(demo_model, tmp_path / "adapter", seed=11)
-    trainer = run_trainer(nodes[0], adapter, "multi-node-lora-1", "--adapter", "policy", url=",".join(n.url for n in nodes))
+    trainer = run_trainer(
+        nodes[0], adapter, "multi-node-lora-1", "--adapter", "policy", url=",".join(n.url for n in nodes)
+    )
     assert trainer.returncode == 0, trainer.stdout + trainer.stderr[-3000:]
     for node in nodes:
         assert httpx.get(f"{node.url}/weight_info", timeout=30).json()["adapters"] == {"policy": "multi-node-lora-1"}
-        assert_serves(node, model_name, demo_model, "policy", adapter, "multi-node-lora-1", sessions_per_engine(node, model_name))
+        assert_serves(
+            node, model_name, demo_model, "policy", adapter, "multi-node-lora-1", sessions_per_engine(node, model_name)
+        )
 
 
 def test_one_trainer_push_updates_both_nodes(nodes, demo_model, tmp_path):

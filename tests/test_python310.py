@@ -47,7 +47,10 @@ print("\n".join(problems))
 """
 
 
-@pytest.mark.skipif(not PYTHON310.exists(), reason="this machine has no Python 3.10 (tools/bootstrap makes .venv-py310 where it has one)")
+@pytest.mark.skipif(
+    not PYTHON310.exists(),
+    reason="this machine has no Python 3.10 (tools/bootstrap makes .venv-py310 where it has one)",
+)
 def test_skyinfer_imports_on_python_310():
     done = subprocess.run([PYTHON310, "-c", CHECK], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr

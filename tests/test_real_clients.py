@@ -4,7 +4,7 @@ SkyRL's ``RemoteInferenceClient`` (in its own process), vLLM's
 ``HTTPVLLMWeightSyncClient`` and TRL's async-GRPO call sequence driving real
 pushes (the trainer's broadcast by ``skyinfer.trainer``), the ``openai`` SDK's
 Responses API and the ``anthropic`` SDK. What a client calls that skyinfer
-cannot serve is asserted to fail with the reason, and named in the README.
+cannot serve is asserted to fail with the reason, and named in docs/clients.rst.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import anthropic
 import httpx
 import openai
 import pytest
+
 from pushes import assert_engines_match, modified_weights, run_trainer, save
 
 pytestmark = pytest.mark.usefixtures("restores_checkpoint")

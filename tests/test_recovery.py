@@ -15,8 +15,8 @@ import time
 
 import httpx
 import pytest
-from pushes import assert_engines_match, modified_weights, run_trainer, save
 
+from pushes import assert_engines_match, modified_weights, run_trainer, save
 from support import TRAINER, ServerProcess, engine_of, running, scrape, total
 
 HOLD_S = 180
@@ -62,7 +62,9 @@ def test_engine_output_of_any_length_never_stops_an_engine(recovery, demo_model,
             for _ in range(4):
                 out.write(line)
     words = " ".join(f"w{i % 97}" for i in range(1200))
-    tokens = httpx.post(f"{recovery.url}/tokenize", json={"model": recovery.model, "prompt": words}, timeout=60).json()["tokens"]
+    tokens = httpx.post(f"{recovery.url}/tokenize", json={"model": recovery.model, "prompt": words}, timeout=60).json()[
+        "tokens"
+    ]
     assert 2500 < len(tokens) < 3800, len(tokens)
     # Ids in an order no text tokenizes to, so that the log line found is the token route's.
     token_ids = [(i * 37) % 2000 + 3 for i in range(len(tokens))]
@@ -74,7 +76,9 @@ def test_engine_output_of_any_length_never_stops_an_engine(recovery, demo_model,
     }  # fmt: skip
     for path, body in bodies.items():
         for engine in (0, 1):
-            r = httpx.post(f"{recovery.url}{path}", json=body, headers={"X-Session-ID": f"long-{engine}-{path}"}, timeout=120)
+            r = httpx.post(
+                f"{recovery.url}{path}", json=body, headers={"X-Session-ID": f"long-{engine}-{path}"}, timeout=120
+            )
             assert r.status_code == 200, r.text
     assert pids(recovery) == before
     assert [e["state"] for e in recovery.engines()] == ["ready", "ready"]
@@ -134,7 +138,9 @@ async def test_an_engine_that_cannot_come_back_is_retired_and_rejoins_on_request
 
             # A full push over the remaining engine: a second trainer, sized by /get_world_size.
             weights_2 = modified_weights(demo_model, seed=63)
-            pushed = await asyncio.to_thread(run_trainer, recovery, save(weights_2, tmp_path / "w2.safetensors"), "one-engine")
+            pushed = await asyncio.to_thread(
+                run_trainer, recovery, save(weights_2, tmp_path / "w2.safetensors"), "one-engine"
+            )
             assert pushed.returncode == 0, pushed.stdout + pushed.stderr
             assert (await http.get("/weight_info")).json()["weight_version"] == "one-engine"
 
@@ -149,7 +155,10 @@ async def test_an_engine_that_cannot_come_back_is_retired_and_rejoins_on_request
             killed_at = time.monotonic()
             while any(e["state"] == "ready" for e in (await http.get("/engines")).json()["engines"]):
                 await asyncio.sleep(0.05)
-            held = [asyncio.create_task(http.post("/v1/completions", json={**body, "prompt": f"held {i}"})) for i in range(16)]
+            held = [
+                asyncio.create_task(http.post("/v1/completions", json={**body, "prompt": f"held {i}"}))
+                for i in range(16)
+            ]
             first = asyncio.ensure_future(asyncio.wait(held, return_when=asyncio.FIRST_COMPLETED))
             r = await restarting
             assert r.status_code == 200, r.text

@@ -148,7 +148,11 @@ def test_openai_tool_choice_auto_and_required(server, model_name):
     # "auto" needs the engines' tool-call parser: vLLM refuses it without --enable-auto-tool-choice.
     auto = client.chat.completions.create(model=model_name, messages=messages, tools=tools, tool_choice="auto",
                                           max_tokens=6, temperature=0)  # fmt: skip
-    assert auto.choices[0].message.role == "assistant" and auto.choices[0].finish_reason in ("length", "stop", "tool_calls")
+    assert auto.choices[0].message.role == "assistant" and auto.choices[0].finish_reason in (
+        "length",
+        "stop",
+        "tool_calls",
+    )
     # A forced call is parsed into the SDK's typed tool calls.
     forced = client.chat.completions.create(model=model_name, messages=messages, tools=tools, tool_choice="required",
                                             max_tokens=300, temperature=0)  # fmt: skip

@@ -8,11 +8,12 @@ import sys
 import httpx
 import openai
 import pytest
-from support import ADMIN_KEY, API_KEY, app_routes, bearer, concrete
-from test_errors import assert_openai_error
 
 from skyinfer.proxy import DATA_PLANE_POST
 from skyinfer.security import is_loopback
+
+from support import ADMIN_KEY, API_KEY, app_routes, bearer, concrete
+from test_errors import assert_openai_error
 
 DATA_ROUTES = [
     ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/inference/v1/generate"),
@@ -29,6 +30,7 @@ ADMIN_ROUTES = [
     ("POST", "/v1/load_lora_adapter"), ("POST", "/v1/unload_lora_adapter"), ("POST", "/update_lora_adapter"),
     ("GET", "/server_info"), ("GET", "/kv_event_sources"), ("POST", "/reset_mm_cache"),
     ("POST", "/reset_encoder_cache"), ("POST", "/collective_rpc"), ("POST", "/inference/v1/abort_requests"),
+    ("POST", "/reload_weights"), ("POST", "/engines/{engine_id}/restart"),
 ]  # fmt: skip
 PUBLIC_ROUTES = [
     ("GET", "/health"), ("GET", "/ready"), ("GET", "/metrics"), ("GET", "/ping"), ("POST", "/ping"), ("GET", "/load"),
@@ -54,7 +56,9 @@ def test_every_protected_route_refuses_wrong_or_missing_keys(keyed_server, demo_
 
 def test_right_keys_work(keyed_server):
     client = openai.OpenAI(base_url=f"{keyed_server.url}/v1", api_key=API_KEY, max_retries=0)
-    out = client.completions.create(model=keyed_server.model, prompt="hello", max_tokens=4, extra_body={"ignore_eos": True})
+    out = client.completions.create(
+        model=keyed_server.model, prompt="hello", max_tokens=4, extra_body={"ignore_eos": True}
+    )
     assert out.usage.completion_tokens == 4
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{keyed_server.url}/v1", api_key="sk-wrong", max_retries=0).models.list()

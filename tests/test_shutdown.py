@@ -24,9 +24,12 @@ def stoppable(demo_model, tmp_path_factory):
     each test stops its own. The SIGKILL test is in test_supervision (it kills that module's server)."""
     logs = tmp_path_factory.mktemp("sigterm")
     servers = (
-        ServerProcess(demo_model, engines=1, log_path=logs / "finish.log", extra_args=("--shutdown-grace", "60"), cpus={0}),
-        ServerProcess(demo_model, engines=1, log_path=logs / "grace.log", extra_args=("--shutdown-grace", str(GRACE_S)),
-                      cpus={1}),
+        ServerProcess(
+            demo_model, engines=1, log_path=logs / "finish.log", extra_args=("--shutdown-grace", "60"), cpus={0}
+        ),
+        ServerProcess(
+            demo_model, engines=1, log_path=logs / "grace.log", extra_args=("--shutdown-grace", str(GRACE_S)), cpus={1}
+        ),
     )
     with running(*servers):
         yield dict(zip(("finish", "grace"), servers))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 import os
 import re
 import signal
@@ -18,10 +19,9 @@ import time
 import httpx
 import psutil
 import pytest
-
-from pushes import assert_engines_match, modified_weights, run_trainer, save
 from safetensors.torch import load_file
 
+from pushes import assert_engines_match, modified_weights, run_trainer, save
 from support import (
     TRAINER,
     ServerProcess,
@@ -160,10 +160,14 @@ async def test_a_hung_engine_and_a_failing_restart_both_end_revived_and_out_of_t
         await wait_for_states(http, ["ready", "ready"])
         await asyncio.to_thread(trainer.init)
         before = (await http.get("/engines")).json()["engines"]
-        restarts_before = total(scrape(crash_server), "skyinfer_engine_restarts", "skyinfer_engine_restarts_total", engine="1")
+        restarts_before = total(
+            scrape(crash_server), "skyinfer_engine_restarts", "skyinfer_engine_restarts_total", engine="1"
+        )
         sticky = {}
         for i in range(8):
-            r = await http.post("/v1/completions", json={**body, "max_tokens": 2}, headers={"X-Session-ID": f"hung-{i}"})
+            r = await http.post(
+                "/v1/completions", json={**body, "max_tokens": 2}, headers={"X-Session-ID": f"hung-{i}"}
+            )
             sticky.setdefault(engine_of(r), f"hung-{i}")
         assert set(sticky) == {0, 1}
         # Each prompt its own (no group affinity): half of them on each engine.
@@ -193,7 +197,10 @@ async def test_a_hung_engine_and_a_failing_restart_both_end_revived_and_out_of_t
         assert [(e["engine"], e["status"]) for e in r.json()["engines"]] == [(0, 200), (1, 503)]
         assert (await http.get("/engines")).json()["engines"][0]["state"] == "paused"
         r = await http.post("/resume")
-        assert r.status_code == 503 and [(e["engine"], e["status"]) for e in r.json()["engines"]] == [(0, 200), (1, 503)]
+        assert r.status_code == 503 and [(e["engine"], e["status"]) for e in r.json()["engines"]] == [
+            (0, 200),
+            (1, 503),
+        ]
         assert (await http.get("/engines")).json()["engines"][0]["state"] == "ready"
 
         # While engine 1 restarts: engine 0 dies, and the path its new process must listen on is taken.
@@ -218,12 +225,14 @@ async def test_a_hung_engine_and_a_failing_restart_both_end_revived_and_out_of_t
         await wait_for_states(http, ["ready", "ready"])
         after = (await http.get("/engines")).json()["engines"]
         assert after[1]["pid"] != before[1]["pid"]
-        assert not psutil.pid_exists(before[1]["pid"]) or psutil.Process(before[1]["pid"]).status() == psutil.STATUS_ZOMBIE
+        assert (
+            not psutil.pid_exists(before[1]["pid"]) or psutil.Process(before[1]["pid"]).status() == psutil.STATUS_ZOMBIE
+        )
         assert after[0]["pid"] != before[0]["pid"] and after[0]["restarts"] >= before[0]["restarts"] + 2
         # The attempt after the failed one waited twice as long.
         log = crash_server.log_path.read_text(errors="replace")[log_start:]
         delays = [float(d) for d in re.findall(r"engine 0: restarting in ([0-9.]+)s", log)]
-        assert len(delays) >= 2 and all(b == 2 * a for a, b in zip(delays, delays[1:])), delays
+        assert len(delays) >= 2 and all(b == 2 * a for a, b in itertools.pairwise(delays)), delays
         served = {engine_of(await http.post("/v1/completions", json={**body, "prompt": f"{i}", "max_tokens": 2}))
                   for i in range(6)}  # fmt: skip
         assert served == {0, 1}
@@ -296,9 +305,13 @@ async def test_engine_core_killed_mid_receive_aborts_the_update_on_every_engine(
         pushed = await asyncio.to_thread(run_trainer, crash_server, path, "after-enginecore-kill")
         assert pushed.returncode == 0, pushed.stdout + pushed.stderr
         assert (await http.post("/resume")).status_code == 200
-    await asyncio.to_thread(assert_engines_match, crash_server, crash_server.model, demo_model, weights, "after-enginecore-kill")
-    print(f"\nFAULT EngineCore SIGKILL mid-receive: ready for a push {ready_at - killed_at:.1f}s, "
-          f"serving {time.monotonic() - killed_at:.1f}s")
+    await asyncio.to_thread(
+        assert_engines_match, crash_server, crash_server.model, demo_model, weights, "after-enginecore-kill"
+    )
+    print(
+        f"\nFAULT EngineCore SIGKILL mid-receive: ready for a push {ready_at - killed_at:.1f}s, "
+        f"serving {time.monotonic() - killed_at:.1f}s"
+    )
 
 
 # Last: it kills this module's server.

@@ -30,7 +30,10 @@ def test_generate_returns_token_ids_and_logprobs(server, model_name):
     gen = post(
         server,
         "/inference/v1/generate",
-        {"token_ids": prompt_ids, "sampling_params": {"max_tokens": 12, "temperature": 0, "logprobs": 1, "ignore_eos": True}},
+        {
+            "token_ids": prompt_ids,
+            "sampling_params": {"max_tokens": 12, "temperature": 0, "logprobs": 1, "ignore_eos": True},
+        },
         headers=headers,
     )
     assert gen.status_code == 200, gen.text
@@ -46,7 +49,14 @@ def test_generate_returns_token_ids_and_logprobs(server, model_name):
     comp = post(
         server,
         "/v1/completions",
-        {"model": model_name, "prompt": prompt, "max_tokens": 12, "temperature": 0, "return_token_ids": True, "ignore_eos": True},
+        {
+            "model": model_name,
+            "prompt": prompt,
+            "max_tokens": 12,
+            "temperature": 0,
+            "return_token_ids": True,
+            "ignore_eos": True,
+        },
         headers=headers,
     )
     assert engine_of(comp) == engine_of(gen)

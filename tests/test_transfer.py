@@ -11,8 +11,8 @@ import random
 import re
 
 import pytest
-from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferInitInfo
 import torch
+from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferInitInfo
 
 from skyinfer.config import ServeConfig
 from skyinfer.errors import ApiError
@@ -37,7 +37,12 @@ def walk(*calls) -> Residency:
 
 def test_residency_follows_vllms_sleep_and_wake_up():
     asleep = walk(("sleep", {"level": 2}))
-    assert (asleep.paused, asleep.sleep_level, asleep.asleep, asleep.vllm_is_sleeping) == (True, 2, {"weights", "kv_cache"}, True)
+    assert (asleep.paused, asleep.sleep_level, asleep.asleep, asleep.vllm_is_sleeping) == (
+        True,
+        2,
+        {"weights", "kv_cache"},
+        True,
+    )
     weights = asleep.after("wake_up", tags=["weights"])
     assert (weights.sleep_level, weights.asleep, weights.weights_awake, weights.paused) == (2, {"kv_cache"}, True, True)
     # Fully awake: the scheduler resumes (vLLM's core does it).
@@ -74,7 +79,7 @@ def test_verdicts_keep_half_loaded_engines_paused_and_pushes_off_sleeping_weight
             control_targets(operation, [receiving], **params)
     assert control_targets("pause", [receiving], mode="keep") == ([receiving], [])
     # A wait-mode pause lets vLLM's scheduler step until its requests drain: on half-loaded layers.
-    with pytest.raises(ApiError, match="receiving a weight update.*mode=keep"):
+    with pytest.raises(ApiError, match=r"receiving a weight update.*mode=keep"):
         control_targets("pause", [receiving], mode="wait")
     receiving_asleep = record(residency=weights_awake.residency, receiving=True)
     with pytest.raises(ApiError, match="receiving a weight update"):
@@ -129,7 +134,11 @@ def test_shared_memory_updates_name_a_segment_of_this_server_and_fit_in_it(tmp_p
 
 
 def test_the_trainer_lays_tensors_out_aligned():
-    tensors = [("a", torch.zeros(3, dtype=torch.float32)), ("b", torch.zeros(1, dtype=torch.bfloat16)), ("c", torch.zeros(0))]
+    tensors = [
+        ("a", torch.zeros(3, dtype=torch.float32)),
+        ("b", torch.zeros(1, dtype=torch.bfloat16)),
+        ("c", torch.zeros(0)),
+    ]
     offsets, size = layout(tensors)
     assert offsets == [0, 64, 128] and size == 128
 
@@ -252,7 +261,11 @@ def test_cuda_visible_devices_by_index_or_uuid_and_mig_instances():
     assert [p.env["CUDA_VISIBLE_DEVICES"] for p in plans] == gpu and plans[1].describe()["ids"] == [gpu[1]]
     mig = ["MIG-4b9e3c5a-1f2e-5d6c-8b7a-0123456789ab", "MIG-GPU-2c3a1f1e-8f5e-4b4e-9c1d-0123456789ab/1/0"]
     assert parse_visible_devices(",".join(mig), 1, lambda _uuid: True) == mig
-    for value, says in (("0,2", "only 2 exist"), ("0,GPU-zz", "neither a GPU index"), (gpu[0].replace("b", "f"), "does not know")):
+    for value, says in (
+        ("0,2", "only 2 exist"),
+        ("0,GPU-zz", "neither a GPU index"),
+        (gpu[0].replace("b", "f"), "does not know"),
+    ):
         with pytest.raises(LayoutError, match=says):
             parse_visible_devices(value, 2, known.__contains__)
     with pytest.raises(LayoutError, match="one MIG instance"):
@@ -266,7 +279,9 @@ def test_serve_options_that_cannot_work_are_refused(tmp_path):
     with pytest.raises(ValueError, match="add --colocate"):
         ServeConfig(model=str(tmp_path), allow_pickled_ipc=True)
     with pytest.raises(ValueError, match="needs an --admin-key"):
-        ServeConfig(model=str(tmp_path), colocate=True, allow_pickled_ipc=True, host="0.0.0.0", allow_unauthenticated_admin=True)
+        ServeConfig(
+            model=str(tmp_path), colocate=True, allow_pickled_ipc=True, host="0.0.0.0", allow_unauthenticated_admin=True
+        )
     ServeConfig(model=str(tmp_path), colocate=True, allow_pickled_ipc=True)  # loopback: the operator's own machine
 
 
@@ -295,7 +310,10 @@ async def test_the_front_refuses_ipc_bodies_over_http_before_any_engine(aiohttp_
     client = await aiohttp_client(front(allow_pickled_ipc=False))
     for update_info, says in (
         (pickled, PICKLED_IPC_FLAG),
-        ({**norm, "ipc_handles": [{uuid: {**encode_handle(args), "tensor_class": "os.system"}}]}, "'Tensor' or 'Parameter'"),
+        (
+            {**norm, "ipc_handles": [{uuid: {**encode_handle(args), "tensor_class": "os.system"}}]},
+            "'Tensor' or 'Parameter'",
+        ),
         ({**norm, "ipc_handles": [{uuid: {**encode_handle(args), "dtype": "bfloat16"}}]}, "update_info says float32"),
     ):
         r = await client.post("/update_weights", json={"update_info": update_info}, headers=key)

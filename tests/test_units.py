@@ -185,7 +185,9 @@ def test_demo_model_cli_writes_a_loadable_model(tmp_path):
     assert model.config.vocab_size == VOCAB_SIZE == len(tokenizer)
     text = "a b c 123 hello"
     assert tokenizer.decode(tokenizer(text).input_ids) == text
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -275,9 +277,7 @@ async def test_engine_connections_queue_in_arrival_order_and_refuse_past_the_cap
     from skyinfer.metrics import ServiceMetrics
     from skyinfer.state import EngineBusy, EngineRecord, EngineRegistry
 
-    record = EngineRecord(
-        0, EngineDevices("cpu", ((0,),), {}), "/nonexistent.sock", connection_limit=2, queue_limit=2
-    )
+    record = EngineRecord(0, EngineDevices("cpu", ((0,),), {}), "/nonexistent.sock", connection_limit=2, queue_limit=2)
     registry = EngineRegistry([record])
     sent, release = [], asyncio.Event()
 
@@ -353,7 +353,9 @@ def test_engine_output_is_prefixed_per_line_and_its_tail_file_is_bounded(tmp_pat
     assert read_tail(str(tmp_path / "never-written.log")) == ""
 
 
-async def test_a_request_no_engine_can_serve_is_held_then_refused_with_retry_after(aiohttp_client, demo_model, tmp_path):
+async def test_a_request_no_engine_can_serve_is_held_then_refused_with_retry_after(
+    aiohttp_client, demo_model, tmp_path
+):
     """The front's data path over engines that never come up (none is started): a request waits
     --hold-requests-s for one, then gets a 503 in the OpenAI shape saying why, with Retry-After."""
     import time
@@ -369,7 +371,11 @@ async def test_a_request_no_engine_can_serve_is_held_then_refused_with_retry_aft
     held = time.monotonic() - started
     assert r.status == 503 and int(r.headers["Retry-After"]) > 0
     err = (await r.json())["error"]
-    assert err["type"] == "ServiceUnavailableError" and "engine 0 starting" in err["message"] and "held 0.6s" in err["message"]
+    assert (
+        err["type"] == "ServiceUnavailableError"
+        and "engine 0 starting" in err["message"]
+        and "held 0.6s" in err["message"]
+    )
     assert 0.6 <= held < 5, held
 
 
@@ -394,8 +400,16 @@ def test_wire_models_take_query_or_body_refuse_contradictions_and_say_what_is_wr
             PauseParams.from_request(query, body)
         assert refused.value.param == param and says in str(refused.value), refused.value
     for info, param, says in [
-        ({"names": ["a", "a"], "dtype_names": ["float32"] * 2, "shapes": [[1], [1]]}, "update_info", "names a tensor twice"),
-        ({"names": ["a"], "dtype_names": ["float32"], "shapes": [[-1]]}, "update_info.shapes.0.0", "greater than or equal to 0"),
+        (
+            {"names": ["a", "a"], "dtype_names": ["float32"] * 2, "shapes": [[1], [1]]},
+            "update_info",
+            "names a tensor twice",
+        ),
+        (
+            {"names": ["a"], "dtype_names": ["float32"], "shapes": [[-1]]},
+            "update_info.shapes.0.0",
+            "greater than or equal to 0",
+        ),
         ({"names": ["a"], "dtype_names": ["f"], "shapes": [[1]]}, "update_info.dtype_names.0", "unknown dtype 'f'"),
         ({"names": ["a"], "shapes": [[1]]}, "update_info.dtype_names", "is required"),
         ([1], "update_info", "must be a JSON object"),
@@ -435,7 +449,10 @@ def test_adapter_checks_name_the_first_problem():
 
     base = CheckpointSpec({"model.layers.0.self_attn.q_proj.weight": (256, 128)}, {})
     config = {"peft_type": "LORA", "r": 8}
-    a, b = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight", "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+    a, b = (
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight",
+    )
     check_adapter(config, {a: (8, 128), b: (256, 8)}, base, max_rank=16)
     # PEFT's names with the adapter's own name in them are the same tensors.
     check_adapter(config, {a.replace("lora_A.", "lora_A.default."): (8, 128), b: (256, 8)}, base, max_rank=16)
@@ -444,7 +461,11 @@ def test_adapter_checks_name_the_first_problem():
         "do not fit its weight [256, 128]": ({a: (8, 64), b: (256, 8)}, config, 16),
         "not both lora_A and lora_B": ({a: (8, 128)}, config, 16),
         "not a LoRA A or B matrix": ({a: (8, 128), b: (256, 8), "model.norm.weight": (128,)}, config, 16),
-        "does not have": ({a.replace("q_proj", "x_proj"): (8, 128), b.replace("q_proj", "x_proj"): (256, 8)}, config, 16),
+        "does not have": (
+            {a.replace("q_proj", "x_proj"): (8, 128), b.replace("q_proj", "x_proj"): (256, 8)},
+            config,
+            16,
+        ),
         "the adapter config says r=4": ({a: (8, 128), b: (256, 8)}, {"r": 4}, 16),
         "only LoRA adapters": ({a: (8, 128), b: (256, 8)}, {"peft_type": "IA3", "r": 8}, 16),
         "DoRA": ({a: (8, 128), b: (256, 8)}, {**config, "use_dora": True}, 16),

@@ -11,9 +11,10 @@ import asyncio
 
 import httpx
 import pytest
-from support import COLLECTIVE_RPC_ALLOWED, app_routes, engine_of, engine_socket
 
 from skyinfer.vllm_routes import NOT_SERVED
+
+from support import COLLECTIVE_RPC_ALLOWED, app_routes, engine_of, engine_socket
 
 
 def vllm_routes(model, monkeypatch) -> set[tuple[str, str]]:

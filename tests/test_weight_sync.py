@@ -14,9 +14,9 @@ import time
 import httpx
 import pytest
 import torch
-from pushes import assert_engines_match, greedy, modified_weights, run_trainer, save
 from safetensors.torch import load_file
 
+from pushes import assert_engines_match, greedy, modified_weights, run_trainer, save
 from support import admit_while_paused, scrape, total
 
 pytestmark = pytest.mark.usefixtures("restores_checkpoint")
@@ -120,7 +120,13 @@ def test_bad_metadata_is_refused_before_any_transfer(server, model_name, demo_mo
 async def test_trainer_that_never_joins_times_out_while_engines_serve(server, model_name):
     from support import free_port
 
-    init_info = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 3, "timeout_s": 6}
+    init_info = {
+        "master_address": "127.0.0.1",
+        "master_port": free_port(),
+        "rank_offset": 1,
+        "world_size": 3,
+        "timeout_s": 6,
+    }
     async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
         started = time.monotonic()
         init = asyncio.create_task(http.post("/init_weight_transfer", json={"init_info": init_info}))

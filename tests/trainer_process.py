@@ -33,9 +33,8 @@ import sys
 import threading
 import time
 
-from safetensors.torch import load_file
-
 import requests
+from safetensors.torch import load_file
 
 from skyinfer.client import SkyinferError
 from skyinfer.trainer import GlooTrainer, SharedMemoryTrainer
@@ -88,7 +87,9 @@ def main() -> int:
     p.add_argument("--adapter", help="push WEIGHTS (a PEFT adapter directory) as this LoRA adapter")
     p.add_argument("--transport", choices=["gloo", "shm"], default="gloo")
     p.add_argument("--colocated-step", type=int, choices=[0, 1, 2], metavar="LEVEL")
-    p.add_argument("--stop-before-update", type=int, metavar="PID", help="SIGSTOP this process right before the update call")
+    p.add_argument(
+        "--stop-before-update", type=int, metavar="PID", help="SIGSTOP this process right before the update call"
+    )
     p.add_argument("--hold-before-update", action="store_true", help="wait for a line on stdin before the update call")
     p.add_argument("--more", action="store_true", help="then push WEIGHTS VERSION from each line of stdin")
     args = p.parse_args()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import statistics
@@ -36,12 +37,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_weight_sync import raw_gloo  # noqa: E402
-from benchlib import free_port, start_reference, start_skyinfer, stop, wait_servers  # noqa: E402
+from bench_weight_sync import raw_gloo
 
-from skyinfer.demo_model import build_demo_model  # noqa: E402
-from skyinfer.trainer import GlooTrainer  # noqa: E402
-from skyinfer.transfer.packing import DEFAULT_BUFFER_SIZE_BYTES  # noqa: E402
+from skyinfer.demo_model import build_demo_model
+from skyinfer.trainer import GlooTrainer
+from skyinfer.transfer.packing import DEFAULT_BUFFER_SIZE_BYTES
+
+from benchlib import free_port, start_reference, start_skyinfer, stop, wait_servers
 
 ADAPTER = "bench-lora"
 LONG_PROMPT = " ".join(f"w{i % 50} gamma" for i in range(300))  # about 2,000 tokens
@@ -74,7 +76,7 @@ def path_reloads(url: str, paths: list[Path], rounds: int) -> list[float]:
         httpx.post(f"{url}/v1/load_lora_adapter", json=body, timeout=120).raise_for_status()
 
     reload(paths[1])  # loaded once before timing: every timed call replaces a loaded version
-    return [timed(lambda: reload(paths[i % 2])) for i in range(rounds)]
+    return [timed(functools.partial(reload, paths[i % 2])) for i in range(rounds)]
 
 
 def pushes(url: str, paths: list[Path], rounds: int) -> tuple[list[float], int]:
@@ -89,7 +91,7 @@ def pushes(url: str, paths: list[Path], rounds: int) -> tuple[list[float], int]:
     times = []
     for i in range(rounds):
         tensors, config = adapters[i % 2]
-        times.append(timed(lambda: trainer.push_adapter(ADAPTER, tensors, config, f"push-{i}")))
+        times.append(timed(functools.partial(trainer.push_adapter, ADAPTER, tensors, config, f"push-{i}")))
     trainer.close()
     return times, sum(t.numel() * t.element_size() for _, t in adapters[0][0])
 
@@ -165,13 +167,17 @@ def main() -> None:
         for name, url in (("skyinfer", sky_url), ("vllm serve", ref_url)):
             path_reloads(url, paths, 1)
             for served in (model, ADAPTER):
-                serving[name, served] = asyncio.run(throughput(url, served, args.requests, args.concurrency, args.max_tokens))
+                serving[name, served] = asyncio.run(
+                    throughput(url, served, args.requests, args.concurrency, args.max_tokens)
+                )
     finally:
         for proc in procs:
             stop(proc)
 
     med = statistics.median
-    print(f"adapter: rank {args.rank}, every linear module, {nbytes / 2**20:.2f} MiB; {args.rounds} rounds, median seconds")
+    print(
+        f"adapter: rank {args.rank}, every linear module, {nbytes / 2**20:.2f} MiB; {args.rounds} rounds, median seconds"
+    )
     print(f"{'in-place reload from a local path, skyinfer':46s} {med(sky_reload):8.3f}")
     print(f"{'in-place reload from a local path, vllm serve':46s} {med(ref_reload):8.3f}")
     print(f"{'push over the transfer group, skyinfer':46s} {med(push):8.3f}")
@@ -184,11 +190,15 @@ def main() -> None:
     print(f"{'  reset: the prompt after it':46s} {med(costs['after_reset']):8.3f}")
     print(f"{'  the prompt cold, for scale':46s} {costs['cold'][0]:8.3f}")
     print(f"  reset / salt: {(med(costs['reset_call']) + med(costs['after_reset'])) / med(costs['salted']):.1f}x")
-    print(f"serving: {args.requests} requests, {args.concurrency} at a time, {args.max_tokens} tokens each, output tok/s")
+    print(
+        f"serving: {args.requests} requests, {args.concurrency} at a time, {args.max_tokens} tokens each, output tok/s"
+    )
     for name in ("skyinfer", "vllm serve"):
         base, lora = serving[name, model], serving[name, ADAPTER]
         print(f"{name:12s} base {base:8.0f}  adapter {lora:8.0f}  adapter / base {lora / base:.2f}")
-    print(f"skyinfer / vllm serve with the adapter: {serving['skyinfer', ADAPTER] / serving['vllm serve', ADAPTER]:.2f}")
+    print(
+        f"skyinfer / vllm serve with the adapter: {serving['skyinfer', ADAPTER] / serving['vllm serve', ADAPTER]:.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -27,9 +27,9 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchlib import free_port, start_reference, start_skyinfer, stop, wait_healthy  # noqa: E402
+from skyinfer.demo_model import build_demo_model
 
-from skyinfer.demo_model import build_demo_model  # noqa: E402
+from benchlib import free_port, start_reference, start_skyinfer, stop, wait_healthy
 
 
 async def call_all(session: aiohttp.ClientSession, urls: list[str], path: str, body: dict | None = None) -> float:

@@ -24,10 +24,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchlib import free_port, start_skyinfer, start_vllm_router, stop, wait_servers  # noqa: E402
+from skyinfer.client import MultiNodeClient
+from skyinfer.demo_model import build_demo_model
 
-from skyinfer.client import MultiNodeClient  # noqa: E402
-from skyinfer.demo_model import build_demo_model  # noqa: E402
+from benchlib import free_port, start_skyinfer, start_vllm_router, stop, wait_servers
 
 
 async def run_load(client: MultiNodeClient, args) -> dict:

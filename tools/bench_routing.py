@@ -54,9 +54,9 @@ import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchlib import free_port, start_reference, start_skyinfer, start_vllm_router, stop, wait_servers  # noqa: E402
+from skyinfer.demo_model import build_demo_model
 
-from skyinfer.demo_model import build_demo_model  # noqa: E402
+from benchlib import free_port, start_reference, start_skyinfer, start_vllm_router, stop, wait_servers
 
 GROUP_SIZE = 8
 WORDS = ["tool", "call", "result", "file", "test", "patch", "error", "plan", "step", "search", "read", "write"]
@@ -227,15 +227,23 @@ def main() -> None:
     p.add_argument("--system-words", type=int, default=100, help="the shared system prompt's length")
     p.add_argument("--turn-words", type=int, default=80, help="each user message's length")
     p.add_argument("--group-words", type=int, default=30, help="each GRPO group's problem's length")
-    p.add_argument("--tool-seconds", type=float, default=0.0,
-                   help="mean time (exponential) the environment takes between a session's answer and its next turn")
+    p.add_argument(
+        "--tool-seconds",
+        type=float,
+        default=0.0,
+        help="mean time (exponential) the environment takes between a session's answer and its next turn",
+    )
     p.add_argument("--max-tokens", type=int, default=32, help="tokens per answer")
     p.add_argument("--kvcache-gib", type=int, default=2, help="KV cache memory per engine")
     p.add_argument("--kv-blocks", type=int, default=128, help="KV-cache blocks per engine (0: all that fit)")
     p.add_argument("--seed", type=int, default=20261122)
     p.add_argument("--rounds", type=int, default=1, help="interleaved rounds of the three set-ups (medians reported)")
-    p.add_argument("--skyinfer-args", default="", help="skyinfer serve options for its own set-up, e.g. '--group-slack 2'")
-    p.add_argument("--setups", default="skyinfer,least-loaded,vllm-router", help="which set-ups to run, comma-separated")
+    p.add_argument(
+        "--skyinfer-args", default="", help="skyinfer serve options for its own set-up, e.g. '--group-slack 2'"
+    )
+    p.add_argument(
+        "--setups", default="skyinfer,least-loaded,vllm-router", help="which set-ups to run, comma-separated"
+    )
     p.add_argument("engine_args", nargs=argparse.REMAINDER, help="after --: vLLM engine arguments for every engine")
     args = p.parse_args()
     args.engine_args = [a for a in args.engine_args if a != "--"]
@@ -257,13 +265,21 @@ def main() -> None:
     # Interleaved: each round runs every set-up once, so that the machine's drifts hit all of them.
     rounds = [{name: run() for name, run in setups.items()} for _ in range(args.rounds)]
     for k, one in enumerate(rounds):
-        print(f"round {k}: " + ", ".join(
-            f"{n} {m['tokens_per_s']:.0f} tok/s {m['hit_rate']:.1%} {m['moves']:.0f} moves" for n, m in one.items()))
-    results = {name: {key: statistics.median(r[name][key] for r in rounds) for key in rounds[0][name]} for name in setups}
-    print(f"{args.sessions} sessions (long-tailed turns of {args.turn_words} words) + {args.groups} GRPO groups x "
-          f"{GROUP_SIZE} ({args.group_words}-word problems, a seed per sample), {args.concurrency} trajectories at "
-          f"a time, {args.max_tokens} tokens per answer; 2 engines, 1 core and {args.kv_blocks or 'all'} KV blocks "
-          f"each; model {args.model or f'{args.model_width} wide, {args.model_layers} layers'}")
+        print(
+            f"round {k}: "
+            + ", ".join(
+                f"{n} {m['tokens_per_s']:.0f} tok/s {m['hit_rate']:.1%} {m['moves']:.0f} moves" for n, m in one.items()
+            )
+        )
+    results = {
+        name: {key: statistics.median(r[name][key] for r in rounds) for key in rounds[0][name]} for name in setups
+    }
+    print(
+        f"{args.sessions} sessions (long-tailed turns of {args.turn_words} words) + {args.groups} GRPO groups x "
+        f"{GROUP_SIZE} ({args.group_words}-word problems, a seed per sample), {args.concurrency} trajectories at "
+        f"a time, {args.max_tokens} tokens per answer; 2 engines, 1 core and {args.kv_blocks or 'all'} KV blocks "
+        f"each; model {args.model or f'{args.model_width} wide, {args.model_layers} layers'}"
+    )
     print(f"median of {args.rounds} interleaved round(s)")
     print(f"{'':14s} {'tok/s':>8s} {'run s':>8s} {'p50 s':>8s} {'p99 s':>8s} {'prefix hits':>12s} "
           f"{'busiest engine':>15s} {'moves':>6s}")  # fmt: skip
@@ -273,8 +289,10 @@ def main() -> None:
     sky = results.get("skyinfer")
     for name in [n for n in ("least-loaded", "vllm-router") if sky and n in results]:
         m = results[name]
-        print(f"skyinfer / {name}: throughput {sky['tokens_per_s'] / m['tokens_per_s']:.2f}, "
-              f"p99 {sky['p99'] / m['p99']:.2f}")
+        print(
+            f"skyinfer / {name}: throughput {sky['tokens_per_s'] / m['tokens_per_s']:.2f}, "
+            f"p99 {sky['p99'] / m['p99']:.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -36,9 +36,9 @@ import aiohttp
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchlib import free_port, start_reference, start_skyinfer, stop, wait_healthy  # noqa: E402
+from skyinfer.demo_model import build_demo_model
 
-from skyinfer.demo_model import build_demo_model  # noqa: E402
+from benchlib import free_port, start_reference, start_skyinfer, stop, wait_healthy
 
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
 
@@ -53,7 +53,7 @@ def request_body(route: str, model: str, i: int, max_tokens: int, prompt_ids: li
         return {"model": model, "prompt": prompt, "stream": True, **sampling}
     if route == "/v1/chat/completions":
         return {"model": model, "messages": [{"role": "user", "content": prompt}], "stream": True, **sampling}
-    return {"model": model, "token_ids": prompt_ids + [i % 1000 + 10], "sampling_params": sampling}
+    return {"model": model, "token_ids": [*prompt_ids, i % 1000 + 10], "sampling_params": sampling}
 
 
 class RequestFailed(Exception):
@@ -64,7 +64,9 @@ async def one_request(session, url, route, body) -> tuple[float, float | None]:
     """Latency and, for streams, time to the first token."""
     started = time.perf_counter()
     first = None
-    async with session.post(f"{url}{route}", data=orjson.dumps(body), headers={"Content-Type": "application/json"}) as r:
+    async with session.post(
+        f"{url}{route}", data=orjson.dumps(body), headers={"Content-Type": "application/json"}
+    ) as r:
         if r.status != 200:
             raise RequestFailed(f"{route}: {r.status} {(await r.text())[:200]}")
         if body.get("stream"):
@@ -84,7 +86,9 @@ async def run_load(session, url, route, model, args, prompt_ids) -> dict:
         while queue:
             i = queue.pop()
             try:
-                latency, ttft = await one_request(session, url, route, request_body(route, model, i, args.max_tokens, prompt_ids))
+                latency, ttft = await one_request(
+                    session, url, route, request_body(route, model, i, args.max_tokens, prompt_ids)
+                )
             except (RequestFailed, aiohttp.ClientError) as exc:
                 failures.append(exc)
                 continue
@@ -93,7 +97,9 @@ async def run_load(session, url, route, model, args, prompt_ids) -> dict:
                 ttfts.append(ttft)
 
     # Warm-up, not counted.
-    await asyncio.gather(*(one_request(session, url, route, request_body(route, model, -j, 8, prompt_ids)) for j in range(4)))
+    await asyncio.gather(
+        *(one_request(session, url, route, request_body(route, model, -j, 8, prompt_ids)) for j in range(4))
+    )
     started = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(args.concurrency)))
     wall = time.perf_counter() - started
@@ -124,7 +130,9 @@ async def bench(servers: list[Server], model: str, args) -> dict[str, dict[str, 
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
         for server in servers:
             await wait_healthy(session, server.url, server.proc)
-        async with session.post(f"{servers[0].url}/tokenize", json={"model": model, "prompt": "Request: the trainer pushes new weights"}) as r:
+        async with session.post(
+            f"{servers[0].url}/tokenize", json={"model": model, "prompt": "Request: the trainer pushes new weights"}
+        ) as r:
             prompt_ids = (await r.json())["tokens"]
         for i in range(args.rounds):
             for route in ROUTES:

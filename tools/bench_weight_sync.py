@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import multiprocessing as mp
 import os
 import statistics
@@ -40,11 +41,11 @@ import httpx
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchlib import free_port, start_skyinfer, stop, wait_servers  # noqa: E402
+from skyinfer.demo_model import build_demo_model
+from skyinfer.trainer import GlooTrainer, SharedMemoryTrainer
+from skyinfer.transfer.packing import DEFAULT_BUFFER_SIZE_BYTES, TensorMeta, pack, plan_chunks
 
-from skyinfer.demo_model import build_demo_model  # noqa: E402
-from skyinfer.trainer import GlooTrainer, SharedMemoryTrainer  # noqa: E402
-from skyinfer.transfer.packing import DEFAULT_BUFFER_SIZE_BYTES, TensorMeta, pack, plan_chunks  # noqa: E402
+from benchlib import free_port, start_skyinfer, stop, wait_servers
 
 BENCH_MODEL = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=12, num_attention_heads=16,
                    num_key_value_heads=4, head_dim=64)  # fmt: skip
@@ -63,7 +64,9 @@ def weight_calls(urls: list[str]) -> int:
     for url in urls:
         for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
             if family.name == "skyinfer_requests":
-                calls += sum(s.value for s in family.samples if s.name.endswith("_total") and s.labels["route"] in WEIGHT_ROUTES)
+                calls += sum(
+                    s.value for s in family.samples if s.name.endswith("_total") and s.labels["route"] in WEIGHT_ROUTES
+                )
     return int(calls)
 
 
@@ -174,7 +177,9 @@ def bench_gloo(args, model_dir: Path, tensors, mib: float, buffer_size: int) -> 
             calls.append(weight_calls(urls) - before)
         trainer.close()
         # Packed: the tensors go in a few buffers, cut by vLLM's rule; same HTTP calls.
-        packed = GlooTrainer(urls if len(urls) > 1 else urls[0], timeout_s=300, buffer_size_bytes=buffer_size, packed=True)
+        packed = GlooTrainer(
+            urls if len(urls) > 1 else urls[0], timeout_s=300, buffer_size_bytes=buffer_size, packed=True
+        )
         packed.init()
         packed_s = [timed_push(packed, tensors, "bench-packed")]
         packed.close()
@@ -207,7 +212,10 @@ def bench_shm(args, model_dir: Path, tensors, mib: float, buffer_size: int) -> N
     rows: dict[str, list[float]] = {k: [] for k in ("memcpy", "memcpy_fresh", "raw", "shm", "receiving", "gloo")}
     try:
         asyncio.run(wait_servers(list(zip((colocated_url, separate_url), procs)), path="/ready"))
-        shm_trainer, gloo_trainer = SharedMemoryTrainer(colocated_url, timeout_s=300), GlooTrainer(separate_url, timeout_s=300)
+        shm_trainer, gloo_trainer = (
+            SharedMemoryTrainer(colocated_url, timeout_s=300),
+            GlooTrainer(separate_url, timeout_s=300),
+        )
         shm_trainer.init()
         gloo_trainer.init()
         with httpx.Client(base_url=colocated_url, timeout=300) as http:
@@ -215,7 +223,7 @@ def bench_shm(args, model_dir: Path, tensors, mib: float, buffer_size: int) -> N
                 # Each timed step starts on an idle machine: after each call, the workers of vLLM's CPU
                 # executor busy-wait 1 s for the next (shm_broadcast.SpinCondition), on these 2 cores.
                 for row, step in (("memcpy", memcpy.push), ("memcpy_fresh", memcpy.push_fresh), ("raw", raw.push),
-                                  ("gloo", lambda: timed_push(gloo_trainer, tensors, f"bench-{i}"))):  # fmt: skip
+                                  ("gloo", functools.partial(timed_push, gloo_trainer, tensors, f"bench-{i}"))):  # fmt: skip
                     time.sleep(IDLE_S)
                     rows[row].append(step())
                 # The colocated shape: engines asleep, their weights awake; the push alone is timed.
@@ -241,9 +249,11 @@ def bench_shm(args, model_dir: Path, tensors, mib: float, buffer_size: int) -> N
     print(median_row("skyinfer shared-memory push (colocated)", rows["shm"], mib))
     print(median_row("  of which the engines' receive", rows["receiving"], mib))
     shm = statistics.median(rows["shm"])
-    print(f"skyinfer shm / memcpy: {shm / statistics.median(rows['memcpy']):.2f}x the time "
-          f"({shm / statistics.median(rows['memcpy_fresh']):.2f}x into fresh pages); faster than raw gloo "
-          f"{statistics.median(rows['raw']) / shm:.2f}x, than skyinfer's gloo push {statistics.median(rows['gloo']) / shm:.2f}x")
+    print(
+        f"skyinfer shm / memcpy: {shm / statistics.median(rows['memcpy']):.2f}x the time "
+        f"({shm / statistics.median(rows['memcpy_fresh']):.2f}x into fresh pages); faster than raw gloo "
+        f"{statistics.median(rows['raw']) / shm:.2f}x, than skyinfer's gloo push {statistics.median(rows['gloo']) / shm:.2f}x"
+    )
 
 
 def main() -> None:

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from skyinfer.engine.vllm_api import KNOWN_VERSIONS, NAMES  # noqa: E402
+from skyinfer.engine.vllm_api import KNOWN_VERSIONS, NAMES
 
 CACHE = Path(os.environ.get("SKYINFER_CACHE", Path.home() / ".cache" / "skyinfer")) / "vllm-wheels"
 

@@ -27,8 +27,8 @@ import orjson
 from aiohttp import web
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from skyinfer.engine.__main__ import set_up_process  # noqa: E402
-from skyinfer.errors import error_response, json_response  # noqa: E402
+from skyinfer.engine.__main__ import set_up_process
+from skyinfer.errors import error_response, json_response
 
 SCRIPT = web.AppKey("script", dict)
 STATE = web.AppKey("state", "FakeEngine")
@@ -133,7 +133,9 @@ async def _tokens(request: web.Request) -> web.Response:
 
 
 async def _info(request: web.Request) -> web.Response:
-    return json_response({"weight_version": request.app[STATE].weight_version, "model_dtype": "float32", "max_lora_rank": None})
+    return json_response(
+        {"weight_version": request.app[STATE].weight_version, "model_dtype": "float32", "max_lora_rank": None}
+    )
 
 
 async def _health(request: web.Request) -> web.Response:

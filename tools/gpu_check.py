@@ -42,9 +42,9 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchlib import free_port, start_reference, start_skyinfer, stop, wait_servers  # noqa: E402
+from skyinfer.demo_model import build_demo_model
 
-from skyinfer.demo_model import build_demo_model  # noqa: E402
+from benchlib import free_port, start_reference, start_skyinfer, stop, wait_servers
 
 PROMPTS = ["The quick brown fox", "Reinforcement learning updates a policy", "def main():"]
 TOLERANCE = 0.05
@@ -119,7 +119,9 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         # float32, as the transformers forward the logprobs are judged against.
-        engine_args = ["--max-model-len", "1024", "--dtype", "float32"] + (["--cpu-kvcache-gib", "1"] if device == "cpu" else [])
+        engine_args = ["--max-model-len", "1024", "--dtype", "float32"] + (
+            ["--cpu-kvcache-gib", "1"] if device == "cpu" else []
+        )
         started = time.monotonic()
         self.proc = start_skyinfer(str(model), self.port, [*args, *engine_args], dict(os.environ),
                                    log_name=f"gpu-check-{name}.log")  # fmt: skip
@@ -127,7 +129,9 @@ class Server:
         self.startup_s = time.monotonic() - started
         self.http = httpx.Client(base_url=self.url, timeout=300)
         self.model = self.http.get("/v1/models").json()["data"][0]["id"]
-        self.prompt_ids = {p: self.post("/tokenize", {"model": self.model, "prompt": p}).json()["tokens"] for p in PROMPTS}
+        self.prompt_ids = {
+            p: self.post("/tokenize", {"model": self.model, "prompt": p}).json()["tokens"] for p in PROMPTS
+        }
 
     def engines(self) -> list[dict]:
         return self.http.get("/engines").json()["engines"]
@@ -426,7 +430,9 @@ def main() -> int:
         # On CPU the wide model would take minutes per engine start: the script's own check runs the demo.
         wide = build_demo_model(base / "wide", **WIDE_MODEL) if args.device == "cuda" else demo
         models = [("demo", demo)] + ([("wide", wide)] if wide != demo else [])
-        c.say("# models: " + ", ".join(f"{n} {(m / 'model.safetensors').stat().st_size / 1e9:.3f} GB" for n, m in models))
+        c.say(
+            "# models: " + ", ".join(f"{n} {(m / 'model.safetensors').stat().st_size / 1e9:.3f} GB" for n, m in models)
+        )
         checks = {
             "serve": lambda: [check_serve(c, args.device, m, n) for n, m in models],
             "sleep": lambda: check_sleep(c, args.device, *models[-1][::-1]),

@@ -69,7 +69,6 @@ class Client:
         self.close()
 
 
-
 def _blocking(name: str, method) -> Any:
     """``Client.<name>``: the async method of the same name, run on the client's loop."""
 
@@ -89,7 +88,9 @@ for _cls in (MultiNodeClient, AsyncClient):
             setattr(Client, _name, _blocking(_name, _method))
 
 
-def _shut_down(loop: asyncio.AbstractEventLoop, thread: threading.Thread, client: AsyncClient | MultiNodeClient) -> None:
+def _shut_down(
+    loop: asyncio.AbstractEventLoop, thread: threading.Thread, client: AsyncClient | MultiNodeClient
+) -> None:
     closing = asyncio.run_coroutine_threadsafe(client.aclose(), loop)
     if threading.current_thread() is not thread:  # never wait on the loop from inside it
         closing.result(timeout=10)

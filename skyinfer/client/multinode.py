@@ -196,7 +196,9 @@ class MultiNodeClient:
     async def update_lora_adapter(
         self, lora_name: str, peft_config: dict, update_info: dict, version: str | None = None, check_only: bool = False
     ) -> dict:
-        return await self._fanout_report("update_lora_adapter", lora_name, peft_config, update_info, version, check_only)
+        return await self._fanout_report(
+            "update_lora_adapter", lora_name, peft_config, update_info, version, check_only
+        )
 
     # -- status ----------------------------------------------------------------------
     async def engines(self) -> list[dict]:

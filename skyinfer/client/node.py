@@ -162,7 +162,9 @@ class AsyncClient:
         body = {"token_ids": list(token_ids), "sampling_params": sampling_params or {}, **fields}
         return await self._data("/inference/v1/generate", body, session_id)
 
-    async def chat(self, messages: list[dict], *, model: str | None = None, session_id: str | None = None, **params) -> dict:
+    async def chat(
+        self, messages: list[dict], *, model: str | None = None, session_id: str | None = None, **params
+    ) -> dict:
         body = {"model": model or await self.model(), "messages": messages, **params}
         return await self._data("/v1/chat/completions", body, session_id)
 
@@ -226,10 +228,15 @@ class AsyncClient:
         return await self._admin("/init_weight_transfer", json={"init_info": init_info})
 
     async def start_weight_update(self, update_info: dict | None = None) -> dict:
-        return await self._admin("/start_weight_update", json=None if update_info is None else {"update_info": update_info})
+        return await self._admin(
+            "/start_weight_update", json=None if update_info is None else {"update_info": update_info}
+        )
 
     async def update_weights(self, update_info: dict, weight_version: str | None = None) -> dict:
-        body = {"update_info": update_info, **({"weight_version": weight_version} if weight_version is not None else {})}
+        body = {
+            "update_info": update_info,
+            **({"weight_version": weight_version} if weight_version is not None else {}),
+        }
         return await self._admin("/update_weights", json=body)
 
     async def finish_weight_update(
@@ -245,7 +252,9 @@ class AsyncClient:
     async def weight_checker(self, action: str = "checksum", baseline: dict[str, str] | None = None) -> dict:
         """vLLM's route on every engine: ``checksum`` (an engine that differs from the fleet is held
         out), ``compare`` against ``baseline`` (report only), ``reset`` (zeroes weights; stale until a push)."""
-        return await self._admin("/weight_checker", json={"action": action, **({"baseline": baseline} if baseline else {})})
+        return await self._admin(
+            "/weight_checker", json={"action": action, **({"baseline": baseline} if baseline else {})}
+        )
 
     async def update_weight_version(self, new_version: str) -> dict:
         """A new label for the weights every engine serves, without a transfer (vLLM's route)."""
@@ -274,7 +283,12 @@ class AsyncClient:
     ) -> dict:
         """The HTTP half of an adapter push: the engines receive while the trainer broadcasts.
         ``check_only``: the server checks the adapter and the group, and nothing moves."""
-        body = {"lora_name": lora_name, "peft_config": peft_config, "update_info": update_info, "check_only": check_only}
+        body = {
+            "lora_name": lora_name,
+            "peft_config": peft_config,
+            "update_info": update_info,
+            "check_only": check_only,
+        }
         return await self._admin("/update_lora_adapter", json={**body, **({"version": version} if version else {})})
 
     # -- status ----------------------------------------------------------------------
@@ -329,5 +343,3 @@ def _error(status: int, body: bytes) -> SkyinferError:
     except (orjson.JSONDecodeError, KeyError, TypeError):
         payload, message = None, body.decode(errors="replace")[:1000] or f"HTTP {status}"
     return SkyinferError(status, message, payload)
-
-

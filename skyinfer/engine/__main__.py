@@ -7,6 +7,7 @@ The front starts one of these per engine, with the device environment
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -30,7 +31,9 @@ def set_up_process(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     own = argparse.ArgumentParser(prog="python -m skyinfer.engine")
     own.add_argument("--socket", required=True, help="Unix socket to serve on once the engine is ready")
     own.add_argument("--cpus", help="comma-separated cores this engine (and every process it starts) may run on")
-    own.add_argument("--lifeline-fd", type=int, help="read end of the front's lifeline pipe: the process group dies at its end")
+    own.add_argument(
+        "--lifeline-fd", type=int, help="read end of the front's lifeline pipe: the process group dies at its end"
+    )
     own.add_argument("--output-tail", help="relay the engine's output to its stderr, keeping its end in this file")
     own.add_argument("--log-prefix", default="", help="with --output-tail: written before every line of the output")
     split = argv.index("--") if "--" in argv else len(argv)
@@ -70,10 +73,8 @@ def main(argv: list[str] | None = None) -> None:
 
     from .server import serve_engine
 
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         uvloop.run(serve_engine(ns.socket, args))
-    except KeyboardInterrupt:
-        pass
 
 
 if __name__ == "__main__":

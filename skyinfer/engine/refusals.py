@@ -46,8 +46,6 @@ def constraints_conflict(payload: Any) -> str | None:
         payload.get("tool_choice") not in (None, "none", "auto")
     )
     for params in (payload, nested) if isinstance(nested, dict) else (payload,):
-        if params.get("allowed_token_ids") and (
-            grammar_outside_params or params.get("structured_outputs") is not None
-        ):
+        if params.get("allowed_token_ids") and (grammar_outside_params or params.get("structured_outputs") is not None):
             return "allowed_token_ids cannot be combined with structured outputs (a grammar may admit none of them)"
     return None

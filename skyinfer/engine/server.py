@@ -144,9 +144,7 @@ async def _respond(request: web.Request, result: Any) -> web.StreamResponse:
         message = f"the engine died while serving this request: {result.error.message}"
         return error_response(503, message, headers={ENGINE_DIED_HEADER: "1"})
     if isinstance(result, ErrorResponse):
-        return web.Response(
-            status=result.error.code, body=result.model_dump_json(), content_type="application/json"
-        )
+        return web.Response(status=result.error.code, body=result.model_dump_json(), content_type="application/json")
     if isinstance(result, pydantic.BaseModel):
         return web.Response(body=result.model_dump_json(), content_type="application/json")
     if isinstance(result, web.Response):
@@ -210,9 +208,15 @@ def create_engine_app(engine_client: Any, serving_state: Any) -> web.Application
     app[ENGINE_CLIENT] = engine_client
     app[SERVING_STATE] = serving_state
     serving = {
-        "/v1/completions": (CompletionRequest, lambda s: s.openai_serving_completion.create_completion, "text_completion"),
+        "/v1/completions": (
+            CompletionRequest,
+            lambda s: s.openai_serving_completion.create_completion,
+            "text_completion",
+        ),
         "/v1/chat/completions": (
-            ChatCompletionRequest, lambda s: s.openai_serving_chat.create_chat_completion, "chat.completion.chunk"
+            ChatCompletionRequest,
+            lambda s: s.openai_serving_chat.create_chat_completion,
+            "chat.completion.chunk",
         ),
         TOKEN_ROUTE: (GenerateRequest, lambda s: s.serving_tokens.serve_tokens, None),
         "/tokenize": (TokenizeRequest, lambda s: s.serving_tokenization.create_tokenize, None),

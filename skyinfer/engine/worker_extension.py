@@ -30,7 +30,9 @@ for _transport, _receiver, _vllm_base in (
     (SHM, SharedMemoryReceiver, WeightTransferEngine),
     (IPC, IpcReceiver, IPCWeightTransferEngine),
 ):
-    WeightTransferEngineFactory.register_engine(_transport.backend, type(_receiver.__name__, (_receiver, _vllm_base), {}))
+    WeightTransferEngineFactory.register_engine(
+        _transport.backend, type(_receiver.__name__, (_receiver, _vllm_base), {})
+    )
 
 _SYS_ARCH_PRCTL = 158
 _ARCH_REQ_XCOMP_PERM = 0x1023

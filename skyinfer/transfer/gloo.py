@@ -165,7 +165,9 @@ class GlooTrainer(Trainer):
     def _broadcast(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         if self.packed:
             by_name = dict(tensors)
-            for chunk in plan_chunks([TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in tensors], self.buffer_size_bytes):
+            for chunk in plan_chunks(
+                [TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in tensors], self.buffer_size_bytes
+            ):
                 self._send_one(pack([by_name[m.name] for m in chunk]))
         else:
             for _name, tensor in tensors:
@@ -305,4 +307,3 @@ class GlooReceiver(LayerwiseReceiver):
             except Exception:  # a group whose peer died may not shut down cleanly
                 log.warning("weight-transfer group did not shut down cleanly", exc_info=True)
             self._group = None
-

@@ -173,7 +173,9 @@ class IpcReceiver:
                                                     tensor_sizes=update_info.tensor_sizes)  # fmt: skip
         elif isinstance(update_info.ipc_handles, dict):
             handles = {uuid: decode_handle(h) for uuid, h in update_info.ipc_handles.items()}
-            vllm_info = IPCWeightTransferUpdateInfo(**fields, ipc_handles=handles, tensor_sizes=update_info.tensor_sizes)
+            vllm_info = IPCWeightTransferUpdateInfo(
+                **fields, ipc_handles=handles, tensor_sizes=update_info.tensor_sizes
+            )
         else:
             handles = [{uuid: decode_handle(h) for uuid, h in per.items()} for per in update_info.ipc_handles or []]
             vllm_info = IPCWeightTransferUpdateInfo(**fields, ipc_handles=handles)

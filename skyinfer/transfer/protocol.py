@@ -174,7 +174,9 @@ class SharedMemoryUpdateInfo(UpdateMetadata):
         except FileNotFoundError:
             raise ValueError(f"segment {self.segment!r} does not exist (already removed, or never written)") from None
         if self.end() > size:
-            raise ValueError(f"the tensors end at byte {self.end()}, past the end of segment {self.segment!r} ({size} bytes)")
+            raise ValueError(
+                f"the tensors end at byte {self.end()}, past the end of segment {self.segment!r} ({size} bytes)"
+            )
 
 
 def remove_segments(prefix: str, keep: str | None = None) -> list[str]:
@@ -200,7 +202,9 @@ def remove_segments(prefix: str, keep: str | None = None) -> list[str]:
 TENSOR_CLASSES = ("Tensor", "Parameter")
 STORAGE_CLASSES = ("TypedStorage", "UntypedStorage")
 # A device's UUID as torch prints it, with or without NVML's GPU-/MIG- prefix.
-_DEVICE_UUID = re.compile(r"^(?:(?:GPU|MIG)-)?[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$")
+_DEVICE_UUID = re.compile(
+    r"^(?:(?:GPU|MIG)-)?[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$"
+)
 # CUDA's IPC handles are 64 bytes; torch's ref-counter handle is a shared-memory file name.
 _MAX_HANDLE_BYTES = 512
 

@@ -47,7 +47,9 @@ def layout(tensors: list[tuple[str, torch.Tensor]]) -> tuple[list[int], int]:
 
 
 @contextlib.contextmanager
-def written_segment(name: str, tensors: list[tuple[str, torch.Tensor]], offsets: list[int], size: int) -> Iterator[None]:
+def written_segment(
+    name: str, tensors: list[tuple[str, torch.Tensor]], offsets: list[int], size: int
+) -> Iterator[None]:
     """A new segment holding ``tensors`` at ``offsets``, for the duration of the block; unlinked
     afterwards, whatever happens in it."""
     path = segment_path(name)
@@ -102,7 +104,9 @@ def map_segment(name: str, size: int) -> torch.Tensor:
     fd = os.open(segment_path(name), os.O_RDONLY)
     try:
         if os.fstat(fd).st_size < size:
-            raise ValueError(f"segment {name!r} holds {os.fstat(fd).st_size} bytes, fewer than the {size} the update names")
+            raise ValueError(
+                f"segment {name!r} holds {os.fstat(fd).st_size} bytes, fewer than the {size} the update names"
+            )
         mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
     finally:
         os.close(fd)

@@ -80,4 +80,3 @@ class CheckpointSpec:
             if not fits:
                 kind = "a floating-point dtype" if stored in FLOATING else stored
                 raise ValueError(f"wrong dtype for {name!r}: got {dtype}, the checkpoint stores {stored}; send {kind}")
-

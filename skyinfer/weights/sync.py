@@ -40,6 +40,7 @@ from ..wire import (
     UpdateRequest,
     WeightCheckRequest,
     WireModel,
+    takes,
 )
 from .checkpoint import CheckpointSpec
 from .transports import FrontTransport
@@ -94,6 +95,8 @@ class WeightSync:
         self._colocated_init: dict | None = None
         # The checksums every engine held under a label, once a check saw them agree.
         self._agreed: tuple[str, Checksums] | None = None
+        # An update the silence timer is ending.
+        self._abandoning: asyncio.Task | None = None
 
     @property
     def worker_count(self) -> int:
@@ -128,6 +131,7 @@ class WeightSync:
         if phase is not self.phase:
             log.info("weight update: %s -> %s", self.phase.value, phase.value)
         self.phase = phase
+        self.metrics.set_update_phase(phase)
 
     def await_trainer(self) -> None:
         """A trainer's call is over: during an update, its next one is due within the silence limit."""
@@ -137,9 +141,12 @@ class WeightSync:
 
     def _trainer_silent(self) -> None:
         self._silence_timer = None
-        reason = f"the trainer sent nothing for {self._silence_limit_s:.0f}s during a weight update ({self.phase.value})"
+        reason = (
+            f"the trainer sent nothing for {self._silence_limit_s:.0f}s during a weight update ({self.phase.value})"
+        )
         log.error("%s: aborting it", reason)
-        asyncio.create_task(self._abandon(self.phase, reason))
+        # Kept: the loop holds tasks only weakly.
+        self._abandoning = asyncio.create_task(self._abandon(self.phase, reason))
 
     async def _abandon(self, phase: Phase, reason: str) -> None:
         async with self.registry.lock:
@@ -168,7 +175,9 @@ class WeightSync:
             if self.phase is not Phase.IDLE:
                 # A trainer that sets up a transfer is a new one: the update the old one left is
                 # abandoned rather than waited out (engines that had begun it are held out as stale).
-                log.warning("a trainer set up a transfer during an update (%s): that update is abandoned", self.phase.value)
+                log.warning(
+                    "a trainer set up a transfer during an update (%s): that update is abandoned", self.phase.value
+                )
                 if self.phase is Phase.RECEIVING:
                     await self._abort("a trainer set up a new transfer")
                 else:
@@ -286,9 +295,13 @@ class WeightSync:
         verdicts = [(r, push_verdict(r)) for r in records]
         refused = [(r, v) for r, v in verdicts if v not in (APPLY, PAUSE_FOR_PUSH)]
         if refused:
-            raise SyncError(409, "cannot start a weight update: " + "; ".join(f"engine {r.engine_id}: {v}" for r, v in refused))
+            raise SyncError(
+                409, "cannot start a weight update: " + "; ".join(f"engine {r.engine_id}: {v}" for r, v in refused)
+            )
         running = [r for r, v in verdicts if v == PAUSE_FOR_PUSH]
-        paused = await asyncio.gather(*(call_engine(r, "/pause", timeout_s=self.timeout_s, query=_PAUSE_FOR_PUSH) for r in running))
+        paused = await asyncio.gather(
+            *(call_engine(r, "/pause", timeout_s=self.timeout_s, query=_PAUSE_FOR_PUSH) for r in running)
+        )
         for record, reply in zip(running, paused):
             if reply.ok:
                 self.registry.record_call(record, "pause")
@@ -297,7 +310,9 @@ class WeightSync:
         if failed := failure("pausing engines for the push", paused):
             await self._abort(failed[1])
             raise SyncError(*failed, [rep.as_json() for rep in paused])
-        replies = await asyncio.gather(*(call_engine(r, "/start_weight_update", timeout_s=self.timeout_s) for r in records))
+        replies = await asyncio.gather(
+            *(call_engine(r, "/start_weight_update", timeout_s=self.timeout_s) for r in records)
+        )
         for record, reply in zip(records, replies):
             record.receiving = reply.ok or reply.status >= 500  # one that did not answer may have started
         await self._settle("start_weight_update", replies)
@@ -310,7 +325,9 @@ class WeightSync:
         async with self.registry.lock:
             return await self._finish(self._engines(), version, verify, expected)
 
-    async def _finish(self, records: list[EngineRecord], version: str, verify: bool, expected: Checksums | None) -> dict:
+    async def _finish(
+        self, records: list[EngineRecord], version: str, verify: bool, expected: Checksums | None
+    ) -> dict:
         """Finish the update on every engine. Called with the registry's lock held."""
         replies = await asyncio.gather(
             *(
@@ -348,7 +365,9 @@ class WeightSync:
             records = self._engines()
             self._push_started = time.monotonic()
             await self._begin(records)
-            replies = await asyncio.gather(*(call_engine(r, "/load_checkpoint", timeout_s=self.timeout_s) for r in records))
+            replies = await asyncio.gather(
+                *(call_engine(r, "/load_checkpoint", timeout_s=self.timeout_s) for r in records)
+            )
             await self._settle("loading the checkpoint", replies)
             return await self._finish(records, CHECKPOINT_VERSION, verify=False, expected=None)
 
@@ -378,7 +397,9 @@ class WeightSync:
             if not record.up:
                 continue
             if not reply.ok:
-                self._restart(record, f"a weight update was aborted ({reason}) and the engine could not end it: {reply.message}")
+                self._restart(
+                    record, f"a weight update was aborted ({reason}) and the engine could not end it: {reply.message}"
+                )
         if self.transport.transport.group:
             # Whatever broke the update broke the collective: the trainer must form a new group.
             for record in self.registry.records:
@@ -416,8 +437,12 @@ class WeightSync:
         async with self.registry.lock:
             current = [r for r in self._engines() if r.stale is None]
             replies = await asyncio.gather(
-                *(call_engine(r, "/update_weight_version", timeout_s=self.timeout_s, body={"new_version": new_version})
-                  for r in current)  # fmt: skip
+                *(
+                    call_engine(
+                        r, "/update_weight_version", timeout_s=self.timeout_s, body={"new_version": new_version}
+                    )
+                    for r in current
+                )
             )
             for record, reply in zip(current, replies):
                 if reply.ok:
@@ -454,7 +479,9 @@ class WeightSync:
         for record in records:
             if record.engine_id in verdict.disagreeing and record.up:
                 differing = len(verdict.differing[record.engine_id])
-                self.registry.set_stale(record, f"its weights differ from the fleet's in {differing} tensor(s) (weight_checker)")
+                self.registry.set_stale(
+                    record, f"its weights differ from the fleet's in {differing} tensor(s) (weight_checker)"
+                )
         if verdict.reference is not None and len(verdict.disagreeing) < len(verdict.differing):
             self._agreed = (self.registry.fleet_weight_version, verdict.reference)
         return verdict, checked
@@ -476,7 +503,9 @@ class WeightSync:
         basis = "" if verdict.reference is not None else " (the engines split evenly: none can be trusted)"
         raise SyncError(
             502,
-            "weights differ between engines after the push: " + "; ".join(problems) + basis
+            "weights differ between engines after the push: "
+            + "; ".join(problems)
+            + basis
             + f"; held out until the next push: {verdict.disagreeing}",
             checked,
         )
@@ -509,7 +538,11 @@ class WeightSync:
             if record.up:
                 self.registry.set_stale(record, "its weights were zeroed (weight_checker reset): push before it serves")
         self._raise_if_failed("weight_checker reset", replies)
-        return {"status": "reset", "held_out": [r.engine_id for r in records], "engines": [rep.as_json() for rep in replies]}
+        return {
+            "status": "reset",
+            "held_out": [r.engine_id for r in records],
+            "engines": [rep.as_json() for rep in replies],
+        }
 
     # -- leaving the group -----------------------------------------------------------------
     async def _leave(self, records: list[EngineRecord]) -> list[EngineReply]:
@@ -542,9 +575,15 @@ class WeightSync:
             # LoRA adapters: name -> the version the fleet serves it at.
             "adapters": {name: adapter.version for name, adapter in self.registry.fleet_adapters.items()},
             "engines": [
-                {"engine": r.engine_id, "weight_version": r.weight_version, "state": r.state.value,
-                 "stale_reason": r.stale, "receiving": r.receiving, "in_transfer_group": r.in_transfer_group,
-                 "adapters": dict(r.adapters)}  # fmt: skip
+                {
+                    "engine": r.engine_id,
+                    "weight_version": r.weight_version,
+                    "state": r.state.value,
+                    "stale_reason": r.stale,
+                    "receiving": r.receiving,
+                    "in_transfer_group": r.in_transfer_group,
+                    "adapters": dict(r.adapters),
+                }
                 for r in self.registry.records
             ],
         }
@@ -562,6 +601,7 @@ def _sync_route(request_type: type[WireModel], handler: Callable[[WeightSync, An
         finally:
             sync.await_trainer()
 
+    @takes(request_type)
     async def route(request: web.Request) -> web.Response:
         raw = await request.read()
         body = request_type.parse(parse_json_object(raw) if raw else {})
@@ -572,46 +612,62 @@ def _sync_route(request_type: type[WireModel], handler: Callable[[WeightSync, An
         bookkeeping.add_done_callback(lambda task: task.cancelled() or task.exception())
         return json_response(await asyncio.shield(bookkeeping))
 
+    route.__doc__ = handler.__doc__
     return route
 
 
 async def _init(sync: WeightSync, body: InitRequest) -> dict:
+    """Set up the transfer with every engine of the fleet: the group's rendezvous (gloo, NCCL;
+    the front gives each engine its ranks), or a colocated transport's settings."""
     return await sync.init(body.init_info)
 
 
 async def _start(sync: WeightSync, body: StartRequest) -> dict:
+    """Open an update; ``update_info``, if given, is checked against the checkpoint (nothing is
+    touched yet)."""
     return sync.start(body.update_info)
 
 
 async def _update(sync: WeightSync, body: UpdateRequest) -> dict:
+    """Every engine receives the tensors ``update_info`` names while the trainer sends them;
+    without an open update, start and finish too (``weight_version`` labels it)."""
     return await sync.update(body.update_info, body.weight_version)
 
 
 async def _finish(sync: WeightSync, body: FinishRequest) -> dict:
+    """Every engine serves the new weights under ``weight_version``; ``verify`` (or
+    ``expected_checksums``) holds each to the others' weights."""
     return await sync.finish(body.weight_version, body.verifies, body.expected_checksums)
 
 
 async def _relabel(sync: WeightSync, body: RelabelRequest) -> dict:
+    """Give the weights the fleet serves a new label, without a transfer."""
     return await sync.relabel(body.new_version)
 
 
 async def _check_weights(sync: WeightSync, body: WeightCheckRequest) -> dict:
+    """vLLM's weight checker over the fleet: ``checksum`` (an engine that differs is held out),
+    ``compare`` with a ``baseline``, or ``reset`` (zeroes the weights)."""
     return await sync.check_weights(body)
 
 
 async def _reload(sync: WeightSync, body: WireModel) -> dict:
+    """Every engine loads the checkpoint on disk again, in place (no restart)."""
     return await sync.reload()
 
 
 async def _shutdown(sync: WeightSync, body: WireModel) -> dict:
+    """Every engine leaves the trainer's group."""
     return await sync.shutdown()
 
 
 async def _world_size(request: web.Request) -> web.Response:
+    """The inference side of the transfer group: the fleet's workers (vLLM's answer)."""
     return json_response({"world_size": request.app[WEIGHT_SYNC].worker_count})
 
 
 async def _weight_info(request: web.Request) -> web.Response:
+    """The fleet's weight version, the update's phase, and each engine's version, state and group."""
     return json_response(request.app[WEIGHT_SYNC].info())
 
 

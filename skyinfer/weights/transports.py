@@ -59,12 +59,16 @@ def _wrong_transport(transport: Transport, given: str) -> TransferRefused:
         IPC: "this server is colocated (--colocate): its engines map the trainer's GPU memory through CUDA IPC,"
         " with no process group; init_info takes only packed",
     }[transport]
-    colocate = " (start skyinfer with --colocate for a trainer that shares the engines' devices)" if transport.group else ""
+    colocate = (
+        " (start skyinfer with --colocate for a trainer that shares the engines' devices)" if transport.group else ""
+    )
     return TransferRefused(f"init_info {given}: {how}; push with {transport.trainer}{colocate}", param="init_info")
 
 
 class FrontTransport:
-    def __init__(self, transport: Transport, workers_per_engine: tuple[int, ...], timeout_s: float, allow_pickled_ipc: bool):
+    def __init__(
+        self, transport: Transport, workers_per_engine: tuple[int, ...], timeout_s: float, allow_pickled_ipc: bool
+    ):
         self.transport = transport
         self.workers_per_engine = workers_per_engine
         self.timeout_s = timeout_s
@@ -151,5 +155,6 @@ async def _check_trainer_address(info: GroupInitInfo) -> None:
         await asyncio.get_running_loop().getaddrinfo(info.master_address, info.master_port, type=socket.SOCK_STREAM)
     except (OSError, UnicodeError, ValueError) as exc:
         raise TransferRefused(
-            f"init_info master_address {info.master_address!r} does not resolve: {exc}", param="init_info.master_address"
+            f"init_info master_address {info.master_address!r} does not resolve: {exc}",
+            param="init_info.master_address",
         ) from None
