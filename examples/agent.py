@@ -86,8 +86,10 @@ def main() -> int:
     records = run_episode(client, model, session_id, args.turns, args.max_tokens)
     check(records)
     for r in records:
-        print(f"turn {r['turn']}: engine {r['engine']}, prompt {len(r['prompt_token_ids'])} tokens, "
-              f"sampled {len(r['completion_token_ids'])} tokens")  # fmt: skip
+        print(
+            f"turn {r['turn']}: engine {r['engine']}, prompt {len(r['prompt_token_ids'])} tokens, "
+            f"sampled {len(r['completion_token_ids'])} tokens"
+        )
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"session_id": session_id, "turns": records}, f, indent=1)

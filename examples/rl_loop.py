@@ -59,9 +59,10 @@ async def rollouts(
 ) -> list[dict]:
     async def one(p: int, g: int) -> dict:
         out = await client.generate(
-            prompt_ids[p], {"max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True},
+            prompt_ids[p],
+            {"max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True},
             session_id=f"iter{it}-prompt{p}-sample{g}",
-        )  # fmt: skip
+        )
         choice = out["choices"][0]
         return {
             "prompt": p,
@@ -171,9 +172,15 @@ async def run(args) -> dict:
     trainer = (SharedMemoryTrainer if args.colocate else GlooTrainer)(args.url, admin_key=admin_key)
     await asyncio.to_thread(trainer.init)
     loop = Loop(
-        args, client, trainer, policy, torch.optim.Adam(policy.parameters(), lr=args.lr),
-        [await client.tokenize(p) for p in PROMPTS[: args.prompts]], policy.config.vocab_size, served_dtype,
-    )  # fmt: skip
+        args,
+        client,
+        trainer,
+        policy,
+        torch.optim.Adam(policy.parameters(), lr=args.lr),
+        [await client.tokenize(p) for p in PROMPTS[: args.prompts]],
+        policy.config.vocab_size,
+        served_dtype,
+    )
     step = loop.colocated_step if args.colocate else loop.separate_step
     version = (await client.weight_info())["weight_version"] or "as-loaded"
     summary = {"iterations": [], "versions_seen": []}
@@ -187,8 +194,11 @@ async def run(args) -> dict:
         version = f"step-{it + 1}"
         mean_reward, loss, timings = await step(samples, it, version)
         timings = {"rollout": rolled_out - started, **timings}
-        print(f"iter {it}: reward {mean_reward:.3f} loss {loss:+.4f} | "
-              + " ".join(f"{k} {v * 1000:.0f}ms" for k, v in timings.items()), flush=True)  # fmt: skip
+        print(
+            f"iter {it}: reward {mean_reward:.3f} loss {loss:+.4f} | "
+            + " ".join(f"{k} {v * 1000:.0f}ms" for k, v in timings.items()),
+            flush=True,
+        )
         summary["iterations"].append({"reward": mean_reward, "loss": loss, "seconds": timings})
         summary["versions_seen"].append(sorted(seen))
 
@@ -218,8 +228,13 @@ def main() -> int:
     p = loop_arguments(__doc__.split("\n\n")[0])
     p.add_argument("--straggler-tokens", type=int, default=1024)
     p.add_argument("--colocate", action="store_true", help="the server runs with --colocate: sleep, train, wake, push")
-    p.add_argument("--sleep-level", type=int, default=2, choices=[1, 2],
-                   help="colocated: 2 discards the engines' weights while they sleep (the push brings them back)")  # fmt: skip
+    p.add_argument(
+        "--sleep-level",
+        type=int,
+        default=2,
+        choices=[1, 2],
+        help="colocated: 2 discards the engines' weights while they sleep (the push brings them back)",
+    )
     args = p.parse_args()
     summary = asyncio.run(run(args))
     print(json.dumps(summary))

@@ -35,8 +35,14 @@ async def rollouts(
     http: aiohttp.ClientSession, url: str, adapter: str, prompt_ids, group: int, max_tokens: int, it: int
 ):
     async def one(p: int, g: int) -> dict:
-        body = {"model": adapter, "prompt": prompt_ids[p], "max_tokens": max_tokens, "temperature": 1.0,
-                "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+        body = {
+            "model": adapter,
+            "prompt": prompt_ids[p],
+            "max_tokens": max_tokens,
+            "temperature": 1.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
         async with http.post(f"{url}/v1/completions", json=body, headers={"X-Session-ID": f"lora-{it}-{p}-{g}"}) as r:
             r.raise_for_status()
             out = await r.json()
@@ -84,8 +90,11 @@ async def run(args) -> dict:
             await client.resume()
             t3 = time.perf_counter()
             timings = {"rollout": t1 - t0, "train": t2 - t1, "pause+push+resume": t3 - t2}
-            print(f"iter {it}: reward {mean_reward:.3f} loss {loss:+.4f} | "
-                  + " ".join(f"{k} {v * 1000:.0f}ms" for k, v in timings.items()), flush=True)  # fmt: skip
+            print(
+                f"iter {it}: reward {mean_reward:.3f} loss {loss:+.4f} | "
+                + " ".join(f"{k} {v * 1000:.0f}ms" for k, v in timings.items()),
+                flush=True,
+            )
             summary["iterations"].append({"reward": mean_reward, "loss": loss, "seconds": timings})
             summary["versions_seen"].append(sorted(seen))
         final = await rollouts(http, args.url, args.adapter, prompt_ids, 1, args.max_tokens, args.iterations)

@@ -47,9 +47,14 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
         default = os.environ.get(option.env) if option.env else field.default
         shown = f"${option.env}" if option.env else field.default
         group.add_argument(
-            *flags, dest=field.name, default=default, type=_ARG_TYPES[field.type], choices=option.choices,
-            metavar=option.metavar, help=f"{option.help} (default: {shown})",
-        )  # fmt: skip
+            *flags,
+            dest=field.name,
+            default=default,
+            type=_ARG_TYPES[field.type],
+            choices=option.choices,
+            metavar=option.metavar,
+            help=f"{option.help} (default: {shown})",
+        )
     return p
 
 
@@ -126,12 +131,19 @@ def format_engine_table(engines: list[dict], fleet_version: str | None) -> str:
     rows = [header]
     for e in engines:
         devices = e["devices"]
-        rows.append((
-            str(e["id"]), e["state"], f"{devices['kind']}:{','.join(map(str, devices['ids']))}",
-            str(e["weight_version"]), str(e["in_flight"]), str(e.get("unfinished_requests", "")),
-            "-" if (rate := e.get("prefix_cache_hit_rate")) is None else f"{rate:.0%}",
-            str(e.get("restarts", 0)), str(e["pid"]),
-        ))  # fmt: skip
+        rows.append(
+            (
+                str(e["id"]),
+                e["state"],
+                f"{devices['kind']}:{','.join(map(str, devices['ids']))}",
+                str(e["weight_version"]),
+                str(e["in_flight"]),
+                str(e.get("unfinished_requests", "")),
+                "-" if (rate := e.get("prefix_cache_hit_rate")) is None else f"{rate:.0%}",
+                str(e.get("restarts", 0)),
+                str(e["pid"]),
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines.append(f"fleet weight version: {fleet_version or 'as loaded'}")

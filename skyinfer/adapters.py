@@ -107,8 +107,9 @@ def _read_adapter_dir(path: str) -> tuple[dict, dict[str, tuple[int, ...]]]:
         found = ", ".join(sorted(p.name for p in directory.iterdir())[:10]) or "nothing"
         raise AdapterError(
             f"lora_path {path!r} has no {ADAPTER_WEIGHTS_FILE} (found: {found}); adapters are loaded from "
-            "safetensors only, never from pickled .bin files", param="lora_path",
-        )  # fmt: skip
+            "safetensors only, never from pickled .bin files",
+            param="lora_path",
+        )
     try:
         config = json.loads((directory / ADAPTER_CONFIG_FILE).read_text())
         shapes = safetensors_shapes(weights)
@@ -250,8 +251,11 @@ class AdapterFleet:
 
     async def _load_on(self, record: EngineRecord, name: str, adapter: Adapter) -> EngineReply:
         reply = await call_engine(
-            record, "/adapters/load", timeout_s=self.timeout_s, body={"lora_name": name, "lora_path": adapter.path_for(record.engine_id)}
-        )  # fmt: skip
+            record,
+            "/adapters/load",
+            timeout_s=self.timeout_s,
+            body={"lora_name": name, "lora_path": adapter.path_for(record.engine_id)},
+        )
         if reply.ok:
             record.adapters[name] = adapter.version
         return reply

@@ -41,9 +41,12 @@ def build_registry(config: ServeConfig, kind: str, socket_dir: str) -> EngineReg
         for i, plan in enumerate(plans)
     ]
     router = SessionRouter(
-        config.max_sessions, config.session_idle_ttl_s, config.session_rebalance_factor,
-        config.group_prefix_chars, config.group_slack,
-    )  # fmt: skip
+        config.max_sessions,
+        config.session_idle_ttl_s,
+        config.session_rebalance_factor,
+        config.group_prefix_chars,
+        config.group_slack,
+    )
     return EngineRegistry(records, router, config.hold_requests_s)
 
 
@@ -66,17 +69,23 @@ def create_app(config: ServeConfig) -> web.Application:
     app[METRICS] = metrics
     app[CONTROL] = ControlPlane(registry, config.control_timeout_s)
     transport = FrontTransport(
-        transport_for(kind, config.colocate), (config.workers_per_engine,) * config.engines,
-        config.weight_transfer_timeout_s, config.allow_pickled_ipc,
-    )  # fmt: skip
+        transport_for(kind, config.colocate),
+        (config.workers_per_engine,) * config.engines,
+        config.weight_transfer_timeout_s,
+        config.allow_pickled_ipc,
+    )
     app[WEIGHT_SYNC] = WeightSync(
         registry, transport, config.model, config.weight_transfer_timeout_s, supervisor.restart_in_background, metrics
     )
     adapter_dir = config.adapter_dir or tempfile.mkdtemp(prefix="skyinfer-adapters-")
     app[ADAPTERS] = AdapterFleet(
-        registry, app[WEIGHT_SYNC], config.model, adapter_dir, config.weight_transfer_timeout_s,
+        registry,
+        app[WEIGHT_SYNC],
+        config.model,
+        adapter_dir,
+        config.weight_transfer_timeout_s,
         supervisor.restart_in_background,
-    )  # fmt: skip
+    )
     # A new engine process takes the fleet's state, adapters and weight transfer before it serves.
     supervisor.before_serving = [app[CONTROL].bring_to_intent, app[ADAPTERS].restore, app[WEIGHT_SYNC].rejoin]
 

@@ -51,9 +51,12 @@ class ServeConfig:
     model: str
     engines: int = _option(1, "number of engine processes", metavar="N", validator=_at_least_one)
     tensor_parallel_size: int = _option(
-        1, "GPUs (or CPU workers) per engine for tensor parallelism", metavar="TP", aliases=("-tp",),
+        1,
+        "GPUs (or CPU workers) per engine for tensor parallelism",
+        metavar="TP",
+        aliases=("-tp",),
         validator=_at_least_one,
-    )  # fmt: skip
+    )
     pipeline_parallel_size: int = _option(
         1, "pipeline stages per engine", metavar="PP", aliases=("-pp",), validator=_at_least_one
     )
@@ -63,10 +66,11 @@ class ServeConfig:
     engine_args: tuple[str, ...] = ()
     device: str = _option("auto", "auto: cuda if nvidia-ml-py sees GPUs, else cpu", choices=("auto", "cuda", "cpu"))
     colocate: bool = _option(
-        False, "the trainer shares the engines' devices: engines sleep while it trains (sleep mode, and on GPUs "
+        False,
+        "the trainer shares the engines' devices: engines sleep while it trains (sleep mode, and on GPUs "
         f"--gpu-memory-utilization {COLOCATED_GPU_MEMORY_UTILIZATION} unless given) and take weights from its memory "
         "(CUDA IPC on GPUs, shared memory on CPU) instead of a process group",
-    )  # fmt: skip
+    )
     # vLLM's VLLM_CPU_KVCACHE_SPACE; unused on GPU.
     cpu_kvcache_gib: int = _option(1, "KV cache per engine on CPU, GiB", metavar="GIB")
     engine_start_timeout_s: float = _option(600.0, "seconds an engine may take to start", metavar="SECONDS")
@@ -82,13 +86,18 @@ class ServeConfig:
     restart_backoff_s: float = 1.0
     restart_backoff_max_s: float = 60.0
     restart_window_s: float = _option(
-        300.0, "an engine that stays up this long after a restart has its failed restarts forgotten",
-        metavar="SECONDS", validator=attrs.validators.gt(0),
-    )  # fmt: skip
+        300.0,
+        "an engine that stays up this long after a restart has its failed restarts forgotten",
+        metavar="SECONDS",
+        validator=attrs.validators.gt(0),
+    )
     max_restarts: int = _option(
-        5, "an engine that needs more restarts in a row than N (none of them staying up --restart-window) is "
-        "retired: out of the fleet until POST /engines/{id}/restart", metavar="N", validator=attrs.validators.ge(0),
-    )  # fmt: skip
+        5,
+        "an engine that needs more restarts in a row than N (none of them staying up --restart-window) is "
+        "retired: out of the fleet until POST /engines/{id}/restart",
+        metavar="N",
+        validator=attrs.validators.ge(0),
+    )
     # Per-call timeout for the front's short calls to an engine (status views, start-up polling).
     engine_probe_timeout_s: float = 5.0
     # Liveness probe of every running engine: health_failures probes in a row
@@ -115,66 +124,105 @@ class ServeConfig:
     # Sticky sessions remembered at once; the oldest are forgotten first.
     max_sessions: int = 100_000
     session_idle_ttl_s: float = _option(
-        3600.0, "a session unused this long loses its engine binding (0: never); POST /finish_session ends one",
-        metavar="SECONDS", validator=attrs.validators.ge(0),
-    )  # fmt: skip
+        3600.0,
+        "a session unused this long loses its engine binding (0: never); POST /finish_session ends one",
+        metavar="SECONDS",
+        validator=attrs.validators.ge(0),
+    )
     session_rebalance_factor: float = _option(
-        2.0, "a session moves to the least-loaded engine at its next request when its own engine has more than "
-        "FACTOR x (that one's + 1) requests in flight (0: never)", metavar="FACTOR", validator=_never_or_at_least_one,
-    )  # fmt: skip
+        2.0,
+        "a session moves to the least-loaded engine at its next request when its own engine has more than "
+        "FACTOR x (that one's + 1) requests in flight (0: never)",
+        metavar="FACTOR",
+        validator=_never_or_at_least_one,
+    )
     group_prefix_chars: int = _option(
-        1024, "requests without a session whose prompts' first CHARS characters match (a GRPO group's samples) go "
-        "to the same engine while it is not overloaded (0: no group affinity)", metavar="CHARS",
+        1024,
+        "requests without a session whose prompts' first CHARS characters match (a GRPO group's samples) go "
+        "to the same engine while it is not overloaded (0: no group affinity)",
+        metavar="CHARS",
         validator=attrs.validators.ge(0),
-    )  # fmt: skip
+    )
     group_slack: int = _option(
-        8, "a prompt group leaves its engine when that one has more than N requests in flight beyond the "
-        "least-loaded engine's", metavar="N", validator=attrs.validators.ge(0),
-    )  # fmt: skip
-    engine_connections: int = _option(
-        4096, "requests sent to one engine at once; more wait in the front for a connection", metavar="N",
-        validator=_at_least_one,
-    )  # fmt: skip
-    hold_requests_s: float = _option(
-        60.0, "a request that finds no engine serving (all restarting, or stale until the next push) waits up to "
-        "this long for one, then gets 503 with Retry-After", metavar="SECONDS", validator=attrs.validators.ge(0),
-    )  # fmt: skip
-    engine_queue_limit: int = _option(
-        0, "requests that may wait per engine before new ones get 503 with Retry-After (0: no cap)", metavar="N",
+        8,
+        "a prompt group leaves its engine when that one has more than N requests in flight beyond the "
+        "least-loaded engine's",
+        metavar="N",
         validator=attrs.validators.ge(0),
-    )  # fmt: skip
+    )
+    engine_connections: int = _option(
+        4096,
+        "requests sent to one engine at once; more wait in the front for a connection",
+        metavar="N",
+        validator=_at_least_one,
+    )
+    hold_requests_s: float = _option(
+        60.0,
+        "a request that finds no engine serving (all restarting, or stale until the next push) waits up to "
+        "this long for one, then gets 503 with Retry-After",
+        metavar="SECONDS",
+        validator=attrs.validators.ge(0),
+    )
+    engine_queue_limit: int = _option(
+        0,
+        "requests that may wait per engine before new ones get 503 with Retry-After (0: no cap)",
+        metavar="N",
+        validator=attrs.validators.ge(0),
+    )
     # SIGTERM / Ctrl-C: in-flight requests, then the engines' clean exit, must all fit in it.
     shutdown_grace_s: float = _option(
-        30.0, "on SIGTERM/Ctrl-C: seconds for in-flight requests to finish and engines to exit", metavar="SECONDS",
+        30.0,
+        "on SIGTERM/Ctrl-C: seconds for in-flight requests to finish and engines to exit",
+        metavar="SECONDS",
         validator=attrs.validators.gt(0),
-    )  # fmt: skip
+    )
     # The API key guards the data plane, the admin key control and weight
     # routes (the API key too when no admin key is set).
     api_key: str | None = attrs.field(
-        default=None, repr=False,
-        metadata={CLI: CliOption("Bearer key for the OpenAI routes (none: open)", metavar="KEY",
-                                 env="SKYINFER_API_KEY", group="security")},
-    )  # fmt: skip
+        default=None,
+        repr=False,
+        metadata={
+            CLI: CliOption(
+                "Bearer key for the OpenAI routes (none: open)", metavar="KEY", env="SKYINFER_API_KEY", group="security"
+            )
+        },
+    )
     admin_key: str | None = attrs.field(
-        default=None, repr=False,
-        metadata={CLI: CliOption("Bearer key for control, weight and engine routes (none: the API key)", metavar="KEY",
-                                 env="SKYINFER_ADMIN_KEY", group="security")},
-    )  # fmt: skip
+        default=None,
+        repr=False,
+        metadata={
+            CLI: CliOption(
+                "Bearer key for control, weight and engine routes (none: the API key)",
+                metavar="KEY",
+                env="SKYINFER_ADMIN_KEY",
+                group="security",
+            )
+        },
+    )
     allow_collective_rpc: tuple[str, ...] = attrs.field(
-        default=(), converter=tuple,
-        metadata={CLI: CliOption("a worker method POST /collective_rpc may run on every engine (repeat the flag for "
-                                 "more; none: the route is refused, as it runs arbitrary code)", metavar="METHOD",
-                                 group="security")},
-    )  # fmt: skip
+        default=(),
+        converter=tuple,
+        metadata={
+            CLI: CliOption(
+                "a worker method POST /collective_rpc may run on every engine (repeat the flag for "
+                "more; none: the route is refused, as it runs arbitrary code)",
+                metavar="METHOD",
+                group="security",
+            )
+        },
+    )
     allow_pickled_ipc: bool = _option(
-        False, "take vLLM's own IPC trainer's updates, whose CUDA IPC handles come pickled (ipc_handles_pickled); "
+        False,
+        "take vLLM's own IPC trainer's updates, whose CUDA IPC handles come pickled (ipc_handles_pickled); "
         "the engines then unpickle what an admin caller sends, as vLLM's VLLM_ALLOW_INSECURE_SERIALIZATION=1 does. "
-        "Needs --colocate, and --admin-key unless the server listens on loopback only", group="security",
-    )  # fmt: skip
-    allow_unauthenticated_admin: bool = _option(
-        False, "allow a non-loopback --host without an admin key (only on a network that is yours alone)",
+        "Needs --colocate, and --admin-key unless the server listens on loopback only",
         group="security",
-    )  # fmt: skip
+    )
+    allow_unauthenticated_admin: bool = _option(
+        False,
+        "allow a non-loopback --host without an admin key (only on a network that is yours alone)",
+        group="security",
+    )
 
     def __attrs_post_init__(self) -> None:
         check_bind(self.host, self.admin_key, self.allow_unauthenticated_admin)

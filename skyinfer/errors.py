@@ -61,9 +61,14 @@ class ApiError(Exception):
     code: str | None = None
 
     def __init__(
-        self, message: str, *, status: int | None = None, param: str | None = None, details: dict | None = None,
+        self,
+        message: str,
+        *,
+        status: int | None = None,
+        param: str | None = None,
+        details: dict | None = None,
         code: str | None = None,
-    ):  # fmt: skip
+    ):
         super().__init__(message)
         if status is not None:
             self.status = status

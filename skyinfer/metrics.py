@@ -63,9 +63,10 @@ class _EngineCollector:
             labels=["engine"],
         )
         retried = CounterMetricFamily(
-            "skyinfer_engine_requests_retried", "requests sent to another engine because this one died under them",
+            "skyinfer_engine_requests_retried",
+            "requests sent to another engine because this one died under them",
             labels=["engine"],
-        )  # fmt: skip
+        )
         for r in self.registry.records:
             engine = str(r.engine_id)
             for s in EngineState:
@@ -89,13 +90,18 @@ class ServiceMetrics:
             "skyinfer_requests", "HTTP requests answered", ["route", "engine", "status"], registry=self.prom
         )
         self.latency = prometheus_client.Histogram(
-            "skyinfer_request_duration_seconds", "time to the end of the answer (streams included)", ["route"],
-            buckets=_LATENCY_BUCKETS, registry=self.prom,
-        )  # fmt: skip
+            "skyinfer_request_duration_seconds",
+            "time to the end of the answer (streams included)",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.prom,
+        )
         self.push_seconds = prometheus_client.Histogram(
-            "skyinfer_weight_update_duration_seconds", "completed weight pushes, first transfer call to finish",
-            buckets=_PUSH_BUCKETS, registry=self.prom,
-        )  # fmt: skip
+            "skyinfer_weight_update_duration_seconds",
+            "completed weight pushes, first transfer call to finish",
+            buckets=_PUSH_BUCKETS,
+            registry=self.prom,
+        )
         self.push_failures = prometheus_client.Counter(
             "skyinfer_weight_update_failures", "weight pushes that failed on some engine", registry=self.prom
         )

@@ -201,8 +201,9 @@ def _previous_response_engine(registry: EngineRegistry, body: bytes, session_id:
         raise ApiError(
             f"session {session_id!r} is on engine {bound}, but previous_response_id {previous!r} is stored on"
             f" engine {engine}, the only one that can continue it: drop the session id or start a new chain",
-            status=409, param="previous_response_id",
-        )  # fmt: skip
+            status=409,
+            param="previous_response_id",
+        )
     return engine
 
 
@@ -223,9 +224,12 @@ async def _send(
             # Picked afresh each time: a session stays on its engine while that
             # one serves; a request without a session may go to another.
             engine = await registry.pick_held(
-                session_id=target.session_id, exclude=exclude, group_key=target.group, adapter=target.adapter,
+                session_id=target.session_id,
+                exclude=exclude,
+                group_key=target.group,
+                adapter=target.adapter,
                 pinned=target.pinned,
-            )  # fmt: skip
+            )
             async with engine.in_flight():
                 return await _relay(
                     request, engine, body, headers, {**retried, **_version_header(engine, target.adapter)}

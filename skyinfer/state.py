@@ -549,8 +549,9 @@ class EngineRegistry:
         if pinned is not None:
             live = [r for r in live if r.engine_id == pinned]
             if not live:
-                raise NoEngineAvailable(f"engine {pinned}, which stores the previous response, is "
-                                        f"{self.records[pinned].state.value}")  # fmt: skip
+                raise NoEngineAvailable(
+                    f"engine {pinned}, which stores the previous response, is {self.records[pinned].state.value}"
+                )
             return live[0]
         if not live:
             states = ", ".join(

@@ -47,16 +47,30 @@ class EngineProcess:
     def argv(self, lifeline_fd: int) -> list[str]:
         c = self.config
         vllm_args = [
-            "--model", c.model,
+            "--model",
+            c.model,
             # Imported by vLLM in every worker: registers the gloo weight-transfer backend.
-            "--worker-extension-cls", EXTENSION_PATH,
-            "--tensor-parallel-size", str(c.tensor_parallel_size),
-            "--pipeline-parallel-size", str(c.pipeline_parallel_size),
-            *platform_engine_args(self.record.devices.kind, c.engine_args, c.colocate, COLOCATED_GPU_MEMORY_UTILIZATION),
+            "--worker-extension-cls",
+            EXTENSION_PATH,
+            "--tensor-parallel-size",
+            str(c.tensor_parallel_size),
+            "--pipeline-parallel-size",
+            str(c.pipeline_parallel_size),
+            *platform_engine_args(
+                self.record.devices.kind, c.engine_args, c.colocate, COLOCATED_GPU_MEMORY_UTILIZATION
+            ),
             *c.engine_args,
-        ]  # fmt: skip
-        own = ["--socket", self.record.socket_path, "--lifeline-fd", str(lifeline_fd),
-               "--output-tail", self.output_tail, "--log-prefix", f"[engine {self.record.engine_id}] "]  # fmt: skip
+        ]
+        own = [
+            "--socket",
+            self.record.socket_path,
+            "--lifeline-fd",
+            str(lifeline_fd),
+            "--output-tail",
+            self.output_tail,
+            "--log-prefix",
+            f"[engine {self.record.engine_id}] ",
+        ]
         if self.record.devices.kind == "cpu":
             own += ["--cpus", ",".join(str(core) for core in self.record.devices.ids)]
         return [*c.engine_command, *own, "--", *vllm_args]
@@ -200,9 +214,11 @@ class Supervisor:
         if task.cancelled() or task.exception() is None:
             return
         log.error(
-            "engine %d: supervision task %s failed", process.record.engine_id, task.get_coro().__qualname__,
+            "engine %d: supervision task %s failed",
+            process.record.engine_id,
+            task.get_coro().__qualname__,
             exc_info=task.exception(),
-        )  # fmt: skip
+        )
         self._declare_dead(process, "its supervision failed")
 
     def _declare_dead(self, process: EngineProcess, reason: str) -> None:
@@ -317,8 +333,11 @@ class Supervisor:
         code = await proc.wait()
         record = process.record
         if proc is process.proc and record.lifecycle not in (
-            Lifecycle.STOPPING, Lifecycle.STOPPED, Lifecycle.DEAD, Lifecycle.RESTARTING
-        ):  # fmt: skip
+            Lifecycle.STOPPING,
+            Lifecycle.STOPPED,
+            Lifecycle.DEAD,
+            Lifecycle.RESTARTING,
+        ):
             self._declare_dead(process, f"process {proc.pid} exited with code {code}")
 
     async def _revive(self, process: EngineProcess) -> None:
@@ -333,9 +352,13 @@ class Supervisor:
         if process.crashes >= self.config.max_restarts:
             log.error(
                 "engine %d: retired: it needed %d restarts in a row (--max-restarts %d), none staying up %.0fs; "
-                "POST /engines/%d/restart brings it back", record.engine_id, process.crashes + 1,
-                self.config.max_restarts, self.config.restart_window_s, record.engine_id,
-            )  # fmt: skip
+                "POST /engines/%d/restart brings it back",
+                record.engine_id,
+                process.crashes + 1,
+                self.config.max_restarts,
+                self.config.restart_window_s,
+                record.engine_id,
+            )
             self.registry.set_lifecycle(record, Lifecycle.RETIRED)
             return
         delay = min(self.config.restart_backoff_max_s, self.config.restart_backoff_s * 2**process.crashes)

@@ -105,8 +105,9 @@ async def _collective_rpc(request: web.Request) -> web.Response:
         raise ApiError(
             f"/collective_rpc runs arbitrary methods in every worker; {method!r} is not on the allow-list ({hint}). "
             f"Start skyinfer with --allow-collective-rpc {method} to allow it.",
-            status=403, param="method",
-        )  # fmt: skip
+            status=403,
+            param="method",
+        )
     outcomes = await request.app[CONTROL].apply("collective_rpc", body=body)
     return aggregate("collective_rpc", outcomes, {"status": "done"})
 

@@ -19,10 +19,11 @@ from support import keyed_one_engine, restore_checkpoint, running, two_float32_e
 
 def pytest_addoption(parser) -> None:
     parser.addoption(
-        "--fuzz-full", action="store_true",
+        "--fuzz-full",
+        action="store_true",
         help="fuzz with the whole corpus (35,925 bodies on the shared server; .ci/run does); by default a tenth"
         " of it, drawn from the same seeded generator",
-    )  # fmt: skip
+    )
 
 
 @pytest.fixture(scope="session")

@@ -69,8 +69,12 @@ def sessions_per_engine(server, model_name) -> dict[int, str]:
     engines = len(server.engines())
     found: dict[int, str] = {}
     for i in range(20):
-        r = httpx.post(f"{server.url}/v1/completions", json={"model": model_name, "prompt": "x", "max_tokens": 1},
-                       headers={"X-Session-ID": f"ws-{i}"}, timeout=60)  # fmt: skip
+        r = httpx.post(
+            f"{server.url}/v1/completions",
+            json={"model": model_name, "prompt": "x", "max_tokens": 1},
+            headers={"X-Session-ID": f"ws-{i}"},
+            timeout=60,
+        )
         found.setdefault(engine_of(r), f"ws-{i}")
     assert set(found) == set(range(engines))
     return found

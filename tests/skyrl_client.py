@@ -45,17 +45,32 @@ async def main(url: str, model: str) -> dict:
     ids = await call("tokenize", client.tokenize(["Hello there", "RL"]))
     await call("detokenize", client.detokenize([ids[0]]))
     greedy = {"max_tokens": 5, "temperature": 0, "logprobs": 0, "ignore_eos": True}
-    await call("generate", client.generate(
-        {"prompt_token_ids": [ids[0], ids[0]], "sampling_params": greedy, "session_ids": ["skyrl-a", "skyrl-b"]}
-    ))  # fmt: skip
-    await call("sample", client.sample({"json": {
-        "prompt": {"chunks": [{"type": "encoded_text", "tokens": ids[0]}]}, "num_samples": 2,
-        "sampling_params": {"max_tokens": 4, "temperature": 1.0}, "session_id": "skyrl-c",
-        "include_prompt_logprobs": True,
-    }}))  # fmt: skip
-    await call("chat_completion", client.chat_completion(
-        {"json": {"messages": chat, "max_tokens": 4, "ignore_eos": True, "session_id": "skyrl-a"}}
-    ))  # fmt: skip
+    await call(
+        "generate",
+        client.generate(
+            {"prompt_token_ids": [ids[0], ids[0]], "sampling_params": greedy, "session_ids": ["skyrl-a", "skyrl-b"]}
+        ),
+    )
+    await call(
+        "sample",
+        client.sample(
+            {
+                "json": {
+                    "prompt": {"chunks": [{"type": "encoded_text", "tokens": ids[0]}]},
+                    "num_samples": 2,
+                    "sampling_params": {"max_tokens": 4, "temperature": 1.0},
+                    "session_id": "skyrl-c",
+                    "include_prompt_logprobs": True,
+                }
+            }
+        ),
+    )
+    await call(
+        "chat_completion",
+        client.chat_completion(
+            {"json": {"messages": chat, "max_tokens": 4, "ignore_eos": True, "session_id": "skyrl-a"}}
+        ),
+    )
     render = {"json": {"messages": chat, "session_id": "skyrl-a"}}
     await call("render_chat_completion", client.render_chat_completion(render))
     await call("completion", client.completion({"json": {"prompt": "Hello", "max_tokens": 4, "ignore_eos": True}}))

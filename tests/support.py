@@ -42,9 +42,12 @@ class ChildProcess:
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 (the child writes it for its whole life; stop() closes it)
         self.proc = subprocess.Popen(
-            argv, stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=preexec_fn,
+            argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=preexec_fn,
             env=None if env is None else {**os.environ, **env},
-        )  # fmt: skip
+        )
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout_s
@@ -93,8 +96,19 @@ class ServerProcess(ChildProcess):
         self.model = str(model)
         # What the tests' own status calls send; the server gets its keys through extra_args.
         self.admin_headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
-        argv = [sys.executable, "-m", "skyinfer", "serve", "--model", self.model, "--engines", str(engines),
-                "--port", str(port), *extra_args]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "skyinfer",
+            "serve",
+            "--model",
+            self.model,
+            "--engines",
+            str(engines),
+            "--port",
+            str(port),
+            *extra_args,
+        ]
         # Like `taskset -c`: the server plans its engines on the cores it may use.
         super().__init__(
             argv, log_path, port, preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None, env=env
@@ -112,16 +126,28 @@ def two_float32_engines(model: Path, log_path: Path) -> ServerProcess:
     """The shared server's kind: two engines in float32, so that greedy tokens
     compared across batch shapes do not flip on bf16 rounding."""
     return ServerProcess(
-        model, engines=2, log_path=log_path,
-        extra_args=("--allow-collective-rpc", COLLECTIVE_RPC_ALLOWED, "--dtype", "float32",
-                    # Faults that leave no engine serving are answered 503 after a second's hold.
-                    "--hold-requests", "1",
-                    # What clients' features need of vLLM: tool_choice="auto" (the openai SDK, agent
-                    # harnesses) and TRL's default prompt_logprobs=100.
-                    "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--max-logprobs", str(MAX_LOGPROBS)),
+        model,
+        engines=2,
+        log_path=log_path,
+        extra_args=(
+            "--allow-collective-rpc",
+            COLLECTIVE_RPC_ALLOWED,
+            "--dtype",
+            "float32",
+            # Faults that leave no engine serving are answered 503 after a second's hold.
+            "--hold-requests",
+            "1",
+            # What clients' features need of vLLM: tool_choice="auto" (the openai SDK, agent
+            # harnesses) and TRL's default prompt_logprobs=100.
+            "--enable-auto-tool-choice",
+            "--tool-call-parser",
+            "hermes",
+            "--max-logprobs",
+            str(MAX_LOGPROBS),
+        ),
         # vLLM keeps Responses API answers (for GET /v1/responses/{id}) only when told to.
         env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"},
-    )  # fmt: skip
+    )
 
 
 # The one worker method the shared server lets /collective_rpc run: a harmless getter of skyinfer's.
@@ -140,9 +166,12 @@ def keyed_one_engine(model: Path, log_path: Path) -> ServerProcess:
     """One engine behind keys and a 1 MiB body limit: the security tests' server, and the
     load tests' (every one of their requests passes the key check)."""
     return ServerProcess(
-        model, engines=1, log_path=log_path, admin_key=ADMIN_KEY,
+        model,
+        engines=1,
+        log_path=log_path,
+        admin_key=ADMIN_KEY,
         extra_args=("--api-key", API_KEY, "--admin-key", ADMIN_KEY, "--max-request-mb", "1"),
-    )  # fmt: skip
+    )
 
 
 @contextlib.contextmanager

@@ -28,13 +28,15 @@ async def test_data_plane_methods(server, model_name):
         chat_ids = await client.tokenize(messages=chat, add_generation_prompt=True)
         assert len(chat_ids) > len(await client.tokenize("hi there"))
 
-        out = await client.generate(ids, {"max_tokens": 6, "temperature": 0, "logprobs": 1, "ignore_eos": True},
-                                    session_id="client-generate")  # fmt: skip
+        out = await client.generate(
+            ids, {"max_tokens": 6, "temperature": 0, "logprobs": 1, "ignore_eos": True}, session_id="client-generate"
+        )
         choice = out["choices"][0]
         assert len(choice["token_ids"]) == 6 and len(choice["logprobs"]["content"]) == 6
         # The same greedy request through the text route gives the same tokens.
-        done = await client.complete(ids, max_tokens=6, temperature=0, ignore_eos=True, return_token_ids=True,
-                                     session_id="client-generate")  # fmt: skip
+        done = await client.complete(
+            ids, max_tokens=6, temperature=0, ignore_eos=True, return_token_ids=True, session_id="client-generate"
+        )
         assert done["choices"][0]["token_ids"] == choice["token_ids"]
         reply = await client.chat(chat, max_tokens=5, ignore_eos=True, return_token_ids=True, session_id="client-chat")
         assert len(reply["choices"][0]["token_ids"]) == reply["usage"]["completion_tokens"] == 5
@@ -99,8 +101,9 @@ def _rollout_in_child(client: AsyncClient, prompt_ids: list[int]) -> dict:
     """Runs in a worker process: the unpickled client makes its own connections there."""
 
     async def rollout() -> dict:
-        out = await client.generate(prompt_ids, {"max_tokens": 5, "temperature": 0, "ignore_eos": True},
-                                    session_id="child-session")  # fmt: skip
+        out = await client.generate(
+            prompt_ids, {"max_tokens": 5, "temperature": 0, "ignore_eos": True}, session_id="child-session"
+        )
         states = [e["state"] for e in await client.engines()]
         await client.aclose()
         return {"pid": os.getpid(), "tokens": out["choices"][0]["token_ids"], "states": states}
@@ -133,9 +136,11 @@ async def test_two_thousand_concurrent_requests(server):
     n = 2000
     async with AsyncClient(server.url) as client:
         results = await asyncio.gather(
-            *(client.generate([5 + i % 100, 6, 7], {"max_tokens": 4, "ignore_eos": True}, session_id=f"many-{i % 64}")
-              for i in range(n))
-        )  # fmt: skip
+            *(
+                client.generate([5 + i % 100, 6, 7], {"max_tokens": 4, "ignore_eos": True}, session_id=f"many-{i % 64}")
+                for i in range(n)
+            )
+        )
     assert all(len(r["choices"][0]["token_ids"]) == 4 for r in results)
     after = scrape(server)
     per_engine = [

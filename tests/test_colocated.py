@@ -43,14 +43,26 @@ ABORTED = "a weight update was aborted"
 @pytest.fixture(scope="module")
 def colocated(demo_model, tmp_path_factory):
     srv = ServerProcess(
-        demo_model, engines=2, log_path=tmp_path_factory.mktemp("colocated") / "server.log",
+        demo_model,
+        engines=2,
+        log_path=tmp_path_factory.mktemp("colocated") / "server.log",
         # float32 for logprobs compared with transformers' float32 forward; a short transfer
         # timeout for the hung-engine case; probes fast enough for a test.
-        extra_args=("--colocate", "--dtype", "float32", "--weight-transfer-timeout", "15",
-                    "--health-interval", "1", "--health-timeout", "4",
-                    # A request no engine can serve (stale after a level-2 sleep) is answered after a second.
-                    "--hold-requests", "1"),
-    )  # fmt: skip
+        extra_args=(
+            "--colocate",
+            "--dtype",
+            "float32",
+            "--weight-transfer-timeout",
+            "15",
+            "--health-interval",
+            "1",
+            "--health-timeout",
+            "4",
+            # A request no engine can serve (stale after a level-2 sleep) is answered after a second.
+            "--hold-requests",
+            "1",
+        ),
+    )
     with running(srv):
         yield srv
 
@@ -124,9 +136,21 @@ def test_skyrl_colocated_syncs_at_levels_1_and_2_say_what_vllm_says(colocated, d
     for level in (1, 2):
         weights, path, version = pushes.next()
         done = subprocess.run(
-            [sys.executable, str(SKYRL_CLIENT), colocated.url, colocated.model, "--colocated", str(level), str(path),
-             version, sockets], capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
+            [
+                sys.executable,
+                str(SKYRL_CLIENT),
+                colocated.url,
+                colocated.model,
+                "--colocated",
+                str(level),
+                str(path),
+                version,
+                sockets,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert done.returncode == 0, done.stdout + done.stderr
         steps = json.loads(done.stdout.strip().splitlines()[-1])
         for step in steps:
@@ -181,8 +205,13 @@ async def test_a_push_into_running_engines_holds_their_requests(colocated, demo_
     before = [(e["pid"], e["restarts"]) for e in engines(colocated)]
     old_version = engines(colocated)[0]["weight_version"]
     tokens = 1500
-    chat = {"model": colocated.model, "max_tokens": tokens, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+    chat = {
+        "model": colocated.model,
+        "max_tokens": tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     weights, path, version = pushes.next()
     async with httpx.AsyncClient(base_url=colocated.url, timeout=300) as http:
 
@@ -200,8 +229,10 @@ async def test_a_push_into_running_engines_holds_their_requests(colocated, demo_
             return reasons, used
 
         async def generated(i: int) -> dict:
-            r = await http.post("/inference/v1/generate", json={"token_ids": [7 + i, 8, 9],
-                                "sampling_params": {"max_tokens": tokens, "ignore_eos": True}})  # fmt: skip
+            r = await http.post(
+                "/inference/v1/generate",
+                json={"token_ids": [7 + i, 8, 9], "sampling_params": {"max_tokens": tokens, "ignore_eos": True}},
+            )
             assert r.status_code == 200, r.text
             return r.json()["choices"][0]
 
@@ -230,9 +261,23 @@ async def test_a_slow_trainer_waiting_for_the_fleet_is_not_aborted(colocated, de
     weights, path, version = pushes.next()
     body = {"model": colocated.model, "prompt": "drain slowly", "max_tokens": 3500, "ignore_eos": True}
     trainer = subprocess.Popen(
-        [sys.executable, str(TRAINER), colocated.url, str(path), version, "--transport", "shm", "--hold-before-update",
-         "--timeout", "3"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(TRAINER),
+            colocated.url,
+            str(path),
+            version,
+            "--transport",
+            "shm",
+            "--hold-before-update",
+            "--timeout",
+            "3",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         async with httpx.AsyncClient(base_url=colocated.url, timeout=300) as http:
             draining = await admit_while_paused(
@@ -306,9 +351,16 @@ def test_fuzzed_shared_memory_updates_are_4xx_and_change_nothing(colocated):
     assert httpx.post(f"{colocated.url}/shutdown_weight_transfer_engine", timeout=60).status_code == 200
     segment = Path(f"/dev/shm/{prefix}{'d' * 32}")
     segment.write_bytes(b"\0" * 4096)
-    seed = {"update_info": {"names": ["model.norm.weight", "model.layers.0.input_layernorm.weight"],
-                            "dtype_names": ["float32", "float32"], "shapes": [[128], [128]],
-                            "segment": segment.name, "offsets": [0, 512]}, "weight_version": "fuzzed"}  # fmt: skip
+    seed = {
+        "update_info": {
+            "names": ["model.norm.weight", "model.layers.0.input_layernorm.weight"],
+            "dtype_names": ["float32", "float32"],
+            "shapes": [[128], [128]],
+            "segment": segment.name,
+            "offsets": [0, 512],
+        },
+        "weight_version": "fuzzed",
+    }
     before = [(e["state"], e["weight_version"], e["pid"]) for e in engines(colocated)]
     statuses: dict[int, int] = {}
     try:

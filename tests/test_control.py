@@ -25,8 +25,14 @@ async def admin(http: httpx.AsyncClient, path: str, expect: int = 200, **kw) -> 
 
 
 async def complete(http, model: str, prompt: str, max_tokens: int, session: str | None = None) -> httpx.Response:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
     r = await http.post("/v1/completions", json=body, headers={"X-Session-ID": session} if session else {})
     assert r.status_code == 200, r.text
     return r
@@ -72,8 +78,10 @@ async def test_keep_pause_cycles_preserve_in_flight_requests(http, model_name):
     prompts = [f"Rollout {i}: the policy answers" for i in range(16)]
     # Reference: the same requests, unpaused, all at once (the float32 server's greedy
     # tokens do not depend on the batch; one at a time took two minutes).
-    baseline = [r.json()["choices"][0]["token_ids"] for r in await asyncio.gather(
-        *(complete(http, model_name, p, max_tokens) for p in prompts))]  # fmt: skip
+    baseline = [
+        r.json()["choices"][0]["token_ids"]
+        for r in await asyncio.gather(*(complete(http, model_name, p, max_tokens) for p in prompts))
+    ]
     for _attempt in range(3):
         results = await run_through_pause_cycles(http, model_name, prompts, max_tokens)
         if results is not None:

@@ -19,9 +19,23 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_the_docs_build_and_their_reference_is_exactly_the_code(demo_model, tmp_path):
     built = subprocess.run(
-        [sys.executable, "-m", "sphinx", "-E", "-W", "--keep-going", "-q", "-b", "text", str(ROOT / "docs"), str(tmp_path / "text")],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "sphinx",
+            "-E",
+            "-W",
+            "--keep-going",
+            "-q",
+            "-b",
+            "text",
+            str(ROOT / "docs"),
+            str(tmp_path / "text"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert built.returncode == 0, built.stdout + built.stderr
     routes = (tmp_path / "text" / "reference" / "route-table.txt").read_text()
     # Each entry's term: the unindented lines that name its routes (the docstring below is indented).

@@ -182,8 +182,14 @@ def test_a_seeded_request_whose_prefill_is_chunked_is_served(server, model_name)
     step's 2,048-token budget, seeded: answered, the same tokens for the same seed, no engine lost."""
     pids = [e["pid"] for e in server.engines()]
     prompt = [(7 * i) % 2000 + 3 for i in range(2600)]
-    body = {"model": model_name, "prompt": prompt, "max_tokens": 8, "temperature": 1.0, "seed": 1234,
-            "return_token_ids": True}  # fmt: skip
+    body = {
+        "model": model_name,
+        "prompt": prompt,
+        "max_tokens": 8,
+        "temperature": 1.0,
+        "seed": 1234,
+        "return_token_ids": True,
+    }
     answers = []
     for _ in range(2):
         r = httpx.post(f"{server.url}/v1/completions", json=body, headers={"X-Session-ID": "seeded-long"}, timeout=120)
@@ -207,11 +213,15 @@ def test_allowed_token_ids_with_a_grammar_is_a_400(server, model_name, path):
 
     def body(**constraints) -> dict:
         return {
-            "/v1/chat/completions": {"model": model_name, "messages": [{"role": "user", "content": "hi"}],
-                                     "max_tokens": 3, **constraints},
+            "/v1/chat/completions": {
+                "model": model_name,
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 3,
+                **constraints,
+            },
             "/v1/completions": {"model": model_name, "prompt": "hi", "max_tokens": 3, **constraints},
             "/inference/v1/generate": {"token_ids": [5, 6], "sampling_params": {"max_tokens": 3, **constraints}},
-        }[path]  # fmt: skip
+        }[path]
 
     both = body(allowed_token_ids=[5], structured_outputs={"regex": "[a-z]+"})
     err = assert_openai_error(httpx.post(f"{server.url}{path}", json=both, timeout=60), 400)

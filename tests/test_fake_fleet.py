@@ -23,9 +23,16 @@ FAKE_ENGINE = str(Path(__file__).resolve().parent.parent / "tools" / "fake_engin
 
 async def fake_fleet(aiohttp_client, demo_model, tmp_path, **options):
     config = ServeConfig(
-        model=str(demo_model), engines=2, device="cpu", socket_dir=str(tmp_path), restart_backoff_s=0.1,
-        health_interval_s=0.5, health_timeout_s=1.0, engine_command=(sys.executable, FAKE_ENGINE), **options,
-    )  # fmt: skip
+        model=str(demo_model),
+        engines=2,
+        device="cpu",
+        socket_dir=str(tmp_path),
+        restart_backoff_s=0.1,
+        health_interval_s=0.5,
+        health_timeout_s=1.0,
+        engine_command=(sys.executable, FAKE_ENGINE),
+        **options,
+    )
     app = create_app(config)
     client = await aiohttp_client(app)
     await app[SUPERVISOR].wait_ready()

@@ -63,8 +63,12 @@ def fleet(demo_model) -> Fleet:
 
 
 def request_body(model: str, i: int, stream: bool) -> dict:
-    body = {"model": model, "messages": [{"role": "user", "content": f"fault {i}"}], "max_tokens": TOKENS,
-            "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": f"fault {i}"}],
+        "max_tokens": TOKENS,
+        "ignore_eos": True,
+    }
     return {**body, "stream": True, "stream_options": {"include_usage": True}} if stream else body
 
 
@@ -317,8 +321,11 @@ async def test_pushes_are_verified_and_an_engine_holding_other_weights_is_held_o
         assert len(nonzero) == 6 and not engine1["match"] and nonzero <= set(engine1["mismatches"]) <= held
         assert [e["state"] for e in server.engines()] == ["ready", "stale"]
         for i in range(6):
-            r = await http.post("/v1/completions", json={"model": model_name, "prompt": "who serves?", "max_tokens": 2},
-                                headers={"X-Session-ID": f"held-out-{i}"})  # fmt: skip
+            r = await http.post(
+                "/v1/completions",
+                json={"model": model_name, "prompt": "who serves?", "max_tokens": 2},
+                headers={"X-Session-ID": f"held-out-{i}"},
+            )
             assert r.status_code == 200 and engine_of(r) == 0
         served_at = time.monotonic()
 

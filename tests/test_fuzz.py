@@ -215,9 +215,22 @@ class Mutator:
     def body(self, seed: Any) -> bytes:
         r = self.rng
         kind = r.choice(
-            ["random_bytes", "truncate", "flip", "bad_utf8", "swap", "swap", "swap", "drop", "add", "wrong_top", "deep",
-             "dangerous", "dangerous"]
-        )  # fmt: skip
+            [
+                "random_bytes",
+                "truncate",
+                "flip",
+                "bad_utf8",
+                "swap",
+                "swap",
+                "swap",
+                "drop",
+                "add",
+                "wrong_top",
+                "deep",
+                "dangerous",
+                "dangerous",
+            ]
+        )
         raw = json.dumps(seed).encode()
         if kind == "random_bytes":
             return r.randbytes(r.randint(0, 96))
@@ -343,11 +356,17 @@ async def fuzz(http: httpx.AsyncClient, route_seeds: dict, rng: random.Random, s
 def greedy(server, model: str, session: str) -> tuple[int, list[str]]:
     r = httpx.post(
         f"{server.url}/v1/completions",
-        json={"model": model, "prompt": f"after the storm {session}", "max_tokens": 8, "temperature": 0,
-              "ignore_eos": True, "logprobs": 1},
+        json={
+            "model": model,
+            "prompt": f"after the storm {session}",
+            "max_tokens": 8,
+            "temperature": 0,
+            "ignore_eos": True,
+            "logprobs": 1,
+        },
         headers={"X-Session-ID": session},
         timeout=120,
-    )  # fmt: skip
+    )
     assert r.status_code == 200, r.text
     return engine_of(r), r.json()["choices"][0]["logprobs"]["tokens"]
 

@@ -52,8 +52,14 @@ async def test_plain_client_without_retries(keyed_server):
             return (await r.json())["usage"]["completion_tokens"]
 
     async def streamed(session: aiohttp.ClientSession, i: int) -> int:
-        body = {"model": model, "messages": [{"role": "user", "content": f"stream {i}"}], "max_tokens": MAX_TOKENS,
-                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": f"stream {i}"}],
+            "max_tokens": MAX_TOKENS,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         async with session.post(
             "/v1/chat/completions", data=orjson.dumps(body), headers={"Content-Type": "application/json"}
         ) as r:
@@ -95,9 +101,13 @@ async def test_openai_sdk_without_retries(keyed_server):
 
     async def streamed(i: int) -> int:
         stream = await client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": f"sdk stream {i}"}], max_tokens=MAX_TOKENS,
-            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
-        )  # fmt: skip
+            model=model,
+            messages=[{"role": "user", "content": f"sdk stream {i}"}],
+            max_tokens=MAX_TOKENS,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         usage = None
         async for chunk in stream:
             usage = chunk.usage or usage

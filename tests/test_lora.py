@@ -38,12 +38,23 @@ def adapter_store(tmp_path_factory):
 @pytest.fixture(scope="module")
 def lora_server(demo_model, tmp_path_factory, adapter_store):
     srv = ServerProcess(
-        demo_model, engines=2, log_path=tmp_path_factory.mktemp("lora") / "server.log",
+        demo_model,
+        engines=2,
+        log_path=tmp_path_factory.mktemp("lora") / "server.log",
         extra_args=(
-            "--dtype", "float32", "--enable-lora", "--max-lora-rank", str(MAX_RANK), "--max-loras", "2",
-            "--adapter-dir", str(adapter_store), "--weight-transfer-timeout", "20",
+            "--dtype",
+            "float32",
+            "--enable-lora",
+            "--max-lora-rank",
+            str(MAX_RANK),
+            "--max-loras",
+            "2",
+            "--adapter-dir",
+            str(adapter_store),
+            "--weight-transfer-timeout",
+            "20",
         ),
-    )  # fmt: skip
+    )
     with running(srv):
         yield srv
 
@@ -222,10 +233,14 @@ def fuzzed_adapter_bodies(rng: random.Random, paths: list[str], model_name: str)
         name = rng.choice(
             names if route != "/v1/unload_lora_adapter" else [n for n in names if n not in ("policy", "critic")]
         )
-        body = {"lora_name": name, "lora_path": rng.choice(paths + values),
-                "load_inplace": rng.choice([True, False, "yes", None]), "version": rng.choice([*values, "ok-1"]),
-                "peft_config": rng.choice([{}, {"r": 8}, {"r": "8"}, None, []]),
-                "update_info": rng.choice([{}, {"names": ["x"], "dtype_names": ["float32"], "shapes": [[2]]}, None, []])}  # fmt: skip
+        body = {
+            "lora_name": name,
+            "lora_path": rng.choice(paths + values),
+            "load_inplace": rng.choice([True, False, "yes", None]),
+            "version": rng.choice([*values, "ok-1"]),
+            "peft_config": rng.choice([{}, {"r": 8}, {"r": "8"}, None, []]),
+            "update_info": rng.choice([{}, {"names": ["x"], "dtype_names": ["float32"], "shapes": [[2]]}, None, []]),
+        }
         for key in rng.sample(list(body), rng.randint(0, 3)):
             del body[key]
         out.append((route, rng.choice([body, body, body, [body], "not json", b"\xff\xfe"])))

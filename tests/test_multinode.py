@@ -28,8 +28,17 @@ class RouterProcess(ChildProcess):
 
     def __init__(self, worker_urls: list[str], log_path: Path):
         port = free_port()
-        argv = [ROUTER, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *worker_urls,
-                "--policy", "consistent_hash"]  # fmt: skip
+        argv = [
+            ROUTER,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--worker-urls",
+            *worker_urls,
+            "--policy",
+            "consistent_hash",
+        ]
         super().__init__(argv, log_path, port)
 
 
@@ -116,8 +125,9 @@ def test_one_trainer_push_updates_both_nodes(nodes, demo_model, tmp_path):
     assert httpx.get(f"{nodes[0].url}/get_world_size").json()["world_size"] == 1
     weights = modified_weights(demo_model, seed=7)
     # One trainer process, one gloo group of world size 3: the trainer and one worker per node.
-    trainer = run_trainer(nodes[0], save(weights, tmp_path / "w.safetensors"), "multi-node-1",
-                          url=",".join(n.url for n in nodes))  # fmt: skip
+    trainer = run_trainer(
+        nodes[0], save(weights, tmp_path / "w.safetensors"), "multi-node-1", url=",".join(n.url for n in nodes)
+    )
     assert trainer.returncode == 0, trainer.stdout + trainer.stderr
     for node in nodes:
         info = httpx.get(f"{node.url}/weight_info", timeout=30).json()

@@ -27,12 +27,25 @@ UP = {"ready", "stale", "paused", "sleeping", "receiving"}
 @pytest.fixture(scope="module")
 def recovery(demo_model, tmp_path_factory):
     srv = ServerProcess(
-        demo_model, engines=2, log_path=tmp_path_factory.mktemp("recovery") / "server.log",
-        extra_args=("--dtype", "float32", "--max-restarts", "1", "--hold-requests", str(HOLD_S),
-                    "--health-interval", "1", "--health-timeout", "4", "--enable-log-requests"),
+        demo_model,
+        engines=2,
+        log_path=tmp_path_factory.mktemp("recovery") / "server.log",
+        extra_args=(
+            "--dtype",
+            "float32",
+            "--max-restarts",
+            "1",
+            "--hold-requests",
+            str(HOLD_S),
+            "--health-interval",
+            "1",
+            "--health-timeout",
+            "4",
+            "--enable-log-requests",
+        ),
         # vLLM logs a request's prompt and token ids (one line each request) at DEBUG.
         env={"VLLM_LOGGING_LEVEL": "DEBUG"},
-    )  # fmt: skip
+    )
     with running(srv):
         yield srv
 
@@ -70,10 +83,13 @@ def test_engine_output_of_any_length_never_stops_an_engine(recovery, demo_model,
     token_ids = [(i * 37) % 2000 + 3 for i in range(len(tokens))]
     bodies = {
         "/v1/completions": {"model": recovery.model, "prompt": f"completion-{marker} {words}", "max_tokens": 4},
-        "/v1/chat/completions": {"model": recovery.model, "max_tokens": 4,
-                                 "messages": [{"role": "user", "content": f"chat-{marker} {words}"}]},
+        "/v1/chat/completions": {
+            "model": recovery.model,
+            "max_tokens": 4,
+            "messages": [{"role": "user", "content": f"chat-{marker} {words}"}],
+        },
         "/inference/v1/generate": {"token_ids": token_ids, "sampling_params": {"max_tokens": 4}},
-    }  # fmt: skip
+    }
     for path, body in bodies.items():
         for engine in (0, 1):
             r = httpx.post(
@@ -104,17 +120,27 @@ def test_engine_output_of_any_length_never_stops_an_engine(recovery, demo_model,
 
 async def test_an_engine_that_cannot_come_back_is_retired_and_rejoins_on_request(recovery, demo_model, tmp_path):
     """Engine 1 is killed each time it comes up: after its one allowed restart it is retired. The
-    other serves on; /ready is 200; a push over the remaining engine succeeds, and /reload_weights
-    brings it back to the checkpoint. Then engine 1 is restarted on request while engine 0's
-    process is killed at rest: with no engine serving, 16 requests sent meanwhile are held and
-    answered 200 once one serves. The first trainer, still up,
-    finds its group gone, forms it again by itself, and its push covers both engines. Prints how
-    long the fleet took to serve again and to be ready for a push."""
+    other serves on; /ready is 200; a push over the remaining engine succeeds. POST
+    /engines/1/restart brings it back, stale until the next push: the first trainer, still up,
+    finds its group gone, forms it again by itself, and its push covers both engines. Then
+    /reload_weights brings the fleet to the checkpoint on disk, and both engine processes are
+    killed at rest: 16 requests sent while both restart are held and answered 200 once one serves.
+    Prints how long the fleet took to serve again and to be ready for a push."""
     weights_1 = modified_weights(demo_model, seed=62)
     trainer = subprocess.Popen(
-        [sys.executable, str(TRAINER), recovery.url, str(save(weights_1, tmp_path / "w1.safetensors")), "before-retire",
-         "--more"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(TRAINER),
+            recovery.url,
+            str(save(weights_1, tmp_path / "w1.safetensors")),
+            "before-retire",
+            "--more",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert (await asyncio.to_thread(trainer.stdout.readline)).split() == ["pushed", "before-retire"]
         async with httpx.AsyncClient(base_url=recovery.url, timeout=HOLD_S + 60) as http:
@@ -125,8 +151,11 @@ async def test_an_engine_that_cannot_come_back_is_retired_and_rejoins_on_request
             families = scrape(recovery)
             assert total(families, "skyinfer_engine_state", "skyinfer_engine_state", engine="1", state="retired") == 1
             status = await asyncio.to_thread(
-                subprocess.run, [sys.executable, "-m", "skyinfer", "status", recovery.url], capture_output=True, text=True
-            )  # fmt: skip
+                subprocess.run,
+                [sys.executable, "-m", "skyinfer", "status", recovery.url],
+                capture_output=True,
+                text=True,
+            )
             assert [row.split()[1] for row in status.stdout.splitlines()[1:3]] == ["ready", "retired"], status.stdout
             body = {"model": recovery.model, "prompt": "p", "max_tokens": 4, "ignore_eos": True}
             served = {engine_of(await http.post("/v1/completions", json={**body, "prompt": f"p{i}"})) for i in range(8)}
@@ -144,31 +173,13 @@ async def test_an_engine_that_cannot_come_back_is_retired_and_rejoins_on_request
             assert pushed.returncode == 0, pushed.stdout + pushed.stderr
             assert (await http.get("/weight_info")).json()["weight_version"] == "one-engine"
 
-            # Back to the checkpoint on disk, in place (the trainers are done for now), so that a
-            # restarted engine serves at once. Then engine 1 back on request and engine 0 killed at
-            # rest: no engine serves for a while.
-            r = await http.post("/reload_weights")
-            assert r.status_code == 200 and [e["engine"] for e in r.json()["engines"]] == [0], r.text
-            engine_0 = recovery.engines()[0]["pid"]
-            restarting = asyncio.create_task(http.post("/engines/1/restart"))
-            os.killpg(engine_0, signal.SIGKILL)
-            killed_at = time.monotonic()
-            while any(e["state"] == "ready" for e in (await http.get("/engines")).json()["engines"]):
-                await asyncio.sleep(0.05)
-            held = [
-                asyncio.create_task(http.post("/v1/completions", json={**body, "prompt": f"held {i}"}))
-                for i in range(16)
-            ]
-            first = asyncio.ensure_future(asyncio.wait(held, return_when=asyncio.FIRST_COMPLETED))
-            r = await restarting
+            # Back on request: stale (it loaded the checkpoint; the fleet serves one-engine).
+            r = await http.post("/engines/1/restart")
             assert r.status_code == 200, r.text
-            await first
-            served_at = time.monotonic()
-            for r in await asyncio.gather(*held):
-                assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
-            engines = await wait_up(http)
-            ready_at = time.monotonic()
-            assert engines[0]["pid"] != engine_0 and [e["state"] for e in engines] == ["ready", "ready"], engines
+            back = r.json()["engine"]
+            assert back["state"] == "stale" and back["stale_reason"].startswith("it restarted from the checkpoint"), (
+                back
+            )
             assert (await http.get("/get_world_size")).json()["world_size"] == 2
 
         # The first trainer, still up: its group is gone (the second trainer's replaced it, and
@@ -183,8 +194,32 @@ async def test_an_engine_that_cannot_come_back_is_retired_and_rejoins_on_request
     assert "setting it up again" in err, err[-2000:]
     assert [e["state"] for e in recovery.engines()] == ["ready", "ready"]
     await asyncio.to_thread(assert_engines_match, recovery, recovery.model, demo_model, weights_3, "both-again")
-    print(f"\nFAULT engine process SIGKILL at rest, no other engine serving: serving {served_at - killed_at:.1f}s, "
-          f"ready for a push {ready_at - killed_at:.1f}s")  # fmt: skip
+
+    async with httpx.AsyncClient(base_url=recovery.url, timeout=HOLD_S + 60) as http:
+        # The trainers are done: the checkpoint on disk, in place, so that a restarted engine serves at once.
+        r = await http.post("/reload_weights")
+        assert r.status_code == 200 and [e["engine"] for e in r.json()["engines"]] == [0, 1], r.text
+        engines = recovery.engines()
+        for e in engines:
+            os.killpg(e["pid"], signal.SIGKILL)
+        killed_at = time.monotonic()
+        while any(e["state"] == "ready" for e in (await http.get("/engines")).json()["engines"]):
+            await asyncio.sleep(0.05)
+        held = [
+            asyncio.create_task(http.post("/v1/completions", json={**body, "prompt": f"held {i}"})) for i in range(16)
+        ]
+        await asyncio.wait(held, return_when=asyncio.FIRST_COMPLETED)
+        served_at = time.monotonic()
+        for r in await asyncio.gather(*held):
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+        back = await wait_up(http)
+        ready_at = time.monotonic()
+    assert [e["pid"] for e in back] != [e["pid"] for e in engines] and [e["state"] for e in back] == ["ready", "ready"]
+    assert served_at - killed_at > 5, "the requests were not held: the engines were never all down"
+    print(
+        f"\nFAULT both engine processes SIGKILL at rest: serving {served_at - killed_at:.1f}s, "
+        f"ready for a push {ready_at - killed_at:.1f}s"
+    )
 
 
 async def retire_engine_1(http: httpx.AsyncClient) -> None:

@@ -80,8 +80,11 @@ def test_trl_generate_logprobs_match_transformers(trl_client, reference, route):
     prompt_ids = text["prompt_ids"][0]
     # TRL's token route: token-id prompts with (absent) multimodal features go to /inference/v1/generate,
     # whose logprob entries it reads as {"token": "token_id:N"}.
-    out = text if route == "completions" else trl_client.generate([prompt_ids], features=[None], max_tokens=6,
-                                                                     temperature=0.0, logprobs=3)  # fmt: skip
+    out = (
+        text
+        if route == "completions"
+        else trl_client.generate([prompt_ids], features=[None], max_tokens=6, temperature=0.0, logprobs=3)
+    )
     (completion,) = out["completion_ids"]
     assert completion == text["completion_ids"][0] and len(completion) == 6
     assert_matches(reference, prompt_ids, completion, out["logprobs"][0], out["logprob_token_ids"][0], top=3)
@@ -128,8 +131,9 @@ def test_trl_async_grpo_client(server, model_name):
 
 @pytest.mark.skipif(not VERIFIERS_PYTHON.exists(), reason="tools/bootstrap makes .venv-verifiers")
 def test_verifiers_train_client_one_turn_through_the_token_route(server, demo_model, reference):
-    done = subprocess.run([VERIFIERS_PYTHON, VERIFIERS_CLIENT, server.url, str(demo_model)],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [VERIFIERS_PYTHON, VERIFIERS_CLIENT, server.url, str(demo_model)], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     turn = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(turn["completion_ids"]) == 8 and turn["finish_reason"] == "length"
@@ -141,21 +145,34 @@ def test_verifiers_train_client_one_turn_through_the_token_route(server, demo_mo
 
 def test_openai_tool_choice_auto_and_required(server, model_name):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-              "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
-                             "required": ["city"]}}}]  # fmt: skip
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "Weather in a city",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+                    "required": ["city"],
+                },
+            },
+        }
+    ]
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     # "auto" needs the engines' tool-call parser: vLLM refuses it without --enable-auto-tool-choice.
-    auto = client.chat.completions.create(model=model_name, messages=messages, tools=tools, tool_choice="auto",
-                                          max_tokens=6, temperature=0)  # fmt: skip
+    auto = client.chat.completions.create(
+        model=model_name, messages=messages, tools=tools, tool_choice="auto", max_tokens=6, temperature=0
+    )
     assert auto.choices[0].message.role == "assistant" and auto.choices[0].finish_reason in (
         "length",
         "stop",
         "tool_calls",
     )
     # A forced call is parsed into the SDK's typed tool calls.
-    forced = client.chat.completions.create(model=model_name, messages=messages, tools=tools, tool_choice="required",
-                                            max_tokens=300, temperature=0)  # fmt: skip
+    forced = client.chat.completions.create(
+        model=model_name, messages=messages, tools=tools, tool_choice="required", max_tokens=300, temperature=0
+    )
     calls = forced.choices[0].message.tool_calls
     assert forced.choices[0].finish_reason == "tool_calls" and calls
     assert {c.function.name for c in calls} == {"get_weather"}
@@ -166,9 +183,12 @@ def test_chained_responses_reach_the_engine_that_stores_them(server, model_name)
     firsts = {}
     for i in range(8):  # sessions spread over the engines: chains start on both
         raw = client.responses.with_raw_response.create(
-            model=model_name, input=f"Chain {i}: the quick brown fox", max_output_tokens=3, store=True,
+            model=model_name,
+            input=f"Chain {i}: the quick brown fox",
+            max_output_tokens=3,
+            store=True,
             extra_headers={"X-Session-ID": f"chain-{i}"},
-        )  # fmt: skip
+        )
         firsts.setdefault(engine_of(raw), raw.parse())
     assert set(firsts) == {0, 1}
     for engine, first in firsts.items():
@@ -182,19 +202,29 @@ def test_chained_responses_reach_the_engine_that_stores_them(server, model_name)
     # A streamed turn is remembered too.
     with client.responses.stream(model=model_name, input="def main():", max_output_tokens=3, store=True) as stream:
         streamed = stream.get_final_response()
-    raw = client.responses.with_raw_response.create(model=model_name, input="go on", previous_response_id=streamed.id,
-                                                    max_output_tokens=2)  # fmt: skip
+    raw = client.responses.with_raw_response.create(
+        model=model_name, input="go on", previous_response_id=streamed.id, max_output_tokens=2
+    )
     streamed_engine = engine_of(raw)
     assert raw.parse().previous_response_id == streamed.id
     # A session bound to the other engine contradicts the chain: refused, nothing sent.
     other = 1 - streamed_engine
     session = next(f"chain-{i}" for i in range(8) if server_session_engine(server, model_name, f"chain-{i}") == other)
     with pytest.raises(openai.ConflictError, match="previous_response_id"):
-        client.responses.create(model=model_name, input="x", previous_response_id=streamed.id, max_output_tokens=2,
-                                extra_headers={"X-Session-ID": session})  # fmt: skip
+        client.responses.create(
+            model=model_name,
+            input="x",
+            previous_response_id=streamed.id,
+            max_output_tokens=2,
+            extra_headers={"X-Session-ID": session},
+        )
 
 
 def server_session_engine(server, model_name: str, session: str) -> int:
-    r = httpx.post(f"{server.url}/tokenize", json={"model": model_name, "prompt": "x"},
-                   headers={"X-Session-ID": session}, timeout=30)  # fmt: skip
+    r = httpx.post(
+        f"{server.url}/tokenize",
+        json={"model": model_name, "prompt": "x"},
+        headers={"X-Session-ID": session},
+        timeout=30,
+    )
     return engine_of(r)

@@ -45,8 +45,13 @@ def test_every_protected_route_refuses_wrong_or_missing_keys(keyed_server, demo_
     with httpx.Client(base_url=keyed_server.url, timeout=30) as http:
         for routes, wrong_keys in ((DATA_ROUTES, [ADMIN_KEY]), (ADMIN_ROUTES, [API_KEY])):
             for method, path in routes:
-                for headers in ({}, bearer("sk-nope"), bearer(API_KEY[:-1]), {"Authorization": API_KEY},
-                                *(bearer(k) for k in wrong_keys)):  # fmt: skip
+                for headers in (
+                    {},
+                    bearer("sk-nope"),
+                    bearer(API_KEY[:-1]),
+                    {"Authorization": API_KEY},
+                    *(bearer(k) for k in wrong_keys),
+                ):
                     r = http.request(method, concrete(path), headers=headers, json={})
                     assert_openai_error(r, 401)
                     assert r.headers["WWW-Authenticate"] == "Bearer"
@@ -94,8 +99,17 @@ def test_non_loopback_bind_without_admin_key_refuses_to_start(demo_model):
 
 @pytest.mark.parametrize(
     "host, loopback",
-    [("127.0.0.1", True), ("127.0.0.2", True), ("::1", True), ("localhost", True), ("0.0.0.0", False),
-     ("::", False), ("10.0.0.5", False), ("example.org", False), ("", False)],
-)  # fmt: skip
+    [
+        ("127.0.0.1", True),
+        ("127.0.0.2", True),
+        ("::1", True),
+        ("localhost", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("10.0.0.5", False),
+        ("example.org", False),
+        ("", False),
+    ],
+)
 def test_loopback_addresses(host, loopback):
     assert is_loopback(host) is loopback

@@ -91,8 +91,11 @@ def test_finish_session_ends_the_binding_and_the_next_request_is_routed_as_new(s
 
 def test_a_session_id_that_cannot_be_a_header_is_a_400(server, model_name):
     for bad in ("line\r\nbreak", "nul\x00", "x" * 257, "", "tab\there"):
-        r = httpx.post(f"{server.url}/v1/completions", json={"model": model_name, "prompt": "hi", "max_tokens": 2,
-                                                              "session_id": bad}, timeout=30)  # fmt: skip
+        r = httpx.post(
+            f"{server.url}/v1/completions",
+            json={"model": model_name, "prompt": "hi", "max_tokens": 2, "session_id": bad},
+            timeout=30,
+        )
         if bad == "":
             assert r.status_code == 200  # no session: routed as a request without one
             continue
@@ -107,11 +110,16 @@ async def test_the_samples_of_a_prompt_group_go_to_one_engine(server, model_name
     once there), and the two groups by different engines."""
     prompts = {g: f"group {g}: " + "a question every sample of the group shares " * 8 for g in "AB"}
     async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
-        results = await asyncio.gather(*(
-            http.post("/v1/completions", json={"model": model_name, "prompt": prompts[g], "max_tokens": 4,
-                                               "temperature": 1.0, "seed": i})
-            for i in range(8) for g in "AB"
-        ))  # fmt: skip
+        results = await asyncio.gather(
+            *(
+                http.post(
+                    "/v1/completions",
+                    json={"model": model_name, "prompt": prompts[g], "max_tokens": 4, "temperature": 1.0, "seed": i},
+                )
+                for i in range(8)
+                for g in "AB"
+            )
+        )
     assert all(r.status_code == 200 for r in results)
     served = {g: collections.Counter(engine_of(r) for r in results[k::2]) for k, g in enumerate("AB")}
     assert [len(served[g]) for g in "AB"] == [1, 1], served

@@ -75,8 +75,9 @@ async def test_grace_period_bounds_the_shutdown(stoppable, demo_model):
     tree = process_tree(srv)
     trainer = subprocess.Popen(
         [sys.executable, str(TRAINER), srv.url, str(demo_model / "model.safetensors"), "v-stuck", "--hang-after", "2"],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         async with httpx.AsyncClient(base_url=srv.url, timeout=120) as http:
             held = {"model": srv.model, "prompt": "held", "max_tokens": 16}

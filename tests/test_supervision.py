@@ -38,15 +38,29 @@ from support import (
 @pytest.fixture(scope="module")
 def crash_server(demo_model, tmp_path_factory):
     srv = ServerProcess(
-        demo_model, engines=2, log_path=tmp_path_factory.mktemp("crash") / "server.log",
+        demo_model,
+        engines=2,
+        log_path=tmp_path_factory.mktemp("crash") / "server.log",
         # Probes fast enough for a test; 3 in a row must fail.
         # float32, for logprobs compared with transformers' float32 forward.
         # A request that finds no engine serving (mid-push faults) is answered after a second's hold.
-        extra_args=("--health-interval", "1", "--health-timeout", "4", "--dtype", "float32", "--hold-requests", "1",
-                    # Engine 1 dies six times in this module, each time some seconds after it came
-                    # up: each crash counts as the first (a restart after 1 s), none retires it.
-                    "--restart-window", "5", "--max-restarts", "10"),
-    )  # fmt: skip
+        extra_args=(
+            "--health-interval",
+            "1",
+            "--health-timeout",
+            "4",
+            "--dtype",
+            "float32",
+            "--hold-requests",
+            "1",
+            # Engine 1 dies six times in this module, each time some seconds after it came
+            # up: each crash counts as the first (a restart after 1 s), none retires it.
+            "--restart-window",
+            "5",
+            "--max-restarts",
+            "10",
+        ),
+    )
     with running(srv):
         yield srv
 
@@ -88,26 +102,43 @@ async def test_requests_on_a_killed_engine_are_answered_by_the_other(crash_serve
     tokens = 1500
     prompt_ids = list(range(5, 25))
     gen = {"token_ids": prompt_ids, "sampling_params": {"max_tokens": tokens, "ignore_eos": True, "temperature": 0}}
-    chat = {"model": crash_server.model, "messages": [{"role": "user", "content": "Go on."}], "max_tokens": tokens,
-            "ignore_eos": True}  # fmt: skip
+    chat = {
+        "model": crash_server.model,
+        "messages": [{"role": "user", "content": "Go on."}],
+        "max_tokens": tokens,
+        "ignore_eos": True,
+    }
     async with httpx.AsyncClient(base_url=crash_server.url, timeout=300) as http:
         cases = (("EngineCore", False), ("process", False), ("EngineCore", True), ("process", True))
         for case, (kill, paused) in enumerate(cases):
             await wait_for_states(http, ["ready", "ready"])
             pid = (await http.get("/engines")).json()["engines"][1]["pid"]
             streams = [
-                await _stream_past_first_token(http, {**chat, "max_tokens": 2 * tokens, "stream": True,
-                                                      "messages": [{"role": "user", "content": f"Stream {case}.{i}."}]})
+                await _stream_past_first_token(
+                    http,
+                    {
+                        **chat,
+                        "max_tokens": 2 * tokens,
+                        "stream": True,
+                        "messages": [{"role": "user", "content": f"Stream {case}.{i}."}],
+                    },
+                )
                 for i in range(4)
-            ]  # fmt: skip
+            ]
             assert {engine for engine, _ in streams} == {0, 1}
             # Each prompt its own, in each case too (no group affinity, which would keep a prompt on the
             # engine that answered it last): the least-loaded engine takes every other request.
-            requests = [http.post("/inference/v1/generate", json={**gen, "token_ids": [100 + 16 * case + i, *prompt_ids]})
-                        for i in range(16)]  # fmt: skip
-            requests += [http.post("/v1/chat/completions",
-                                   json={**chat, "messages": [{"role": "user", "content": f"{case}.{i}. Go on."}]})
-                         for i in range(16)]  # fmt: skip
+            requests = [
+                http.post("/inference/v1/generate", json={**gen, "token_ids": [100 + 16 * case + i, *prompt_ids]})
+                for i in range(16)
+            ]
+            requests += [
+                http.post(
+                    "/v1/chat/completions",
+                    json={**chat, "messages": [{"role": "user", "content": f"{case}.{i}. Go on."}]},
+                )
+                for i in range(16)
+            ]
             tasks = await admit_while_paused(http, requests, already_in_flight=len(streams))
             if not paused:
                 assert (await http.post("/resume")).status_code == 200
@@ -123,8 +154,11 @@ async def test_requests_on_a_killed_engine_are_answered_by_the_other(crash_serve
                 assert (await http.post("/resume")).status_code == 503  # engine 1 is down: said, not hidden
             results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=240)
             retried = [r for r in results if r.headers.get("X-Skyinfer-Retried-From") == "1"]
-            assert len(retried) == 16, (kill, paused, [(engine_of(r), r.headers.get("X-Skyinfer-Retried-From"))
-                                                       for r in results])  # fmt: skip
+            assert len(retried) == 16, (
+                kill,
+                paused,
+                [(engine_of(r), r.headers.get("X-Skyinfer-Retried-From")) for r in results],
+            )
             for r in results:
                 assert r.status_code == 200 and engine_of(r) == 0, (kill, paused, r.text)
                 answered = r.json()["choices"][0].get("token_ids")
@@ -233,8 +267,10 @@ async def test_a_hung_engine_and_a_failing_restart_both_end_revived_and_out_of_t
         log = crash_server.log_path.read_text(errors="replace")[log_start:]
         delays = [float(d) for d in re.findall(r"engine 0: restarting in ([0-9.]+)s", log)]
         assert len(delays) >= 2 and all(b == 2 * a for a, b in itertools.pairwise(delays)), delays
-        served = {engine_of(await http.post("/v1/completions", json={**body, "prompt": f"{i}", "max_tokens": 2}))
-                  for i in range(6)}  # fmt: skip
+        served = {
+            engine_of(await http.post("/v1/completions", json={**body, "prompt": f"{i}", "max_tokens": 2}))
+            for i in range(6)
+        }
         assert served == {0, 1}
         restarts = total(scrape(crash_server), "skyinfer_engine_restarts", "skyinfer_engine_restarts_total", engine="1")
         assert restarts == restarts_before + 1
@@ -268,8 +304,9 @@ async def test_engine_core_killed_mid_receive_aborts_the_update_on_every_engine(
         tasks = await admit_while_paused(http, (http.post("/v1/completions", json=body) for _ in range(32)))
         trainer = subprocess.Popen(
             [sys.executable, str(TRAINER), crash_server.url, str(path), "never-served", "--hang-after", "2"],
-            stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         try:
             assert (await asyncio.to_thread(trainer.stdout.readline)).strip() == "hanging"
             assert (await http.get("/weight_info")).json()["update_phase"] == "receiving"

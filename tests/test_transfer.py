@@ -105,9 +105,11 @@ def test_shared_memory_updates_name_a_segment_of_this_server_and_fit_in_it(tmp_p
         meta = front.parse_update({**norm, "segment": segment, "offsets": [512]}, carries_data=True)
         assert isinstance(meta, SharedMemoryUpdateInfo) and meta.end() == 1024
         refused = {
-            "../x": "a segment name is skyinfer-", f"{prefix}{'e' * 31}/": "no path", f"{prefix}{'f' * 32}": "does not exist",
+            "../x": "a segment name is skyinfer-",
+            f"{prefix}{'e' * 31}/": "no path",
+            f"{prefix}{'f' * 32}": "does not exist",
             f"skyinfer-00000000-{'e' * 32}": "is not this server's",
-        }  # fmt: skip
+        }
         for name, says in refused.items():
             with pytest.raises((WireError, TransferRefused), match=says):
                 front.parse_update({**norm, "segment": name, "offsets": [0]}, carries_data=True)
@@ -147,10 +149,22 @@ def cpu_rebuild_args(tensor: torch.Tensor, rng: random.Random) -> tuple:
     """What torch's reduce_tensor gives for a CUDA tensor, with a CPU tensor's size, stride and dtype
     and random handle bytes: the codec never opens a handle."""
     return (
-        torch.nn.Parameter if rng.random() < 0.5 else torch.Tensor, tensor.size(), tensor.stride(), 0,
-        torch.storage.TypedStorage, tensor.dtype, 0, rng.randbytes(64), tensor.numel() * tensor.element_size(), 0,
-        False, b"/torch_1234_" + rng.randbytes(8).hex().encode(), 5, rng.randbytes(64), True,
-    )  # fmt: skip
+        torch.nn.Parameter if rng.random() < 0.5 else torch.Tensor,
+        tensor.size(),
+        tensor.stride(),
+        0,
+        torch.storage.TypedStorage,
+        tensor.dtype,
+        0,
+        rng.randbytes(64),
+        tensor.numel() * tensor.element_size(),
+        0,
+        False,
+        b"/torch_1234_" + rng.randbytes(8).hex().encode(),
+        5,
+        rng.randbytes(64),
+        True,
+    )
 
 
 def test_ipc_handles_travel_as_json_and_come_back_as_torch_rebuilds_them():
@@ -219,8 +233,13 @@ async def test_init_info_says_which_transport_the_server_takes():
     assert gloo_plan.engine_init_infos[0]["timeout_s"] == 7 and "timeout_s" not in nccl_plan.engine_init_infos[0]
     # NCCL's torch-free rendezvous, without master_address.
     unique = {"nccl_unique_id_b64": base64.b64encode(bytes(128)).decode(), "world_size": 3}
-    assert (await nccl.plan_init(unique, FLEET)).engine_init_infos[1] == {**unique, "rank_offset": 2, "packed": False,
-                                                                    "packed_buffer_size_bytes": 1024**3, "packed_num_buffers": 2}  # fmt: skip
+    assert (await nccl.plan_init(unique, FLEET)).engine_init_infos[1] == {
+        **unique,
+        "rank_offset": 2,
+        "packed": False,
+        "packed_buffer_size_bytes": 1024**3,
+        "packed_num_buffers": 2,
+    }
     # What an engine on the NCCL backend does with them: vLLM's own parser takes every field.
     for plan in (nccl_plan, await nccl.plan_init(unique, FLEET)):
         for info in plan.engine_init_infos:
@@ -295,8 +314,16 @@ async def test_the_front_refuses_ipc_bodies_over_http_before_any_engine(aiohttp_
     from skyinfer.weights.sync import WEIGHT_SYNC
 
     def front(allow_pickled_ipc: bool):
-        app = create_app(ServeConfig(model=str(demo_model), device="cpu", colocate=True, admin_key="admin-0123456789",
-                                     allow_pickled_ipc=allow_pickled_ipc, socket_dir=str(tmp_path)))  # fmt: skip
+        app = create_app(
+            ServeConfig(
+                model=str(demo_model),
+                device="cpu",
+                colocate=True,
+                admin_key="admin-0123456789",
+                allow_pickled_ipc=allow_pickled_ipc,
+                socket_dir=str(tmp_path),
+            )
+        )
         app.cleanup_ctx.clear()  # no engines: nothing here may reach one
         app[WEIGHT_SYNC].transport = FrontTransport(IPC, (1, 1), 60.0, allow_pickled_ipc)
         return app

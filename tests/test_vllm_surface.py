@@ -121,8 +121,14 @@ def test_stored_response_is_found_on_the_engine_that_holds_it(server, model_name
 
 
 def test_background_response_is_cancelled_on_its_engine(server, model_name):
-    body = {"model": model_name, "input": "Go on for ever.", "max_output_tokens": 3000, "ignore_eos": True,
-            "background": True, "store": True}  # fmt: skip
+    body = {
+        "model": model_name,
+        "input": "Go on for ever.",
+        "max_output_tokens": 3000,
+        "ignore_eos": True,
+        "background": True,
+        "store": True,
+    }
     started = httpx.post(f"{server.url}/v1/responses", json=body, timeout=60)
     assert started.status_code == 200 and started.json()["status"] in ("queued", "in_progress"), started.text
     cancel = httpx.post(f"{server.url}/v1/responses/{started.json()['id']}/cancel", timeout=60)
@@ -159,8 +165,13 @@ def test_vllm_app_disconnect_aborts_the_request(server, model_name):
     """A client gone mid-stream on a route served by vLLM's app frees the engine, as under uvicorn."""
 
     async def go():
-        body = {"model": model_name, "input": "Tell a long story.", "max_output_tokens": 2000, "stream": True,
-                "ignore_eos": True}  # fmt: skip
+        body = {
+            "model": model_name,
+            "input": "Tell a long story.",
+            "max_output_tokens": 2000,
+            "stream": True,
+            "ignore_eos": True,
+        }
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
             async with http.stream("POST", "/v1/responses", json=body) as r:
                 assert r.status_code == 200

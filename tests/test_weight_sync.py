@@ -71,8 +71,11 @@ async def test_push_under_keep_pause_then_logprobs_match_transformers(server, mo
     assert [e["weight_version"] for e in info["engines"]] == ["v-one", "v-one"]
     assert_engines_match(server, model_name, demo_model, weights, "v-one")
     # The token route also reports vLLM's per-token version spans.
-    r = httpx.post(f"{server.url}/inference/v1/generate",
-                   json={"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 4, "ignore_eos": True}}, timeout=60)  # fmt: skip
+    r = httpx.post(
+        f"{server.url}/inference/v1/generate",
+        json={"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 4, "ignore_eos": True}},
+        timeout=60,
+    )
     assert r.headers["X-Weight-Version"] == "v-one"
     assert r.json()["choices"][0]["weight_versions"] == [{"version": "v-one", "start": 0, "end": 4}]
 
@@ -108,8 +111,11 @@ def test_bad_metadata_is_refused_before_any_transfer(server, model_name, demo_mo
     assert "refused 400" in trainer.stdout and message in trainer.stdout
     # The same metadata straight to /update_weights (the one-call path): 400 too.
     names = list(weights)
-    update_info = {"names": names, "dtype_names": [str(weights[n].dtype).split(".")[-1] for n in names],
-                   "shapes": [list(weights[n].shape) for n in names]}  # fmt: skip
+    update_info = {
+        "names": names,
+        "dtype_names": [str(weights[n].dtype).split(".")[-1] for n in names],
+        "shapes": [list(weights[n].shape) for n in names],
+    }
     r = httpx.post(f"{server.url}/update_weights", json={"update_info": update_info}, timeout=30)
     assert r.status_code == 400 and message in r.json()["error"]["message"]
     assert httpx.get(f"{server.url}/weight_info").json()["weight_version"] == version_before
@@ -149,15 +155,31 @@ async def test_trainer_that_never_joins_times_out_while_engines_serve(server, mo
 async def test_the_fleet_is_relabelled_without_a_transfer(server, model_name):
     """vLLM's /update_weight_version on every engine: the label changes, the weights do not."""
     async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
-        before = await http.post("/v1/completions", json={"model": model_name, "prompt": "relabel", "max_tokens": 4,
-                                                          "temperature": 0, "return_token_ids": True})  # fmt: skip
+        before = await http.post(
+            "/v1/completions",
+            json={
+                "model": model_name,
+                "prompt": "relabel",
+                "max_tokens": 4,
+                "temperature": 0,
+                "return_token_ids": True,
+            },
+        )
         r = await http.post("/update_weight_version", json={"new_version": "relabelled-7"})
         assert r.status_code == 200 and [e["status"] for e in r.json()["engines"]] == [200, 200], r.text
         info = (await http.get("/weight_info")).json()
         assert info["weight_version"] == "relabelled-7"
         assert [e["weight_version"] for e in info["engines"]] == ["relabelled-7"] * 2
-        after = await http.post("/v1/completions", json={"model": model_name, "prompt": "relabel", "max_tokens": 4,
-                                                         "temperature": 0, "return_token_ids": True})  # fmt: skip
+        after = await http.post(
+            "/v1/completions",
+            json={
+                "model": model_name,
+                "prompt": "relabel",
+                "max_tokens": 4,
+                "temperature": 0,
+                "return_token_ids": True,
+            },
+        )
         assert after.headers["X-Weight-Version"] == "relabelled-7"
         assert after.json()["choices"][0]["token_ids"] == before.json()["choices"][0]["token_ids"]
         refused = await http.post("/update_weight_version", json={"new_version": ""})

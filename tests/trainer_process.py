@@ -105,9 +105,11 @@ def main() -> int:
         trainer = SharedMemoryTrainer(urls[0], timeout_s=args.timeout)
     else:
         trainer = GlooTrainer(
-            urls if len(urls) > 1 else urls[0], timeout_s=args.timeout, packed=stop_after is None,
+            urls if len(urls) > 1 else urls[0],
+            timeout_s=args.timeout,
+            packed=stop_after is None,
             sync_client=sync_client(args.client, urls[0]),
-        )  # fmt: skip
+        )
     if args.pause_keep:
         TrlCalls(urls[0]).post("/pause", params={"mode": "keep"})
     if args.colocated_step is not None:

@@ -21,19 +21,32 @@ from verifiers.v1.types import SamplingConfig
 
 async def main(url: str, model_dir: str) -> None:
     os.environ.setdefault("SKYINFER_KEY", "none")
-    config = TrainClientConfig(base_url=f"{url}/v1", api_key_var="SKYINFER_KEY", renderer=DefaultRendererConfig(),
-                               renderer_model_name=model_dir)  # fmt: skip
+    config = TrainClientConfig(
+        base_url=f"{url}/v1",
+        api_key_var="SKYINFER_KEY",
+        renderer=DefaultRendererConfig(),
+        renderer_model_name=model_dir,
+    )
     client = TrainClient(config)
     try:
         body = {"model": model_dir, "messages": [{"role": "user", "content": "The quick brown fox"}]}
-        response = await client.get_response(ChatDialect(), body, SamplingConfig(temperature=0.0, max_tokens=8),
-                                             session_id="verifiers-turn")  # fmt: skip
+        response = await client.get_response(
+            ChatDialect(), body, SamplingConfig(temperature=0.0, max_tokens=8), session_id="verifiers-turn"
+        )
     finally:
         await client.close()
     tokens = response.tokens
-    print(json.dumps({"prompt_ids": tokens.prompt_ids, "completion_ids": tokens.completion_ids,
-                      "completion_logprobs": tokens.completion_logprobs, "content": response.message.content,
-                      "finish_reason": response.finish_reason}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "prompt_ids": tokens.prompt_ids,
+                "completion_ids": tokens.completion_ids,
+                "completion_logprobs": tokens.completion_logprobs,
+                "content": response.message.content,
+                "finish_reason": response.finish_reason,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -118,8 +118,13 @@ async def throughput(url: str, model: str, requests: int, concurrency: int, max_
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
 
         async def one(i: int) -> int:
-            body = {"model": model, "prompt": f"request {i}: " + " ".join(f"w{j}" for j in range(40)),
-                    "max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True}  # fmt: skip
+            body = {
+                "model": model,
+                "prompt": f"request {i}: " + " ".join(f"w{j}" for j in range(40)),
+                "max_tokens": max_tokens,
+                "temperature": 1.0,
+                "ignore_eos": True,
+            }
             async with limit, http.post(f"{url}/v1/completions", json=body) as r:
                 r.raise_for_status()
                 return (await r.json())["usage"]["completion_tokens"]
@@ -141,8 +146,17 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="bench-lora-"))
     model = str(build_demo_model(root / "model"))
     paths = make_adapters(model, root, args.rank)
-    engine_args = ["--dtype", "float32", "--enable-lora", "--max-lora-rank", str(args.rank), "--max-loras", "2",
-                   "--max-model-len", "4096"]  # fmt: skip
+    engine_args = [
+        "--dtype",
+        "float32",
+        "--enable-lora",
+        "--max-lora-rank",
+        str(args.rank),
+        "--max-loras",
+        "2",
+        "--max-model-len",
+        "4096",
+    ]
     env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     cores = sorted(os.sched_getaffinity(0))
     sky_port, ref_port = free_port(), free_port()
@@ -158,8 +172,12 @@ def main() -> None:
         push, nbytes = pushes(sky_url, paths, args.rounds)
         from safetensors.torch import load_file
 
-        raw = raw_gloo(sorted(load_file(str(paths[0] / "adapter_model.safetensors")).items()), args.rounds,
-                       DEFAULT_BUFFER_SIZE_BYTES, receivers=1)  # fmt: skip
+        raw = raw_gloo(
+            sorted(load_file(str(paths[0] / "adapter_model.safetensors")).items()),
+            args.rounds,
+            DEFAULT_BUFFER_SIZE_BYTES,
+            receivers=1,
+        )
         costs = reset_cost(sky_url, model, paths, args.rounds)
         # The long prompt, never seen before: a cold prefill, for scale.
         costs["cold"] = [base_prompt_latency(sky_url, model, "never seen " + LONG_PROMPT)]
@@ -182,8 +200,10 @@ def main() -> None:
     print(f"{'in-place reload from a local path, vllm serve':46s} {med(ref_reload):8.3f}")
     print(f"{'push over the transfer group, skyinfer':46s} {med(push):8.3f}")
     print(f"{'raw gloo broadcast of the same bytes':46s} {med(raw):8.3f}")
-    print(f"ratios: skyinfer / vllm serve path reload {med(sky_reload) / med(ref_reload):.2f}; "
-          f"push / skyinfer path reload {med(push) / med(sky_reload):.2f}")  # fmt: skip
+    print(
+        f"ratios: skyinfer / vllm serve path reload {med(sky_reload) / med(ref_reload):.2f}; "
+        f"push / skyinfer path reload {med(push) / med(sky_reload):.2f}"
+    )
     print("stale-cache protection, a cached base prompt of ~2,000 tokens (1 output token) after a reload:")
     print(f"{'  salted (skyinfer: a path per version)':46s} {med(costs['salted']):8.3f}")
     print(f"{'  reset: the reset call':46s} {med(costs['reset_call']):8.3f}")

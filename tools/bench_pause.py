@@ -94,8 +94,12 @@ def main() -> None:
     ref_urls = []
     for i, core in enumerate(cores[:2]):
         port = free_port()
-        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core),
-               "VLLM_CPU_KVCACHE_SPACE": "1"}  # fmt: skip
+        env = {
+            **os.environ,
+            "VLLM_SERVER_DEV_MODE": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": str(core),
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+        }
         procs.append(start_reference(model, port, [], env, log_name=f"bench-vllm-serve-{i}.log"))
         ref_urls.append(f"http://127.0.0.1:{port}")
 

@@ -91,8 +91,24 @@ async def main() -> None:
     checkout = str(Path(args.checkout).resolve())
     # The checkout's skyinfer, engines included (they inherit the path).
     env = {**os.environ, "PYTHONPATH": checkout}
-    cmd = [sys.executable, "-m", "skyinfer", "serve", "--model", model, "--port", str(port), "--engines", "2",
-           "--dtype", "float32", "--health-interval", "1", "--health-timeout", "4"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "skyinfer",
+        "serve",
+        "--model",
+        model,
+        "--port",
+        str(port),
+        "--engines",
+        "2",
+        "--dtype",
+        "float32",
+        "--health-interval",
+        "1",
+        "--health-timeout",
+        "4",
+    ]
     os.chdir(checkout)
     server = spawn_logged(cmd, env, "bench-recovery.log")
     rounds = []
@@ -103,8 +119,11 @@ async def main() -> None:
             for i in range(args.rounds):
                 result = await one_round(session, url, model)
                 rounds.append(result)
-                print(f"round {i + 1}: ready for a push {result['ready']:.1f}s, first answer {result['served']:.1f}s, "
-                      f"{result['refused']} refused meanwhile", flush=True)  # fmt: skip
+                print(
+                    f"round {i + 1}: ready for a push {result['ready']:.1f}s, first answer {result['served']:.1f}s, "
+                    f"{result['refused']} refused meanwhile",
+                    flush=True,
+                )
                 await wait_healthy(session, url, server, timeout_s=600, path="/ready")
     finally:
         stop(server)

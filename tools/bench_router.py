@@ -40,8 +40,10 @@ async def run_load(client: MultiNodeClient, args) -> dict:
             started = time.perf_counter()
             out = await client.chat(
                 [{"role": "user", "content": f"request {i}: tell me something"}],
-                max_tokens=args.max_tokens, ignore_eos=True, session_id=f"session-{i % args.sessions}",
-            )  # fmt: skip
+                max_tokens=args.max_tokens,
+                ignore_eos=True,
+                session_id=f"session-{i % args.sessions}",
+            )
             assert out["usage"]["completion_tokens"] == args.max_tokens
             latencies.append(time.perf_counter() - started)
 
@@ -85,10 +87,16 @@ def main() -> None:
     ports = [free_port() for _ in range(2)]
     node_urls = [f"http://127.0.0.1:{port}" for port in ports]
     nodes = [
-        start_skyinfer(model, port, ["--max-model-len", "1024"], dict(os.environ), log_name=f"bench-router-node{k}.log",
-                       cores={cores[k % len(cores)]})
+        start_skyinfer(
+            model,
+            port,
+            ["--max-model-len", "1024"],
+            dict(os.environ),
+            log_name=f"bench-router-node{k}.log",
+            cores={cores[k % len(cores)]},
+        )
         for k, port in enumerate(ports)
-    ]  # fmt: skip
+    ]
     router, router_url = start_vllm_router(node_urls, "bench-router.log")
     try:
         asyncio.run(wait_servers(list(zip(node_urls, nodes))))
@@ -99,8 +107,10 @@ def main() -> None:
             stop(proc)
 
     med = {name: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for name, runs in results.items()}
-    print(f"{args.requests} chat requests x {args.max_tokens} tokens, {args.concurrency} concurrent, "
-          f"{args.sessions} sessions, 2 nodes; median of {args.rounds} rounds")  # fmt: skip
+    print(
+        f"{args.requests} chat requests x {args.max_tokens} tokens, {args.concurrency} concurrent, "
+        f"{args.sessions} sessions, 2 nodes; median of {args.rounds} rounds"
+    )
     print(f"{'':10s} {'tok/s':>8s} {'p50 s':>8s} {'p99 s':>8s}")
     for name, m in med.items():
         print(f"{name:10s} {m['tokens_per_s']:8.0f} {m['p50']:8.3f} {m['p99']:8.3f}")

@@ -92,8 +92,14 @@ class Client:
         self.tokens = 0
 
     async def chat(self, messages: list[dict], session: str | None, seed: int | None = None) -> str:
-        body = {"model": self.model, "messages": messages, "max_tokens": self.args.max_tokens, "ignore_eos": True,
-                "temperature": 1.0, **({} if seed is None else {"seed": seed})}  # fmt: skip
+        body = {
+            "model": self.model,
+            "messages": messages,
+            "max_tokens": self.args.max_tokens,
+            "ignore_eos": True,
+            "temperature": 1.0,
+            **({} if seed is None else {"seed": seed}),
+        }
         headers = {"Content-Type": "application/json"}
         if session and self.send_sessions:
             headers["X-Session-ID"] = session
@@ -176,8 +182,14 @@ async def measure(url: str, metrics_urls: list[str], model: str, args, send_sess
 def run_skyinfer(model: str, args, env: dict, extra: list[str], send_sessions: bool, name: str) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = start_skyinfer(model, port, ["--cpu-kvcache-gib", str(args.kvcache_gib), *extra, *args.engine_args], env,
-                          engines=2, log_name=f"bench-routing-{name}.log")  # fmt: skip
+    proc = start_skyinfer(
+        model,
+        port,
+        ["--cpu-kvcache-gib", str(args.kvcache_gib), *extra, *args.engine_args],
+        env,
+        engines=2,
+        log_name=f"bench-routing-{name}.log",
+    )
     try:
         asyncio.run(wait_servers([(url, proc)], path="/ready"))
         return asyncio.run(measure(url, [f"{url}/metrics"], model, args, send_sessions))
@@ -190,10 +202,16 @@ def run_vllm_router(model: str, args, env: dict) -> dict:
     ports = [free_port() for _ in range(2)]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     servers = [
-        start_reference(model, port, args.engine_args, {**env, "VLLM_CPU_OMP_THREADS_BIND": str(cores[k % len(cores)])},
-                        log_name=f"bench-routing-vllm{k}.log", cores={cores[k % len(cores)]})
+        start_reference(
+            model,
+            port,
+            args.engine_args,
+            {**env, "VLLM_CPU_OMP_THREADS_BIND": str(cores[k % len(cores)])},
+            log_name=f"bench-routing-vllm{k}.log",
+            cores={cores[k % len(cores)]},
+        )
         for k, port in enumerate(ports)
-    ]  # fmt: skip
+    ]
     router, router_url = start_vllm_router(urls, "bench-routing-router.log")
     try:
         asyncio.run(wait_servers(list(zip(urls, servers))))
@@ -210,9 +228,14 @@ def build_model(args) -> str:
     The demo model itself (2 layers, 128 wide) makes prefill almost free; a wider,
     deeper one costs per prompt token what a real model costs beside a decode step.
     """
-    size = {"hidden_size": args.model_width, "intermediate_size": 2 * args.model_width,
-            "num_hidden_layers": args.model_layers, "num_attention_heads": args.model_width // 64,
-            "num_key_value_heads": max(1, args.model_width // 256), "max_position_embeddings": 8192}  # fmt: skip
+    size = {
+        "hidden_size": args.model_width,
+        "intermediate_size": 2 * args.model_width,
+        "num_hidden_layers": args.model_layers,
+        "num_attention_heads": args.model_width // 64,
+        "num_key_value_heads": max(1, args.model_width // 256),
+        "max_position_embeddings": 8192,
+    }
     return str(build_demo_model(Path(tempfile.mkdtemp(prefix="bench-routing-")), **size))
 
 
@@ -254,10 +277,11 @@ def main() -> None:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.kvcache_gib)}
     setups = {
         "skyinfer": lambda: run_skyinfer(model, args, env, args.skyinfer_args, send_sessions=True, name="skyinfer"),
-        "least-loaded": lambda: run_skyinfer(model, args, env, ["--group-prefix-chars", "0"], send_sessions=False,
-                                             name="least-loaded"),
+        "least-loaded": lambda: run_skyinfer(
+            model, args, env, ["--group-prefix-chars", "0"], send_sessions=False, name="least-loaded"
+        ),
         "vllm-router": lambda: run_vllm_router(model, args, env),
-    }  # fmt: skip
+    }
     unknown = set(args.setups.split(",")) - set(setups)
     if unknown:
         p.error(f"--setups: unknown {', '.join(sorted(unknown))} (known: {', '.join(setups)})")
@@ -281,11 +305,15 @@ def main() -> None:
         f"each; model {args.model or f'{args.model_width} wide, {args.model_layers} layers'}"
     )
     print(f"median of {args.rounds} interleaved round(s)")
-    print(f"{'':14s} {'tok/s':>8s} {'run s':>8s} {'p50 s':>8s} {'p99 s':>8s} {'prefix hits':>12s} "
-          f"{'busiest engine':>15s} {'moves':>6s}")  # fmt: skip
+    print(
+        f"{'':14s} {'tok/s':>8s} {'run s':>8s} {'p50 s':>8s} {'p99 s':>8s} {'prefix hits':>12s} "
+        f"{'busiest engine':>15s} {'moves':>6s}"
+    )
     for name, m in results.items():
-        print(f"{name:14s} {m['tokens_per_s']:8.1f} {m['seconds']:8.1f} {m['p50']:8.2f} {m['p99']:8.2f} "
-              f"{m['hit_rate']:12.1%} {m['busiest_share']:15.1%} {m['moves']:6.0f}")  # fmt: skip
+        print(
+            f"{name:14s} {m['tokens_per_s']:8.1f} {m['seconds']:8.1f} {m['p50']:8.2f} {m['p99']:8.2f} "
+            f"{m['hit_rate']:12.1%} {m['busiest_share']:15.1%} {m['moves']:6.0f}"
+        )
     sky = results.get("skyinfer")
     for name in [n for n in ("least-loaded", "vllm-router") if sky and n in results]:
         m = results[name]

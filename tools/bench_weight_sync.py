@@ -159,10 +159,16 @@ def bench_gloo(args, model_dir: Path, tensors, mib: float, buffer_size: int) -> 
     cores = sorted(os.sched_getaffinity(0))
     ports = [free_port() for _ in range(args.nodes)]
     procs = [
-        start_skyinfer(str(model_dir), port, ENGINE_ARGS, dict(os.environ), log_name=f"bench-skyinfer-{k}.log",
-                       cores={cores[k % len(cores)]} if args.nodes > 1 else None)
+        start_skyinfer(
+            str(model_dir),
+            port,
+            ENGINE_ARGS,
+            dict(os.environ),
+            log_name=f"bench-skyinfer-{k}.log",
+            cores={cores[k % len(cores)]} if args.nodes > 1 else None,
+        )
         for k, port in enumerate(ports)
-    ]  # fmt: skip
+    ]
     urls = [f"http://127.0.0.1:{port}" for port in ports]
     raw = RawGloo(tensors, buffer_size, receivers=args.nodes, pushes=args.pushes)
     raw_s, sky_s, calls = [], [], []
@@ -187,8 +193,10 @@ def bench_gloo(args, model_dir: Path, tensors, mib: float, buffer_size: int) -> 
         raw.close()
         for proc in procs:
             stop(proc)
-    print(f"{args.pushes} alternating rounds, {mib:.0f} MiB to {args.nodes} node(s), raw packed in "
-          f"{buffer_size // 2**20} MiB buffers; median, then each round")  # fmt: skip
+    print(
+        f"{args.pushes} alternating rounds, {mib:.0f} MiB to {args.nodes} node(s), raw packed in "
+        f"{buffer_size // 2**20} MiB buffers; median, then each round"
+    )
     print(f"{'':38s} {'seconds':>8s} {'MiB/s':>8s}")
     print(median_row("raw gloo broadcast", raw_s, mib))
     print(median_row("skyinfer push (end to end)", sky_s, mib))
@@ -201,12 +209,24 @@ def bench_shm(args, model_dir: Path, tensors, mib: float, buffer_size: int) -> N
     ports = [free_port(), free_port()]
     colocated_url, separate_url = (f"http://127.0.0.1:{port}" for port in ports)
     procs = [
-        start_skyinfer(str(model_dir), ports[0], ["--colocate", *ENGINE_ARGS], dict(os.environ), engines=args.engines,
-                       log_name="bench-skyinfer-colocated.log"),
+        start_skyinfer(
+            str(model_dir),
+            ports[0],
+            ["--colocate", *ENGINE_ARGS],
+            dict(os.environ),
+            engines=args.engines,
+            log_name="bench-skyinfer-colocated.log",
+        ),
         # The same engines on devices of their own: the gloo transport, for the same bytes and the same reload.
-        start_skyinfer(str(model_dir), ports[1], ENGINE_ARGS, dict(os.environ), engines=args.engines,
-                       log_name="bench-skyinfer-separate.log"),
-    ]  # fmt: skip
+        start_skyinfer(
+            str(model_dir),
+            ports[1],
+            ENGINE_ARGS,
+            dict(os.environ),
+            engines=args.engines,
+            log_name="bench-skyinfer-separate.log",
+        ),
+    ]
     memcpy = Memcpy(tensors, args.engines)
     raw = RawGloo(tensors, buffer_size, receivers=args.engines, pushes=args.pushes)
     rows: dict[str, list[float]] = {k: [] for k in ("memcpy", "memcpy_fresh", "raw", "shm", "receiving", "gloo")}
@@ -222,8 +242,12 @@ def bench_shm(args, model_dir: Path, tensors, mib: float, buffer_size: int) -> N
             for i in range(args.pushes):
                 # Each timed step starts on an idle machine: after each call, the workers of vLLM's CPU
                 # executor busy-wait 1 s for the next (shm_broadcast.SpinCondition), on these 2 cores.
-                for row, step in (("memcpy", memcpy.push), ("memcpy_fresh", memcpy.push_fresh), ("raw", raw.push),
-                                  ("gloo", functools.partial(timed_push, gloo_trainer, tensors, f"bench-{i}"))):  # fmt: skip
+                for row, step in (
+                    ("memcpy", memcpy.push),
+                    ("memcpy_fresh", memcpy.push_fresh),
+                    ("raw", raw.push),
+                    ("gloo", functools.partial(timed_push, gloo_trainer, tensors, f"bench-{i}")),
+                ):
                     time.sleep(IDLE_S)
                     rows[row].append(step())
                 # The colocated shape: engines asleep, their weights awake; the push alone is timed.
@@ -239,8 +263,10 @@ def bench_shm(args, model_dir: Path, tensors, mib: float, buffer_size: int) -> N
         raw.close()
         for proc in procs:
             stop(proc)
-    print(f"{args.pushes} alternating rounds, {mib:.0f} MiB ({len(tensors)} tensors) into {args.engines} engine(s); "
-          "median, then each round")  # fmt: skip
+    print(
+        f"{args.pushes} alternating rounds, {mib:.0f} MiB ({len(tensors)} tensors) into {args.engines} engine(s); "
+        "median, then each round"
+    )
     print(f"{'':38s} {'seconds':>8s} {'MiB/s':>8s}")
     print(median_row(f"memcpy into {args.engines} buffer(s)", rows["memcpy"], mib))
     print(median_row(f"memcpy into {args.engines} fresh buffer(s)", rows["memcpy_fresh"], mib))

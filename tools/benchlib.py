@@ -52,9 +52,22 @@ def start_reference(
     dies on a seeded request whose prefill is chunked).
     """
     cpu_worker = ["--worker-cls", CPU_WORKER_PATH] if detect_device_kind() == "cpu" else []
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
-           "--enforce-eager", "--enable-scale-out", "--disable-uvicorn-access-log",
-           "--worker-extension-cls", EXTENSION_PATH, *cpu_worker, *engine_args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--port",
+        str(port),
+        "--enforce-eager",
+        "--enable-scale-out",
+        "--disable-uvicorn-access-log",
+        "--worker-extension-cls",
+        EXTENSION_PATH,
+        *cpu_worker,
+        *engine_args,
+    ]
     return spawn_logged(cmd, env, log_name, cores)
 
 
@@ -67,8 +80,19 @@ def start_skyinfer(
     log_name: str = "bench-skyinfer.log",
     cores: set[int] | None = None,
 ) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "skyinfer", "serve", "--model", model, "--port", str(port),
-           "--engines", str(engines), *engine_args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "skyinfer",
+        "serve",
+        "--model",
+        model,
+        "--port",
+        str(port),
+        "--engines",
+        str(engines),
+        *engine_args,
+    ]
     return spawn_logged(cmd, env, log_name, cores)
 
 
@@ -78,8 +102,17 @@ def start_vllm_router(worker_urls: list[str], log_name: str) -> tuple[subprocess
     if router_bin is None:
         raise SystemExit("vllm-router is not installed: pip install -e .[multinode]")
     port = free_port()
-    cmd = [router_bin, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *worker_urls,
-           "--policy", "consistent_hash"]  # fmt: skip
+    cmd = [
+        router_bin,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--worker-urls",
+        *worker_urls,
+        "--policy",
+        "consistent_hash",
+    ]
     return spawn_logged(cmd, dict(os.environ), log_name), f"http://127.0.0.1:{port}"
 
 

@@ -88,8 +88,14 @@ def _completion(kind: str, model: str, tokens: int, index_text: str) -> dict:
         choice["message"] = {"role": "assistant", "content": index_text}
     else:
         choice["text"] = index_text
-    return {"id": f"fake-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()), "model": model,
-            "choices": [choice], "usage": {"prompt_tokens": 1, "completion_tokens": tokens, "total_tokens": tokens + 1}}  # fmt: skip
+    return {
+        "id": f"fake-{uuid.uuid4().hex}",
+        "object": kind,
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": {"prompt_tokens": 1, "completion_tokens": tokens, "total_tokens": tokens + 1},
+    }
 
 
 async def _openai(request: web.Request) -> web.StreamResponse:
@@ -105,8 +111,12 @@ async def _openai(request: web.Request) -> web.StreamResponse:
             return json_response(_completion(kind, body.get("model", "fake"), tokens, "x" * tokens))
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
-        head = {"id": f"fake-{uuid.uuid4().hex}", "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": int(time.time()), "model": body.get("model", "fake")}  # fmt: skip
+        head = {
+            "id": f"fake-{uuid.uuid4().hex}",
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": body.get("model", "fake"),
+        }
         await engine.resumed.wait()
         rate = request.app[SCRIPT].get("tokens_per_s", 0)
         for i in range(tokens):
@@ -127,9 +137,19 @@ async def _tokens(request: web.Request) -> web.Response:
     tokens = int(body.get("sampling_params", {}).get("max_tokens") or 16)
     await _generate(request, tokens)
     engine = request.app[STATE]
-    return json_response({"request_id": f"fake-{uuid.uuid4().hex}", "choices": [
-        {"index": 0, "token_ids": [7] * tokens, "finish_reason": "length",
-         "weight_versions": [{"version": engine.weight_version, "tokens": tokens}]}]})  # fmt: skip
+    return json_response(
+        {
+            "request_id": f"fake-{uuid.uuid4().hex}",
+            "choices": [
+                {
+                    "index": 0,
+                    "token_ids": [7] * tokens,
+                    "finish_reason": "length",
+                    "weight_versions": [{"version": engine.weight_version, "tokens": tokens}],
+                }
+            ],
+        }
+    )
 
 
 async def _info(request: web.Request) -> web.Response:
@@ -206,16 +226,24 @@ def create_fake_engine_app(script: dict) -> web.Application:
     app[SCRIPT] = script
     app[STATE] = FakeEngine()
     posts = {
-        "/v1/completions": _openai, "/v1/chat/completions": _openai, "/inference/v1/generate": _tokens,
-        "/pause": _pause, "/resume": _resume, "/sleep": _sleep, "/wake_up": _wake_up,
-        "/reset_prefix_cache": _step("reset"), "/abort_requests": _step("aborted"),
-        "/init_weight_transfer": _step("joined"), "/shutdown_weight_transfer_engine": _step("left"),
+        "/v1/completions": _openai,
+        "/v1/chat/completions": _openai,
+        "/inference/v1/generate": _tokens,
+        "/pause": _pause,
+        "/resume": _resume,
+        "/sleep": _sleep,
+        "/wake_up": _wake_up,
+        "/reset_prefix_cache": _step("reset"),
+        "/abort_requests": _step("aborted"),
+        "/init_weight_transfer": _step("joined"),
+        "/shutdown_weight_transfer_engine": _step("left"),
         "/start_weight_update": _step("started", lambda e, b: setattr(e, "updating", True)),
-        "/update_weights": _step("updated"), "/load_checkpoint": _step("loaded"),
+        "/update_weights": _step("updated"),
+        "/load_checkpoint": _step("loaded"),
         "/finish_weight_update": _step("finished", _finish),
         "/abort_weight_update": _step("aborted", lambda e, b: setattr(e, "updating", False)),
         "/update_weight_version": _step("relabelled", lambda e, b: setattr(e, "weight_version", b["new_version"])),
-    }  # fmt: skip
+    }
     for path, handler in posts.items():
         app.router.add_post(path, _scripted(handler))
     for path, handler in {"/info": _info, "/health": _health, "/conditions": _conditions}.items():

@@ -123,8 +123,9 @@ class Server:
             ["--cpu-kvcache-gib", "1"] if device == "cpu" else []
         )
         started = time.monotonic()
-        self.proc = start_skyinfer(str(model), self.port, [*args, *engine_args], dict(os.environ),
-                                   log_name=f"gpu-check-{name}.log")  # fmt: skip
+        self.proc = start_skyinfer(
+            str(model), self.port, [*args, *engine_args], dict(os.environ), log_name=f"gpu-check-{name}.log"
+        )
         asyncio.run(wait_servers([(self.url, self.proc)]))
         self.startup_s = time.monotonic() - started
         self.http = httpx.Client(base_url=self.url, timeout=300)
@@ -142,8 +143,13 @@ class Server:
     def greedy(self, prompt: str, n: int = 8) -> tuple[list[int], list[int], list[float]] | httpx.Response:
         """(prompt ids, output ids, logprobs) of a greedy completion; the response if it failed."""
         ids = self.prompt_ids[prompt]
-        r = self.post("/inference/v1/generate", {"token_ids": ids, "sampling_params": {
-            "max_tokens": n, "temperature": 0, "logprobs": 0, "ignore_eos": True}})  # fmt: skip
+        r = self.post(
+            "/inference/v1/generate",
+            {
+                "token_ids": ids,
+                "sampling_params": {"max_tokens": n, "temperature": 0, "logprobs": 0, "ignore_eos": True},
+            },
+        )
         if r.status_code != 200:
             return r
         choice = r.json()["choices"][0]
@@ -235,8 +241,12 @@ def trainer_main(kind: str, url: str, weights_file: str, version: str) -> None:
 
 
 def run_trainer(kind: str, server: Server, weights_file: Path, version: str) -> dict:
-    done = subprocess.run([sys.executable, __file__, "--trainer", kind, server.url, str(weights_file), version],
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, __file__, "--trainer", kind, server.url, str(weights_file), version],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if done.returncode != 0:
         raise RuntimeError(f"trainer exited {done.returncode}: {done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -268,8 +278,10 @@ def device_copy_s(weights_file: Path, device: str, rounds: int = 5) -> float:
 def check_serve(c: Check, device: str, model_dir: Path, name: str) -> None:
     server = Server(model_dir, [], device, f"serve-{name}")
     try:
-        chat = server.post("/v1/chat/completions", {"model": server.model, "max_tokens": 8,
-                           "messages": [{"role": "user", "content": "hello"}]})  # fmt: skip
+        chat = server.post(
+            "/v1/chat/completions",
+            {"model": server.model, "max_tokens": 8, "messages": [{"role": "user", "content": "hello"}]},
+        )
         c.line(f"serve.{name}.chat", chat.status_code == 200, f"status {chat.status_code}")
         gap = max_gap(server, model_dir, None, device)
         c.line(f"serve.{name}.logprobs", gap <= TOLERANCE, f"max |vLLM - transformers fp32| {gap:.4f}")
@@ -299,8 +311,11 @@ def check_sleep(c: Check, device: str, model_dir: Path, name: str) -> None:
                 c.line(f"sleep.{name}.wake{level}", ok, f"weights {weights_only} MiB, all {back} MiB, serves")
             else:
                 refused = isinstance(served, httpx.Response) and served.status_code == 503
-                c.line(f"sleep.{name}.level2_stale", refused,
-                       f"generate before a push: {getattr(served, 'status_code', 200)}")  # fmt: skip
+                c.line(
+                    f"sleep.{name}.level2_stale",
+                    refused,
+                    f"generate before a push: {getattr(served, 'status_code', 200)}",
+                )
                 weights = modified_weights_file(model_dir, Path(tempfile.mkdtemp()) / "w.safetensors")
                 run_trainer("skyinfer", server, weights, "after-level-2")
                 gap = max_gap(server, model_dir, weights, device)
@@ -319,9 +334,12 @@ def check_ipc_push(c: Check, device: str, model_dir: Path, name: str) -> None:
         server.post("/wake_up", tags=["kv_cache"])
         gap = max_gap(server, model_dir, weights, device)
         copy_s = device_copy_s(weights, device)
-        c.line(f"ipc_push.{name}", gap <= TOLERANCE,
-               f"max gap {gap:.4f}; push {push['push_s']:.3f} s, device copy {copy_s:.4f} s,"
-               f" ratio {push['push_s'] / copy_s:.1f}")  # fmt: skip
+        c.line(
+            f"ipc_push.{name}",
+            gap <= TOLERANCE,
+            f"max gap {gap:.4f}; push {push['push_s']:.3f} s, device copy {copy_s:.4f} s,"
+            f" ratio {push['push_s'] / copy_s:.1f}",
+        )
     finally:
         server.close()
 
@@ -357,8 +375,12 @@ def check_restart(c: Check, device: str, model_dir: Path) -> None:
         state = server.engines()[0]
         released = device != "cuda" or core not in gpu_pids()
         ok = state["state"] == "sleeping" and released
-        c.line("restart", ok, f"back in {back_s:.1f} s as {state['state']!r} (fleet asleep);"
-                              f" dead EngineCore held {held} MiB, released: {released}")  # fmt: skip
+        c.line(
+            "restart",
+            ok,
+            f"back in {back_s:.1f} s as {state['state']!r} (fleet asleep);"
+            f" dead EngineCore held {held} MiB, released: {released}",
+        )
     finally:
         server.close()
 
@@ -370,8 +392,14 @@ async def _tokens_per_s(url: str, model: str, concurrency: int = 64, requests: i
 
         async def one() -> int:
             async with gate:
-                r = await http.post("/inference/v1/generate", json={"model": model, "token_ids": ids,
-                                    "sampling_params": {"max_tokens": 64, "temperature": 1.0, "ignore_eos": True}})  # fmt: skip
+                r = await http.post(
+                    "/inference/v1/generate",
+                    json={
+                        "model": model,
+                        "token_ids": ids,
+                        "sampling_params": {"max_tokens": 64, "temperature": 1.0, "ignore_eos": True},
+                    },
+                )
                 r.raise_for_status()
                 return len(r.json()["choices"][0]["token_ids"])
 
@@ -391,8 +419,13 @@ def check_throughput(c: Check, device: str, model_dir: Path, rounds: int = 3) ->
             server.close()
         port = free_port()
         extra = ["--cpu-kvcache-gib", "1"] if device == "cpu" else []
-        ref = start_reference(str(model_dir), port, ["--max-model-len", "1024", *extra], dict(os.environ),
-                              log_name="gpu-check-vllm-serve.log")  # fmt: skip
+        ref = start_reference(
+            str(model_dir),
+            port,
+            ["--max-model-len", "1024", *extra],
+            dict(os.environ),
+            log_name="gpu-check-vllm-serve.log",
+        )
         try:
             asyncio.run(wait_servers([(f"http://127.0.0.1:{port}", ref)]))
             theirs = asyncio.run(_tokens_per_s(f"http://127.0.0.1:{port}", str(model_dir)))
@@ -401,9 +434,12 @@ def check_throughput(c: Check, device: str, model_dir: Path, rounds: int = 3) ->
         ratios.append(ours / theirs)
         c.say(f"  round: skyinfer {ours:.0f} tok/s, vllm serve {theirs:.0f} tok/s")
     ratios.sort()
-    c.line("throughput", ratios[len(ratios) // 2] >= 0.9,
-           f"skyinfer / vllm serve at 64 concurrent token-route requests: median {ratios[len(ratios) // 2]:.2f}"
-           f" ({', '.join(f'{r:.2f}' for r in ratios)})")  # fmt: skip
+    c.line(
+        "throughput",
+        ratios[len(ratios) // 2] >= 0.9,
+        f"skyinfer / vllm serve at 64 concurrent token-route requests: median {ratios[len(ratios) // 2]:.2f}"
+        f" ({', '.join(f'{r:.2f}' for r in ratios)})",
+    )
 
 
 def main() -> int:
@@ -423,8 +459,10 @@ def main() -> int:
     with open(args.log, "w") as log:
         c = Check(log)
         gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
-        c.say(f"# {time.strftime('%Y-%m-%d %H:%M')} device {gpu}; vLLM {vllm.__version__}; torch {torch.__version__};"
-              f" Python {sys.version.split()[0]}")  # fmt: skip
+        c.say(
+            f"# {time.strftime('%Y-%m-%d %H:%M')} device {gpu}; vLLM {vllm.__version__}; torch {torch.__version__};"
+            f" Python {sys.version.split()[0]}"
+        )
         base = Path(tempfile.mkdtemp(prefix="gpu-check-"))
         demo = build_demo_model(base / "demo")
         # On CPU the wide model would take minutes per engine start: the script's own check runs the demo.

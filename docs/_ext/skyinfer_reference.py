@@ -60,10 +60,18 @@ def front_routes() -> list[Route]:
         doc = inspect.getdoc(handler) or ""
         takes = getattr(handler, "takes", None)
         schema = takes.model_json_schema() if takes is not None else {"properties": {}}
-        parameters = [] if takes is None else [
-            (name, _json_type(schema["properties"][name], schema), "required" if field.is_required() else f"default {field.default!r}")
-            for name, field in takes.model_fields.items()
-        ]  # fmt: skip
+        parameters = (
+            []
+            if takes is None
+            else [
+                (
+                    name,
+                    _json_type(schema["properties"][name], schema),
+                    "required" if field.is_required() else f"default {field.default!r}",
+                )
+                for name, field in takes.model_fields.items()
+            ]
+        )
         routes.append(
             Route(route.method, route.resource.canonical, handler.__module__, handler, doc.split("\n\n")[0], parameters)
         )

@@ -69,10 +69,11 @@ class MultiNodeClient:
         if failed:
             statuses = {exc.status for _node, exc in failed}
             per_node = [
-                {"node": n.base_url, "status": r.status, "error": r.message} if isinstance(r, SkyinferError)
+                {"node": n.base_url, "status": r.status, "error": r.message}
+                if isinstance(r, SkyinferError)
                 else {"node": n.base_url, "status": 200, "result": r}
                 for n, r in zip(self.nodes, results)
-            ]  # fmt: skip
+            ]
             raise SkyinferError(
                 statuses.pop() if len(statuses) == 1 else 502,
                 f"{what} failed on {len(failed)} of {len(self.nodes)} node(s): "

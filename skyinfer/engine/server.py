@@ -80,8 +80,12 @@ def _serving_route(
             result = await call(request.app[SERVING_STATE])(parsed, VllmRequestView(request))
             if chunk_object is not None and isinstance(result, AsyncGenerator):
                 prefix = "chatcmpl" if chunk_object.startswith("chat") else "cmpl"
-                head = {"id": f"{prefix}-{uuid.uuid4().hex}", "object": chunk_object,
-                        "created": int(time.time()), "model": parsed.model}  # fmt: skip
+                head = {
+                    "id": f"{prefix}-{uuid.uuid4().hex}",
+                    "object": chunk_object,
+                    "created": int(time.time()),
+                    "model": parsed.model,
+                }
                 result = with_finish_reasons(result, choice_count(parsed), head)
             if request.path == TOKEN_ROUTE:
                 result = _with_token_strings(result)

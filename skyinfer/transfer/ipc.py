@@ -38,9 +38,23 @@ def _b64(raw: bytes | None) -> str | None:
 
 def encode_handle(rebuild_args: Sequence) -> dict:
     """``reduce_tensor``'s arguments for one CUDA tensor, as the JSON ``IpcHandle`` describes."""
-    (tensor_cls, size, stride, offset, storage_cls, dtype, device, storage_handle, storage_size_bytes,
-     storage_offset_bytes, requires_grad, ref_counter_handle, ref_counter_offset, event_handle,
-     event_sync_required) = rebuild_args  # fmt: skip
+    (
+        tensor_cls,
+        size,
+        stride,
+        offset,
+        storage_cls,
+        dtype,
+        device,
+        storage_handle,
+        storage_size_bytes,
+        storage_offset_bytes,
+        requires_grad,
+        ref_counter_handle,
+        ref_counter_offset,
+        event_handle,
+        event_sync_required,
+    ) = rebuild_args
     return {
         "tensor_class": tensor_cls.__name__,
         "size": list(size),
@@ -169,8 +183,9 @@ class IpcReceiver:
         fields = {"names": update_info.names, "dtype_names": update_info.dtype_names, "shapes": update_info.shapes}
         if update_info.pickled:
             # vLLM unpickles it, and only with VLLM_ALLOW_INSECURE_SERIALIZATION=1 (--allow-pickled-ipc).
-            vllm_info = IPCWeightTransferUpdateInfo(**fields, ipc_handles_pickled=update_info.ipc_handles_pickled,
-                                                    tensor_sizes=update_info.tensor_sizes)  # fmt: skip
+            vllm_info = IPCWeightTransferUpdateInfo(
+                **fields, ipc_handles_pickled=update_info.ipc_handles_pickled, tensor_sizes=update_info.tensor_sizes
+            )
         elif isinstance(update_info.ipc_handles, dict):
             handles = {uuid: decode_handle(h) for uuid, h in update_info.ipc_handles.items()}
             vllm_info = IPCWeightTransferUpdateInfo(

@@ -201,9 +201,12 @@ class WeightSync:
     @staticmethod
     async def _init_engine(record: EngineRecord, init_info: dict, timeout_s: float) -> EngineReply:
         return await call_engine(
-            record, "/init_weight_transfer", timeout_s=timeout_s + 30, query={"timeout_s": str(timeout_s)},
+            record,
+            "/init_weight_transfer",
+            timeout_s=timeout_s + 30,
+            query={"timeout_s": str(timeout_s)},
             body={"init_info": init_info},
-        )  # fmt: skip
+        )
 
     async def rejoin(self, record: EngineRecord) -> None:
         """A new engine process takes a colocated transport's settings (there is no group to join),
@@ -230,9 +233,10 @@ class WeightSync:
         missing = [r.engine_id for r in records if not r.in_transfer_group]
         if missing:
             raise SyncError(
-                409, f"engines {missing} are not in the trainer's group; POST /init_weight_transfer first",
+                409,
+                f"engines {missing} are not in the trainer's group; POST /init_weight_transfer first",
                 code=TRANSFER_GROUP_GONE,
-            )  # fmt: skip
+            )
 
     def transfer_members(self) -> list[EngineRecord]:
         """The engines, for a transfer outside a weight update (an adapter push): every one up
@@ -240,9 +244,10 @@ class WeightSync:
         self._refuse_unless(Phase.IDLE)
         if not self.transport.transport.group:
             raise SyncError(
-                400, "adapter pushes travel over a transfer group; a colocated server loads adapters from a path"
+                400,
+                "adapter pushes travel over a transfer group; a colocated server loads adapters from a path"
                 " (POST /v1/load_lora_adapter)",
-            )  # fmt: skip
+            )
         records = self._engines()
         self._check_group(records)
         return records
@@ -278,9 +283,16 @@ class WeightSync:
                 if self.phase is not Phase.RECEIVING:
                     await self._begin(records)
                 replies = await gather_until_failure(
-                    [(r, call_engine(r, "/update_weights", timeout_s=self.timeout_s, body={"update_info": update_info}))
-                     for r in records]
-                )  # fmt: skip
+                    [
+                        (
+                            r,
+                            call_engine(
+                                r, "/update_weights", timeout_s=self.timeout_s, body={"update_info": update_info}
+                            ),
+                        )
+                        for r in records
+                    ]
+                )
                 await self._settle("update_weights", replies)
                 self.last_update_s = time.monotonic() - started
         finally:
@@ -466,10 +478,11 @@ class WeightSync:
         replies = await self._weight_checker(records, "checksum")
         verdict = judge({rep.engine_id: rep.body["checksums"] for rep in replies if rep.ok}, reference)
         checked = [
-            {"engine": rep.engine_id, "status": rep.status, "result": verdict.engine_result(rep.engine_id)} if rep.ok
+            {"engine": rep.engine_id, "status": rep.status, "result": verdict.engine_result(rep.engine_id)}
+            if rep.ok
             else rep.as_json()
             for rep in replies
-        ]  # fmt: skip
+        ]
         return verdict, checked
 
     async def _verify(self, records: list[EngineRecord], expected: Checksums | None) -> tuple[Verdict, list[dict]]:
@@ -497,8 +510,9 @@ class WeightSync:
             return
         problems = [
             f"engine {engine} differs in {len(names)} tensor(s) ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
-            for engine, names in verdict.differing.items() if names
-        ]  # fmt: skip
+            for engine, names in verdict.differing.items()
+            if names
+        ]
         problems += [f"engine {engine} could not be checked" for engine in unchecked]
         basis = "" if verdict.reference is not None else " (the engines split evenly: none can be trusted)"
         raise SyncError(
@@ -522,8 +536,13 @@ class WeightSync:
             if request.action == "checksum":
                 verdict, checked = await self._verify(current, None)
                 agree = not verdict.disagreeing and all(c["status"] == 200 for c in checked)
-                return {"checksums": verdict.reference or {}, "agree": agree, "weight_version": self.registry.fleet_weight_version,
-                        "held_out": verdict.disagreeing, "engines": checked}  # fmt: skip
+                return {
+                    "checksums": verdict.reference or {},
+                    "agree": agree,
+                    "weight_version": self.registry.fleet_weight_version,
+                    "held_out": verdict.disagreeing,
+                    "engines": checked,
+                }
             # compare: against the caller's baseline, nobody held out.
             verdict, checked = await self._judge(current, request.baseline)
         mismatches = sorted({name for names in verdict.differing.values() for name in names})

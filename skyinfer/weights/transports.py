@@ -109,8 +109,11 @@ class FrontTransport:
         # skyinfer's gloo backend takes the group's timeout; vLLM's nccl init_info refuses fields it lacks.
         own = {"timeout_s": timeout_s} if self.transport is GLOO else {}
         engine_infos = [{**fields, **own, "rank_offset": layout.rank_offset(i)} for i in range(len(workers_per_engine))]
-        answer = {"transport": self.transport.name, "world_size": info.world_size,
-                  "rank_offsets": [e["rank_offset"] for e in engine_infos]}  # fmt: skip
+        answer = {
+            "transport": self.transport.name,
+            "world_size": info.world_size,
+            "rank_offsets": [e["rank_offset"] for e in engine_infos],
+        }
         return InitPlan(engine_infos, timeout_s, answer)
 
     # -- updates ----------------------------------------------------------------------
@@ -132,8 +135,9 @@ class FrontTransport:
                 raise TransferRefused(
                     "update_info.ipc_handles_pickled: this server does not unpickle what comes over HTTP; send"
                     f" skyinfer's JSON handles (IPCTrainer), or start it with {PICKLED_IPC_FLAG} to take vLLM's"
-                    " pickled ones", param="update_info.ipc_handles_pickled",
-                )  # fmt: skip
+                    " pickled ones",
+                    param="update_info.ipc_handles_pickled",
+                )
             return meta
         return GroupUpdateInfo.parse(update_info, ("update_info",))
 
