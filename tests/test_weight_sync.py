@@ -154,32 +154,15 @@ async def test_trainer_that_never_joins_times_out_while_engines_serve(server, mo
 
 async def test_the_fleet_is_relabelled_without_a_transfer(server, model_name):
     """vLLM's /update_weight_version on every engine: the label changes, the weights do not."""
+    body = {"model": model_name, "prompt": "relabel", "max_tokens": 4, "temperature": 0, "return_token_ids": True}
     async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
-        before = await http.post(
-            "/v1/completions",
-            json={
-                "model": model_name,
-                "prompt": "relabel",
-                "max_tokens": 4,
-                "temperature": 0,
-                "return_token_ids": True,
-            },
-        )
+        before = await http.post("/v1/completions", json=body)
         r = await http.post("/update_weight_version", json={"new_version": "relabelled-7"})
         assert r.status_code == 200 and [e["status"] for e in r.json()["engines"]] == [200, 200], r.text
         info = (await http.get("/weight_info")).json()
         assert info["weight_version"] == "relabelled-7"
         assert [e["weight_version"] for e in info["engines"]] == ["relabelled-7"] * 2
-        after = await http.post(
-            "/v1/completions",
-            json={
-                "model": model_name,
-                "prompt": "relabel",
-                "max_tokens": 4,
-                "temperature": 0,
-                "return_token_ids": True,
-            },
-        )
+        after = await http.post("/v1/completions", json=body)
         assert after.headers["X-Weight-Version"] == "relabelled-7"
         assert after.json()["choices"][0]["token_ids"] == before.json()["choices"][0]["token_ids"]
         refused = await http.post("/update_weight_version", json={"new_version": ""})

@@ -29,7 +29,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from skyinfer.demo_model import build_demo_model
 
-from benchlib import free_port, spawn_logged, stop, wait_healthy
+from benchlib import free_port, start_skyinfer, stop, wait_healthy
 
 
 async def one_round(session: aiohttp.ClientSession, url: str, model: str) -> dict:
@@ -89,28 +89,11 @@ async def main() -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     checkout = str(Path(args.checkout).resolve())
-    # The checkout's skyinfer, engines included (they inherit the path).
     env = {**os.environ, "PYTHONPATH": checkout}
-    cmd = [
-        sys.executable,
-        "-m",
-        "skyinfer",
-        "serve",
-        "--model",
-        model,
-        "--port",
-        str(port),
-        "--engines",
-        "2",
-        "--dtype",
-        "float32",
-        "--health-interval",
-        "1",
-        "--health-timeout",
-        "4",
-    ]
+    # The checkout's skyinfer: the server is started in it, and its engines inherit the path.
     os.chdir(checkout)
-    server = spawn_logged(cmd, env, "bench-recovery.log")
+    engine_args = ["--dtype", "float32", "--health-interval", "1", "--health-timeout", "4"]
+    server = start_skyinfer(model, port, engine_args, env, engines=2, log_name="bench-recovery.log")
     rounds = []
     try:
         timeout = aiohttp.ClientTimeout(total=300)
