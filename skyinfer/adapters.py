@@ -239,6 +239,7 @@ class AdapterFleet:
                     failed[0], failed[1] + "; every engine keeps what it had", [rep.as_json() for rep in replies]
                 )
             self.adapters[name] = adapter
+            self.registry.unloaded_adapters.discard(name)
         if previous is not None:
             await asyncio.to_thread(shutil.rmtree, previous.directory, True)
         log.info("adapter %s at version %s on %d engine(s)", name, adapter.version, len(engines))
@@ -290,6 +291,7 @@ class AdapterFleet:
             adapter = self.adapters.pop(request.lora_name, None)
             if adapter is None:
                 raise AdapterNotFound(f"the lora adapter {request.lora_name!r} cannot be found", param="lora_name")
+            self.registry.unloaded_adapters.add(request.lora_name)
             engines = self.registry.up()
             replies = await asyncio.gather(*(self._unload_on(r, request.lora_name) for r in engines))
         await asyncio.to_thread(shutil.rmtree, adapter.directory, True)

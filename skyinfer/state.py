@@ -433,6 +433,9 @@ class EngineRegistry:
         # The LoRA adapters the fleet serves. A request for one goes only to an engine
         # that holds it at the fleet's version.
         self.fleet_adapters: dict[str, Adapter] = {}
+        # Adapters unloaded from the fleet, until loaded again: their requests are answered 404 here,
+        # as vLLM would, since an engine whose unload failed may hold one until it is restarted.
+        self.unloaded_adapters: set[str] = set()
         # Adapters being loaded across the fleet: their requests wait until every engine has it.
         self._adapters_changing: dict[str, asyncio.Event] = {}
         # Held across multi-step, awaiting changes to an engine (start, stop,
@@ -506,7 +509,7 @@ class EngineRegistry:
 
     @property
     def has_adapters(self) -> bool:
-        return bool(self.fleet_adapters or self._adapters_changing)
+        return bool(self.fleet_adapters or self._adapters_changing or self.unloaded_adapters)
 
     async def adapter_for(self, model: object) -> str | None:
         """The fleet adapter a request's ``model`` names, once it has settled; None if none."""
@@ -514,6 +517,8 @@ class EngineRegistry:
             return None
         while (changing := self._adapters_changing.get(model)) is not None:
             await changing.wait()
+        if model in self.unloaded_adapters:
+            raise ApiError(f"The model `{model}` does not exist.", status=404, param="model")
         return model if model in self.fleet_adapters else None
 
     def _look_again(self) -> None:

@@ -1,16 +1,21 @@
 """The front's state machine over fake engines (tools/fake_engine.py): real engine processes,
 sockets, probes, restarts and kills, with no model behind them, so that each case takes seconds.
-The real-engine cases of the same failures are in test_recovery, test_supervision and test_faults."""
+The real-engine cases of the same failures are in test_supervision, test_faults, test_colocated and test_lora."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
+import logging
 import os
+import re
 import signal
 import sys
 import time
 from pathlib import Path
 
+import pytest
 from aiohttp import web
 
 from skyinfer.app import create_app
@@ -18,18 +23,18 @@ from skyinfer.config import ServeConfig
 from skyinfer.proxy import REGISTRY
 from skyinfer.supervisor import SUPERVISOR
 
+from lora_support import make_adapter
+
 FAKE_ENGINE = str(Path(__file__).resolve().parent.parent / "tools" / "fake_engine.py")
 
 
 async def fake_fleet(aiohttp_client, demo_model, tmp_path, **options):
+    options = {"restart_backoff_s": 0.1, "health_interval_s": 0.5, "health_timeout_s": 1.0, **options}
     config = ServeConfig(
         model=str(demo_model),
         engines=2,
         device="cpu",
         socket_dir=str(tmp_path),
-        restart_backoff_s=0.1,
-        health_interval_s=0.5,
-        health_timeout_s=1.0,
         engine_command=(sys.executable, FAKE_ENGINE),
         **options,
     )
@@ -149,3 +154,191 @@ async def test_a_push_step_one_engine_fails_ends_the_update_everywhere_without_a
 async def script(app: web.Application, engine: int, behaviour: dict) -> None:
     async with app[REGISTRY].records[engine].client.post("/fake/script", json=behaviour) as r:
         assert r.status == 200
+
+
+async def _stream_past_first_token(client, body: dict):
+    """A chat stream that has sent the caller a token: its engine, and a task reading the rest."""
+    r = await client.post("/v1/chat/completions", json={**body, "stream": True})
+    first = await r.content.readline()
+    assert first.startswith(b"data: {"), first
+
+    async def rest() -> bytes:
+        return first + await r.content.read()
+
+    return int(r.headers["X-Skyinfer-Engine"]), asyncio.create_task(rest())
+
+
+@pytest.mark.parametrize("paused", [False, True], ids=["running", "paused"])
+async def test_requests_on_a_killed_engine_are_answered_by_the_other(aiohttp_client, demo_model, tmp_path, paused):
+    """Engine 1's process SIGKILLed while 16 requests and 4 streams that have sent tokens run, or
+    while the fleet is paused (keep): every request is answered in full by engine 0, those engine 1
+    held saying so; engine 1's streams end with an error event, engine 0's finish. Paused, engine 1's
+    requests wait on engine 0, paused like any new request, and /resume says engine 1 is down.
+    (The real-engine case, vLLM's EngineCore SIGKILLed while decoding, is in test_supervision.)"""
+    app, client = await fake_fleet(aiohttp_client, demo_model, tmp_path)
+    for engine in (0, 1):
+        await script(app, engine, {"tokens_per_s": 200})
+    # Each prompt its own (no group affinity): the least-loaded engine takes every other request.
+    chat = {"model": str(demo_model), "max_tokens": 400}
+    streams = [
+        await _stream_past_first_token(
+            client, {**chat, "max_tokens": 2000, "messages": [{"role": "user", "content": f"Stream {i}."}]}
+        )
+        for i in range(4)
+    ]
+    assert {engine for engine, _ in streams} == {0, 1}
+    assert (await client.post("/pause", params={"mode": "keep"})).status == 200
+    requests = [
+        client.post("/v1/chat/completions", json={**chat, "messages": [{"role": "user", "content": f"{i}. Go on."}]})
+        for i in range(8)
+    ]
+    requests += [
+        client.post("/inference/v1/generate", json={"token_ids": [i, 2], "sampling_params": {"max_tokens": 400}})
+        for i in range(8)
+    ]
+    tasks = [asyncio.ensure_future(r) for r in requests]
+    await until(lambda: asyncio.sleep(0, sum(r.in_flight_count for r in app[REGISTRY].records) == 20))
+    if not paused:
+        assert (await client.post("/resume")).status == 200
+        await asyncio.sleep(0.3)  # generating on both engines
+    kill(app, 1)
+    if paused:
+        await until(lambda: asyncio.sleep(0, app[REGISTRY].records[1].state.value != "paused"))
+        r = await client.post("/resume")
+        assert r.status == 503 and [(e["engine"], e["status"]) for e in (await r.json())["engines"]] == [
+            (0, 200),
+            (1, 503),
+        ]
+    results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=30)
+    assert sum(r.headers.get("X-Skyinfer-Retried-From") == "1" for r in results) == 8
+    for r in results:
+        body = await r.json()
+        assert r.status == 200 and r.headers["X-Skyinfer-Engine"] == "0", body
+        choice = body["choices"][0]
+        assert (len(choice["token_ids"]) if "token_ids" in choice else body["usage"]["completion_tokens"]) == 400
+    for engine, stream in streams:
+        events = (await asyncio.wait_for(stream, timeout=30)).decode()
+        if engine == 1:
+            assert '"error"' in events, events[-300:]
+        else:
+            assert '"error"' not in events and '"finish_reason":"length"' in events, events[-300:]
+
+
+async def test_a_restart_that_fails_unexpectedly_is_retried_after_twice_the_backoff(
+    aiohttp_client, demo_model, tmp_path, caplog
+):
+    """Engine 0 dies and its restart itself fails with an error nobody planned for (its socket path
+    is a directory, so starting raises IsADirectoryError): it does not stay "restarting"; it is
+    declared dead again, retried after twice the backoff, and comes back."""
+    caplog.set_level(logging.INFO, logger="skyinfer")
+    app, _ = await fake_fleet(aiohttp_client, demo_model, tmp_path, restart_backoff_s=1.0)
+    record = app[REGISTRY].records[0]
+    pid = kill(app, 0)
+    await until(lambda: asyncio.sleep(0, record.state.value == "dead"))
+    # Within the restart backoff.
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(record.socket_path)
+    os.mkdir(record.socket_path)
+    try:
+        await until(lambda: asyncio.sleep(0, "IsADirectoryError" in caplog.text))
+        assert record.state.value in ("dead", "restarting")
+    finally:
+        os.rmdir(record.socket_path)
+    await until(lambda: asyncio.sleep(0, [r.state.value for r in app[REGISTRY].records] == ["ready", "ready"]))
+    assert record.pid != pid and record.restarts >= 2
+    delays = [float(d) for d in re.findall(r"engine 0: restarting in ([0-9.]+)s", caplog.text)]
+    assert len(delays) >= 2 and all(b == 2 * a for a, b in itertools.pairwise(delays)), delays
+
+
+async def test_an_unload_with_a_hung_engine_takes_the_name_out_at_once_and_restarts_that_engine(
+    aiohttp_client, demo_model, tmp_path
+):
+    """Engine 1 does not answer an unload: the name is out of routing at once (404, no request
+    reaches an engine that may still hold it), engine 0 unloads it, the call answers 504 per engine
+    after the timeout, engine 1 is restarted and comes back holding exactly the fleet's other
+    adapters, and the unloaded version's directory is gone from the store. (The real-engine case, a
+    SIGSTOPped engine during a load, is in test_lora.)"""
+    store = tmp_path / "store"
+    app, client = await fake_fleet(
+        aiohttp_client,
+        demo_model,
+        tmp_path,
+        engine_args=("--enable-lora", "--max-lora-rank", "8"),
+        adapter_dir=str(store),
+        weight_transfer_timeout_s=2.0,
+    )
+    for name, seed in (("kept", 1), ("doomed", 2)):
+        adapter = make_adapter(demo_model, tmp_path / name, seed)
+        r = await client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(adapter)})
+        assert r.status == 200, await r.text()
+    kept = Path(app[REGISTRY].fleet_adapters["kept"].directory)
+    records = app[REGISTRY].records
+    pids = [r.pid for r in records]
+    await script(app, 1, {"hang": ["/adapters/unload"]})
+    unloading = asyncio.ensure_future(client.post("/v1/unload_lora_adapter", json={"lora_name": "doomed"}))
+    await until(lambda: asyncio.sleep(0, "doomed" not in app[REGISTRY].fleet_adapters))
+    during = await client.post("/v1/completions", json={"model": "doomed", "prompt": "x", "max_tokens": 2})
+    assert during.status == 404 and not unloading.done()
+    r = await unloading
+    assert r.status == 504, await r.text()
+    assert [(e["engine"], e["status"]) for e in (await r.json())["engines"]] == [(0, 200), (1, 504)]
+    await until(lambda: asyncio.sleep(0, records[1].pid != pids[1] and records[1].state.value == "ready"))
+    assert records[0].pid == pids[0] and set(store.iterdir()) == {kept}
+    for record in records:
+        async with record.client.get("/v1/models") as listed:
+            assert {m["id"] for m in (await listed.json())["data"]} == {str(demo_model), "kept"}
+    assert (await client.post("/v1/completions", json={"model": "doomed", "prompt": "x"})).status == 404
+    # Loaded again, it serves again.
+    r = await client.post("/v1/load_lora_adapter", json={"lora_name": "doomed", "lora_path": str(tmp_path / "doomed")})
+    assert r.status == 200, await r.text()
+    assert (await client.post("/v1/completions", json={"model": "doomed", "prompt": "x"})).status == 200
+    assert (await client.post("/v1/completions", json={"model": "kept", "prompt": "x", "max_tokens": 2})).status == 200
+
+
+async def test_a_hung_engine_is_declared_dead_its_requests_and_sessions_move_and_it_rejoins_outside_the_group(
+    aiohttp_client, demo_model, tmp_path
+):
+    """Engine 1's process stops (SIGSTOP) while 16 requests run: its probes declare it dead, its
+    requests are answered in full by engine 0 and its sticky session moves there; admin calls
+    meanwhile are reported per engine. It is restarted, and comes back outside the trainer's
+    transfer group: a push is refused with the code that says so. (Real engines hung: SIGSTOP
+    during a LoRA load in test_lora, an EngineCore stopped mid-push in test_colocated.)"""
+    app, client = await fake_fleet(aiohttp_client, demo_model, tmp_path)
+    records = app[REGISTRY].records
+    for engine in (0, 1):
+        await script(app, engine, {"tokens_per_s": 200})
+    init = {"master_address": "127.0.0.1", "master_port": 29999, "world_size": 3}
+    assert (await client.post("/init_weight_transfer", json={"init_info": init})).status == 200
+    body = {"model": str(demo_model), "max_tokens": 400}
+    sticky = {}
+    for i in range(8):
+        r = await client.post("/v1/completions", json={**body, "max_tokens": 2}, headers={"X-Session-ID": f"s{i}"})
+        sticky.setdefault(int(r.headers["X-Skyinfer-Engine"]), f"s{i}")
+    assert set(sticky) == {0, 1}
+    # Each prompt its own (no group affinity): half of them on each engine.
+    tasks = [asyncio.ensure_future(client.post("/v1/completions", json={**body, "prompt": f"p{i}"})) for i in range(16)]
+    await until(lambda: asyncio.sleep(0, [r.in_flight_count for r in records] == [8, 8]))
+    hung = records[1].pid
+    os.kill(hung, signal.SIGSTOP)
+    await until(lambda: asyncio.sleep(0, records[1].state.value != "ready"))
+    # While it is down: an admin call is reported per engine, never hidden behind a 200.
+    r = await client.post("/pause", params={"mode": "keep"})
+    assert r.status == 503 and "engine 1" in (await r.json())["error"]["message"]
+    assert [(e["engine"], e["status"]) for e in (await r.json())["engines"]] == [(0, 200), (1, 503)]
+    r = await client.post("/resume")
+    assert r.status == 503 and [(e["engine"], e["status"]) for e in (await r.json())["engines"]] == [(0, 200), (1, 503)]
+    # Its sticky session moves to the live engine, and stays there.
+    moved = {"json": {**body, "max_tokens": 2}, "headers": {"X-Session-ID": sticky[1]}}
+    r = await client.post("/v1/completions", **moved)
+    assert r.status == 200 and r.headers["X-Skyinfer-Engine"] == "0"
+    results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=30)
+    assert sum(r.headers.get("X-Skyinfer-Retried-From") == "1" for r in results) == 8
+    for r in results:
+        assert r.status == 200 and r.headers["X-Skyinfer-Engine"] == "0"
+        assert (await r.json())["usage"]["completion_tokens"] == 400
+    await until(lambda: asyncio.sleep(0, [r.state.value for r in records] == ["ready", "ready"]))
+    assert records[1].pid != hung and records[1].restarts == 1
+    assert (await client.post("/v1/completions", **moved)).headers["X-Skyinfer-Engine"] == "0"
+    assert [r.in_transfer_group for r in records] == [True, False]
+    r = await client.post("/start_weight_update")
+    assert r.status == 409 and (await r.json())["error"]["code"] == "transfer_group_gone"

@@ -3,7 +3,7 @@
 Each data-plane route (the front's DATA_PLANE_POST: generating, tokenizing,
 rendering, pooling) gets 1,000 bodies, each weight route 500, each other route
 served by vLLM's own app behind the engine 200, each control route 200, each
-GET route 50 (with ``--fuzz-full``; by default a tenth of each): its valid seed bodies, then mutants of them
+GET route 50 (with ``--fuzz-full``; by default a 25th of each): its valid seed bodies, then mutants of them
 (truncated, bytes flipped, invalid UTF-8, values swapped for extreme or
 wrongly typed ones, keys dropped or added, wrong top-level types, deep
 nesting, sampling parameters known to have killed EngineCores) and plain

@@ -1,9 +1,10 @@
 """Load queues, it never fails: thousands of concurrent requests from clients that do not retry.
 
 One engine takes everything, as in a newcomer's first benchmark: 2,000
-non-streaming and 500 streaming requests at once, through a plain aiohttp
-client and through the ``openai`` SDK with retries off. Every one must come
-back 200 with its full token count.
+non-streaming and 500 streaming requests at once through a plain aiohttp
+client, and half as many through the ``openai`` SDK with retries off (as many
+took 48 s to the plain client's 15 s, the SDK's own cost in the test process).
+Every one must come back 200 with its full token count.
 """
 
 from __future__ import annotations
@@ -114,7 +115,9 @@ async def test_openai_sdk_without_retries(keyed_server):
         return usage.completion_tokens
 
     try:
-        counts = await asyncio.gather(*(plain(i) for i in range(N_PLAIN)), *(streamed(i) for i in range(N_STREAM)))
+        counts = await asyncio.gather(
+            *(plain(i) for i in range(N_PLAIN // 2)), *(streamed(i) for i in range(N_STREAM // 2))
+        )
     finally:
         await client.close()
-    assert counts == [MAX_TOKENS] * (N_PLAIN + N_STREAM)
+    assert counts == [MAX_TOKENS] * ((N_PLAIN + N_STREAM) // 2)

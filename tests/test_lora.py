@@ -3,7 +3,7 @@
 Judged against transformers + peft in float32: an adapter's greedy logprobs on
 every engine, after path loads, in-place reloads and pushes over the transfer
 group, two adapters at once, sleep and wake, bad adapters, a trainer killed
-mid-push, an engine hung during a load or an unload, and engines killed while
+mid-push, an engine hung during a load, and engines killed while
 adapters are loaded.
 """
 
@@ -51,8 +51,9 @@ def lora_server(demo_model, tmp_path_factory, adapter_store):
             "2",
             "--adapter-dir",
             str(adapter_store),
+            # How long the hung-engine cases wait for the engine that does not answer.
             "--weight-transfer-timeout",
-            "20",
+            "10",
         ),
     )
     with running(srv):
@@ -329,41 +330,24 @@ async def test_a_hung_load_is_rolled_back_and_killed_engines_come_back_with_the_
         assert engine_models(lora_server, engine) == {model_name, "policy", "critic"}
 
 
-async def test_an_unload_with_a_hung_engine_takes_the_name_out_at_once_and_restarts_that_engine(
-    lora_server, demo_model, model_name, adapters, adapter_store
-):
-    """Engine 1 hangs (SIGSTOP) during an unload: the name is out of routing at once (404, no
-    request reaches an engine that may still hold it), engine 0 unloads it, engine 1 is restarted
-    and comes back without it, its version's store directory is gone, the other adapters serve on."""
+def test_an_unloaded_adapter_leaves_every_engine_and_the_store(lora_server, model_name, adapters, adapter_store):
+    """An unload takes the adapter off every engine (each says so itself) and its version out of
+    the store; a request naming it is a 404 and the other adapters serve on. (An unload one engine
+    does not answer is in test_fake_fleet.)"""
     stored = set(adapter_store.iterdir())
     assert load(lora_server, "doomed", adapters["B"], version="doomed-1").status_code == 200
-    assert fleet_adapters(lora_server)["doomed"] == "doomed-1"
-    engines = lora_server.engines()
-    restarts = [e["restarts"] for e in engines]
-    async with httpx.AsyncClient(base_url=lora_server.url, timeout=300) as http:
-        os.kill(engines[1]["pid"], signal.SIGSTOP)
-        try:
-            unloading = asyncio.create_task(http.post("/v1/unload_lora_adapter", json={"lora_name": "doomed"}))
-            await asyncio.sleep(2)
-            # Engine 0 answered long ago; engine 1 has not: the name is already out of routing.
-            during = await http.post("/v1/completions", json={"model": "doomed", "prompt": "x", "max_tokens": 2})
-            assert not unloading.done()
-            r = await unloading
-        finally:
-            os.kill(engines[1]["pid"], signal.SIGCONT)
-        assert during.status_code == 404, during.text
-        assert r.status_code == 504, r.text
-        assert [(e["engine"], e["status"]) for e in r.json()["engines"]] == [(0, 200), (1, 504)]
-        await _wait_ready(http, [restarts[0], restarts[1] + 1])
-        after = await http.post("/v1/completions", json={"model": "doomed", "prompt": "x", "max_tokens": 2})
-        assert after.status_code == 404, after.text
-    assert next(e["pid"] for e in lora_server.engines()) == engines[0]["pid"]
-    assert set(adapter_store.iterdir()) == stored
-    assert fleet_adapters(lora_server) == {"policy": "policy-4", "critic": "critic-1"}
+    assert all("doomed" in engine_models(lora_server, engine) for engine in (0, 1))
+    r = httpx.post(f"{lora_server.url}/v1/unload_lora_adapter", json={"lora_name": "doomed"}, timeout=60)
+    assert r.status_code == 200 and [(e["engine"], e["status"]) for e in r.json()["engines"]] == [(0, 200), (1, 200)]
     for engine in (0, 1):
         assert engine_models(lora_server, engine) == {model_name, "policy", "critic"}
-    sessions = sessions_per_engine(lora_server, model_name)
-    assert_serves(lora_server, model_name, demo_model, "policy", adapters["A"], "policy-4", sessions)
+    assert set(adapter_store.iterdir()) == stored
+    assert fleet_adapters(lora_server) == {"policy": "policy-4", "critic": "critic-1"}
+    body = {"prompt": "x", "max_tokens": 2}
+    gone = httpx.post(f"{lora_server.url}/v1/completions", json={**body, "model": "doomed"}, timeout=60)
+    assert gone.status_code == 404 and gone.json()["error"]["type"] == "NotFoundError", gone.text
+    kept = httpx.post(f"{lora_server.url}/v1/completions", json={**body, "model": "policy"}, timeout=60)
+    assert kept.status_code == 200, kept.text
 
 
 def test_the_lora_rl_loop_example_pushes_a_trained_adapter_each_iteration(lora_server):

@@ -12,6 +12,11 @@ Its behaviour comes from the environment, or from ``POST /fake/script`` at any t
 * ``fail``: ``{path: status}`` to answer a route with an error;
 * ``hang``: paths that never answer.
 
+It serves the model vLLM's ``--model`` (or ``--served-model-name``) names, and 404s any other
+model a request names, as vLLM does; with ``--enable-lora`` (and ``--max-lora-rank``) it holds
+LoRA adapters by name, as the engine's own ``/adapters/*`` routes load them, and lists them in
+``/v1/models``.
+
     FAKE_ENGINE_SCRIPT='{"tokens_per_s": 200, "delay_s": {"/pause": 2}}' python tools/fake_engine.py --socket S
 """
 
@@ -37,7 +42,11 @@ STATE = web.AppKey("state", "FakeEngine")
 class FakeEngine:
     """What a vLLM engine holds that the front reads back: its scheduler, memory, weights' label."""
 
-    def __init__(self) -> None:
+    def __init__(self, served_model_name: str, max_lora_rank: int | None) -> None:
+        self.served_model_name = served_model_name
+        self.max_lora_rank = max_lora_rank
+        # LoRA adapters it holds, by name: the directory each was loaded from.
+        self.adapters: dict[str, str] = {}
         self.paused = False
         self.asleep: set[str] = set()
         self.weight_version = "default"
@@ -101,6 +110,9 @@ def _completion(kind: str, model: str, tokens: int, index_text: str) -> dict:
 async def _openai(request: web.Request) -> web.StreamResponse:
     body = await _body(request)
     engine = request.app[STATE]
+    model = body.get("model", engine.served_model_name)
+    if model != engine.served_model_name and model not in engine.adapters:
+        return error_response(404, f"The model `{model}` does not exist.")
     tokens = int(body.get("max_tokens") or 16)
     chat = request.path == "/v1/chat/completions"
     engine.unfinished += 1
@@ -153,9 +165,28 @@ async def _tokens(request: web.Request) -> web.Response:
 
 
 async def _info(request: web.Request) -> web.Response:
+    engine = request.app[STATE]
     return json_response(
-        {"weight_version": request.app[STATE].weight_version, "model_dtype": "float32", "max_lora_rank": None}
+        {"weight_version": engine.weight_version, "model_dtype": "float32", "max_lora_rank": engine.max_lora_rank}
     )
+
+
+async def _models(request: web.Request) -> web.Response:
+    engine = request.app[STATE]
+    names = [engine.served_model_name, *engine.adapters]
+    return json_response({"object": "list", "data": [{"id": name, "object": "model"} for name in names]})
+
+
+async def _load_adapter(request: web.Request) -> web.Response:
+    body = await _body(request)
+    request.app[STATE].adapters[body["lora_name"]] = body["lora_path"]
+    return json_response({"status": "loaded", "lora_name": body["lora_name"]})
+
+
+async def _unload_adapter(request: web.Request) -> web.Response:
+    name = (await _body(request))["lora_name"]
+    held = request.app[STATE].adapters.pop(name, None)
+    return json_response({"status": "unloaded" if held else "absent", "lora_name": name})
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -221,10 +252,10 @@ async def _set_script(request: web.Request) -> web.Response:
     return json_response(request.app[SCRIPT])
 
 
-def create_fake_engine_app(script: dict) -> web.Application:
+def create_fake_engine_app(script: dict, served_model_name: str, max_lora_rank: int | None) -> web.Application:
     app = web.Application(client_max_size=1024**3)
     app[SCRIPT] = script
-    app[STATE] = FakeEngine()
+    app[STATE] = FakeEngine(served_model_name, max_lora_rank)
     posts = {
         "/v1/completions": _openai,
         "/v1/chat/completions": _openai,
@@ -243,21 +274,40 @@ def create_fake_engine_app(script: dict) -> web.Application:
         "/finish_weight_update": _step("finished", _finish),
         "/abort_weight_update": _step("aborted", lambda e, b: setattr(e, "updating", False)),
         "/update_weight_version": _step("relabelled", lambda e, b: setattr(e, "weight_version", b["new_version"])),
+        "/adapters/load": _load_adapter,
+        "/adapters/unload": _unload_adapter,
     }
     for path, handler in posts.items():
         app.router.add_post(path, _scripted(handler))
-    for path, handler in {"/info": _info, "/health": _health, "/conditions": _conditions}.items():
+    for path, handler in {
+        "/info": _info,
+        "/health": _health,
+        "/conditions": _conditions,
+        "/v1/models": _models,
+    }.items():
         app.router.add_get(path, _scripted(handler))
     app.router.add_get("/metrics", _metrics)
     app.router.add_post("/fake/script", _set_script)
     return app
 
 
+def _vllm_option(vllm_args: list[str], name: str, default: str | None = None) -> str | None:
+    return vllm_args[vllm_args.index(name) + 1] if name in vllm_args else default
+
+
+def _max_lora_rank(vllm_args: list[str]) -> int | None:
+    """What vLLM would serve: LoRA adapters up to ``--max-lora-rank`` (its default 16) with ``--enable-lora``."""
+    return int(_vllm_option(vllm_args, "--max-lora-rank", "16")) if "--enable-lora" in vllm_args else None
+
+
 def main() -> None:
-    # The engine's own arguments and process plumbing, as the real engine takes them; vLLM's are ignored.
-    ns, _vllm_args = set_up_process(sys.argv[1:])
+    # The engine's own arguments and process plumbing, as the real engine takes them; of vLLM's,
+    # only the served model's name and the LoRA switches count.
+    ns, vllm_args = set_up_process(sys.argv[1:])
     script = orjson.loads(os.environ.get("FAKE_ENGINE_SCRIPT", "{}"))
-    web.run_app(create_fake_engine_app(script), path=ns.socket, print=None, handler_cancellation=True)
+    name = _vllm_option(vllm_args, "--served-model-name", _vllm_option(vllm_args, "--model", "fake"))
+    app = create_fake_engine_app(script, name, _max_lora_rank(vllm_args))
+    web.run_app(app, path=ns.socket, print=None, handler_cancellation=True)
 
 
 if __name__ == "__main__":
