@@ -53,7 +53,7 @@ def colocated(demo_model, tmp_path_factory):
             "--dtype",
             "float32",
             "--weight-transfer-timeout",
-            "15",
+            "8",
             "--health-interval",
             "1",
             "--health-timeout",
@@ -204,7 +204,8 @@ async def test_a_push_into_running_engines_holds_their_requests(colocated, demo_
     version, and no EngineCore dies."""
     before = [(e["pid"], e["restarts"]) for e in engines(colocated)]
     old_version = engines(colocated)[0]["weight_version"]
-    tokens = 1500
+    # Long enough to be in flight when the trainer's process, started a second later, pushes.
+    tokens = 800
     chat = {
         "model": colocated.model,
         "max_tokens": tokens,
@@ -404,34 +405,13 @@ def test_a_trainer_killed_mid_push_costs_no_restart_and_leaves_no_segment(coloca
     print(f"\nFAULT colocated trainer SIGKILL at {phase}: settled {settled:.1f}s")
 
 
-def test_an_engine_core_killed_while_the_fleet_sleeps_comes_back_asleep(colocated, demo_model, pushes):
-    admin(colocated, "/sleep", level="1")
-    pid0, pid1 = (e["pid"] for e in engines(colocated))
-    vllm_process(pid1, "EngineCore").send_signal(signal.SIGKILL)
-    fault_at = time.monotonic()
-    # Down, then back as a new process: asleep like the fleet, and never serving meanwhile.
-    wait_until(
-        lambda: engines(colocated)[1]["pid"] != pid1 and engines(colocated)[1]["state"] == "sleeping", 240, "no restart"
-    )
-    back = engines(colocated)
-    assert back[0]["pid"] == pid0
-    assert [(e["sleep_level"], e["asleep"]) for e in back] == [(1, ["kv_cache", "weights"])] * 2
-    assert back[1]["stale_reason"].startswith("it restarted from the checkpoint on disk")
-    assert [c["sleeping"] for c in vllm_conditions(colocated)] == [True, True]
-    restarted_in = time.monotonic() - fault_at
-    weights, path, version = pushes.next()
-    trainer = colocated_push(colocated, path, version)
-    assert trainer.returncode == 0, trainer.stdout + trainer.stderr
-    assert residency(colocated) == [("ready", None, [])] * 2
-    assert_engines_match(colocated, colocated.model, demo_model, weights, version)
-    print(f"\nFAULT EngineCore SIGKILL while asleep: back asleep in {restarted_in:.1f}s")
-
-
-def test_an_engine_hung_during_a_push_is_restarted_into_the_fleets_state(colocated, demo_model, pushes):
-    """Engine 1's EngineCore stops (SIGSTOP) with the fleet asleep and its weights awake: the push
-    times out on it and fails; engine 0 ends the update and is held out (same process); engine 1,
-    which cannot end it, is restarted and brought back asleep with its weights awake, as the fleet
-    is; the next push covers both."""
+def test_engines_hung_or_killed_while_the_fleet_sleeps_come_back_in_its_state(colocated, demo_model, pushes):
+    """The fleet asleep (level 1) with its weights awake. Engine 1's EngineCore stops (SIGSTOP)
+    right before the trainer's update call: the push times out on it and fails; engine 0 ends the
+    update in its own process and is held out; engine 1, which cannot end it, is restarted. While
+    it restarts, engine 0's EngineCore is SIGKILLed. Both come back as new processes asleep with
+    their weights awake, as the fleet is, from the checkpoint on disk (stale), vLLM's own state
+    saying the same, never serving meanwhile; the next push covers both."""
     admin(colocated, "/sleep", level="1")
     admin(colocated, "/wake_up", tags="weights")
     pid0, pid1 = (e["pid"] for e in engines(colocated))
@@ -444,16 +424,24 @@ def test_an_engine_hung_during_a_push_is_restarted_into_the_fleets_state(colocat
             core.send_signal(signal.SIGCONT)
     assert failed.returncode == 3 and "refused 504" in failed.stdout, failed.stdout + failed.stderr
     assert engines(colocated)[0]["pid"] == pid0 and engines(colocated)[0]["stale_reason"].startswith(ABORTED)
+    vllm_process(pid0, "EngineCore").send_signal(signal.SIGKILL)
+    fault_at = time.monotonic()
     wait_until(
-        lambda: engines(colocated)[1]["pid"] != pid1 and engines(colocated)[1]["state"] == "sleeping", 240, "no restart"
+        lambda: all(e["pid"] not in (pid0, pid1) and e["state"] == "sleeping" for e in engines(colocated)),
+        240,
+        "no restart",
     )
+    restarted_in = time.monotonic() - fault_at
     assert residency(colocated) == [("sleeping", 1, ["kv_cache"])] * 2
+    assert all(e["stale_reason"].startswith("it restarted from the checkpoint on disk") for e in engines(colocated))
+    assert [c["sleeping"] for c in vllm_conditions(colocated)] == [True, True]
     assert not segments()
     weights, path, version = pushes.next()
     trainer = colocated_push(colocated, path, version)
     assert trainer.returncode == 0, trainer.stdout + trainer.stderr
     assert residency(colocated) == [("ready", None, [])] * 2
     assert_engines_match(colocated, colocated.model, demo_model, weights, version)
+    print(f"\nFAULT EngineCore SIGKILL while asleep: back asleep in {restarted_in:.1f}s")
 
 
 def test_the_colocated_rl_loop_example(colocated):

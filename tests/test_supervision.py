@@ -107,15 +107,16 @@ async def _stream_past_first_token(http: httpx.AsyncClient, body: dict) -> tuple
     return engine_of(r), asyncio.create_task(rest())
 
 
-# First: engine 1 restarts, and comes back ready only while the fleet serves the checkpoint.
+# First: engine 1 dies; the next test kills it again as it comes back.
 async def test_requests_on_a_killed_engine_are_answered_by_the_other(crash_server):
     """32 requests over both engines (token route and chat) and 4 chat streams that have sent
     tokens, then SIGKILL of engine 1's EngineCore while they run: every request is answered 200 in
     full, those engine 1 held by engine 0, saying so; engine 1's streams end with an error event,
     engine 0's finish; none hangs. (The same with the engine's whole process killed, running or
     paused, is in test_fake_fleet.)"""
-    # Long enough that none finishes before the kill: the demo model decodes hundreds of tokens a second.
-    tokens = 1500
+    # Long enough that none finishes before the kill, 0.3 s after they start: with 16 requests on an
+    # engine, the demo model decodes some tens of tokens a second for each.
+    tokens = 600
     prompt_ids = list(range(5, 25))
     gen = {"token_ids": prompt_ids, "sampling_params": {"max_tokens": tokens, "ignore_eos": True, "temperature": 0}}
     chat = {"model": crash_server.model, "max_tokens": tokens, "ignore_eos": True}
@@ -162,7 +163,133 @@ async def test_requests_on_a_killed_engine_are_answered_by_the_other(crash_serve
                 assert errors, events[-3:]
             else:
                 assert not errors and '"finish_reason":"length"' in "".join(events), events[-3:]
-        await wait_for_states(http, ["ready", "ready"])
+
+
+# Next: it finds engine 1 coming back from the previous test's kill (or kills it twice).
+async def test_an_engine_that_cannot_come_back_is_retired_and_rejoins_on_request(crash_server, demo_model, tmp_path):
+    """Engine 1 is killed each time it comes up: after its one allowed restart in a row it is
+    retired. The other serves on; /ready is 200; a trainer's push over the remaining engine
+    succeeds. POST /engines/1/restart brings it back while engine 0's process is SIGKILLed at rest:
+    both come back stale (from the checkpoint on disk), and 16 requests sent meanwhile are held,
+    not refused. The trainer, still up, finds its group gone, forms it again by itself, and its push
+    covers both engines; then the held requests are answered, on its weights. Prints how long the
+    fleet took to be ready for a push and to serve again."""
+    async with httpx.AsyncClient(base_url=crash_server.url, timeout=HOLD_S + 60) as http:
+        await retire_engine_1(http)
+        ready = await http.get("/ready")
+        assert ready.status_code == 200 and ready.json()["retired"] == [1], ready.text
+        assert (await http.get("/get_world_size")).json()["world_size"] == 1
+        families = scrape(crash_server)
+        assert total(families, "skyinfer_engine_state", "skyinfer_engine_state", engine="1", state="retired") == 1
+        status = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "skyinfer", "status", crash_server.url],
+            capture_output=True,
+            text=True,
+        )
+        assert [row.split()[1] for row in status.stdout.splitlines()[1:3]] == ["ready", "retired"], status.stdout
+        body = {"model": crash_server.model, "prompt": "p", "max_tokens": 4, "ignore_eos": True}
+        served = {engine_of(await http.post("/v1/completions", json={**body, "prompt": f"p{i}"})) for i in range(8)}
+        assert served == {0}
+        # Fleet calls go to the fleet (engine 0) and are whole: the retired engine fails none.
+        r = await http.post("/pause", params={"mode": "keep"})
+        assert r.status_code == 200 and [e["engine"] for e in r.json()["engines"]] == [0], r.text
+        assert (await http.post("/resume")).status_code == 200
+
+    # A full push over the remaining engine, by a trainer that stays up (sized by /get_world_size).
+    weights_1 = modified_weights(demo_model, seed=62)
+    trainer = subprocess.Popen(
+        [
+            sys.executable,
+            str(TRAINER),
+            crash_server.url,
+            str(save(weights_1, tmp_path / "w1.safetensors")),
+            "one-engine",
+            "--more",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert (await asyncio.to_thread(trainer.stdout.readline)).split() == ["pushed", "one-engine"]
+        async with httpx.AsyncClient(base_url=crash_server.url, timeout=HOLD_S + 60) as http:
+            assert (await http.get("/weight_info")).json()["weight_version"] == "one-engine"
+
+            # Back on request, while engine 0's process is SIGKILLed at rest: both restart, both
+            # come back stale (they loaded the checkpoint; the fleet serves one-engine), and no
+            # engine serves until the next push. Requests sent meanwhile are held, not refused.
+            restart = asyncio.create_task(http.post("/engines/1/restart"))
+            while (await http.get("/engines")).json()["engines"][1]["state"] == "retired":
+                await asyncio.sleep(0.05)
+            engine_0 = (await http.get("/engines")).json()["engines"][0]
+            os.killpg(engine_0["pid"], signal.SIGKILL)
+            killed_at = time.monotonic()
+            while (await http.get("/engines")).json()["engines"][0]["state"] == "ready":
+                await asyncio.sleep(0.05)
+            held = [
+                asyncio.create_task(http.post("/v1/completions", json={**body, "prompt": f"held {i}"}))
+                for i in range(16)
+            ]
+            r = await restart
+            assert r.status_code == 200, r.text
+            back = r.json()["engine"]
+            assert back["state"] == "stale" and back["stale_reason"].startswith("it restarted from the checkpoint"), (
+                back
+            )
+            engines = await wait_up(http)
+            ready_at = time.monotonic()
+            assert engines[0]["pid"] != engine_0["pid"] and [e["state"] for e in engines] == ["stale", "stale"]
+            assert not any(task.done() for task in held), "a request was answered by an engine no push had reached"
+            assert (await http.get("/get_world_size")).json()["world_size"] == 2
+
+            # The trainer, still up: its group is gone (engine 0 is a new process, and the fleet
+            # grew); it forms it again by itself and its push covers both engines.
+            weights_3 = modified_weights(demo_model, seed=64)
+            trainer.stdin.write(f"{save(weights_3, tmp_path / 'w3.safetensors')} both-again\n")
+            trainer.stdin.flush()
+            assert (await asyncio.to_thread(trainer.stdout.readline)).split() == ["pushed", "both-again"]
+            await asyncio.wait(held, return_when=asyncio.FIRST_COMPLETED)
+            served_at = time.monotonic()
+            for r in await asyncio.gather(*held):
+                assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+                assert r.headers["X-Weight-Version"] == "both-again"
+    finally:
+        trainer.kill()
+        _, err = trainer.communicate()
+    assert "setting it up again" in err, err[-2000:]
+    assert [e["state"] for e in crash_server.engines()] == ["ready", "ready"]
+    await asyncio.to_thread(assert_engines_match, crash_server, crash_server.model, demo_model, weights_3, "both-again")
+    print(
+        f"\nFAULT engine 0 SIGKILL at rest while engine 1 rejoins: ready for a push {ready_at - killed_at:.1f}s, "
+        f"serving after the push {served_at - killed_at:.1f}s"
+    )
+
+
+async def retire_engine_1(http: httpx.AsyncClient) -> None:
+    """Kill engine 1 each time it comes up until it is retired."""
+    killed: list[int] = []
+    deadline = time.monotonic() + 300
+    while (engine := (await http.get("/engines")).json()["engines"][1])["state"] != "retired":
+        if engine["state"] in UP and engine["pid"] not in killed:
+            os.killpg(engine["pid"], signal.SIGKILL)
+            killed.append(engine["pid"])
+        assert len(killed) <= 2 and time.monotonic() < deadline, f"{engine['state']} after {len(killed)} kills"
+        await asyncio.sleep(0.2)
+    # The first death is restarted; the second, with one restart in a row allowed, retires it. The
+    # previous test's kill is the first when engine 1 is still coming back from it.
+    assert len(killed) in (1, 2), killed
+
+
+async def wait_up(http: httpx.AsyncClient) -> list[dict]:
+    deadline = time.monotonic() + 300
+    while True:
+        engines = (await http.get("/engines")).json()["engines"]
+        if all(e["state"] in UP for e in engines):
+            return engines
+        assert time.monotonic() < deadline, engines
+        await asyncio.sleep(0.2)
 
 
 # Next: it pushes, moving the fleet past the checkpoint.
@@ -284,136 +411,6 @@ async def test_engine_core_killed_mid_receive_aborts_the_update_on_every_engine(
         f"\nFAULT EngineCore SIGKILL mid-receive: ready for a push {ready_at - killed_at:.1f}s, "
         f"serving {time.monotonic() - killed_at:.1f}s"
     )
-
-
-# Next to last: it leaves engine 1 rejoined and both at the last push.
-async def test_an_engine_that_cannot_come_back_is_retired_and_rejoins_on_request(crash_server, demo_model, tmp_path):
-    """Engine 1 is killed each time it comes up: after its one allowed restart it is retired. The
-    other serves on; /ready is 200; a push over the remaining engine succeeds. POST
-    /engines/1/restart brings it back, stale until the next push: the first trainer, still up,
-    finds its group gone, forms it again by itself, and its push covers both engines. Engine 0's
-    process is SIGKILLed at rest while engine 1 comes back: 16 requests sent while both restart
-    are held (both come back stale) and answered 200 once that push lets them serve. Prints how
-    long the fleet took to be ready for a push and to serve again."""
-    weights_1 = modified_weights(demo_model, seed=62)
-    trainer = subprocess.Popen(
-        [
-            sys.executable,
-            str(TRAINER),
-            crash_server.url,
-            str(save(weights_1, tmp_path / "w1.safetensors")),
-            "before-retire",
-            "--more",
-        ],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert (await asyncio.to_thread(trainer.stdout.readline)).split() == ["pushed", "before-retire"]
-        async with httpx.AsyncClient(base_url=crash_server.url, timeout=HOLD_S + 60) as http:
-            await retire_engine_1(http)
-            ready = await http.get("/ready")
-            assert ready.status_code == 200 and ready.json()["retired"] == [1], ready.text
-            assert (await http.get("/get_world_size")).json()["world_size"] == 1
-            families = scrape(crash_server)
-            assert total(families, "skyinfer_engine_state", "skyinfer_engine_state", engine="1", state="retired") == 1
-            status = await asyncio.to_thread(
-                subprocess.run,
-                [sys.executable, "-m", "skyinfer", "status", crash_server.url],
-                capture_output=True,
-                text=True,
-            )
-            assert [row.split()[1] for row in status.stdout.splitlines()[1:3]] == ["ready", "retired"], status.stdout
-            body = {"model": crash_server.model, "prompt": "p", "max_tokens": 4, "ignore_eos": True}
-            served = {engine_of(await http.post("/v1/completions", json={**body, "prompt": f"p{i}"})) for i in range(8)}
-            assert served == {0}
-            # Fleet calls go to the fleet (engine 0) and are whole: the retired engine fails none.
-            r = await http.post("/pause", params={"mode": "keep"})
-            assert r.status_code == 200 and [e["engine"] for e in r.json()["engines"]] == [0], r.text
-            assert (await http.post("/resume")).status_code == 200
-
-            # A full push over the remaining engine: a second trainer, sized by /get_world_size.
-            weights_2 = modified_weights(demo_model, seed=63)
-            pushed = await asyncio.to_thread(
-                run_trainer, crash_server, save(weights_2, tmp_path / "w2.safetensors"), "one-engine"
-            )
-            assert pushed.returncode == 0, pushed.stdout + pushed.stderr
-            assert (await http.get("/weight_info")).json()["weight_version"] == "one-engine"
-
-            # Back on request, while engine 0's process is SIGKILLed at rest: both restart, both
-            # come back stale (they loaded the checkpoint; the fleet serves one-engine), and no
-            # engine serves until the next push. Requests sent meanwhile are held, not refused.
-            restart = asyncio.create_task(http.post("/engines/1/restart"))
-            while (await http.get("/engines")).json()["engines"][1]["state"] == "retired":
-                await asyncio.sleep(0.05)
-            engine_0 = (await http.get("/engines")).json()["engines"][0]
-            os.killpg(engine_0["pid"], signal.SIGKILL)
-            killed_at = time.monotonic()
-            while (await http.get("/engines")).json()["engines"][0]["state"] == "ready":
-                await asyncio.sleep(0.05)
-            held = [
-                asyncio.create_task(http.post("/v1/completions", json={**body, "prompt": f"held {i}"}))
-                for i in range(16)
-            ]
-            r = await restart
-            assert r.status_code == 200, r.text
-            back = r.json()["engine"]
-            assert back["state"] == "stale" and back["stale_reason"].startswith("it restarted from the checkpoint"), (
-                back
-            )
-            engines = await wait_up(http)
-            ready_at = time.monotonic()
-            assert engines[0]["pid"] != engine_0["pid"] and [e["state"] for e in engines] == ["stale", "stale"]
-            assert not any(task.done() for task in held), "a request was answered by an engine no push had reached"
-            assert (await http.get("/get_world_size")).json()["world_size"] == 2
-
-            # The first trainer, still up: its group is gone (the second trainer's replaced it, and
-            # the fleet grew); it forms it again by itself and its push covers both engines.
-            weights_3 = modified_weights(demo_model, seed=64)
-            trainer.stdin.write(f"{save(weights_3, tmp_path / 'w3.safetensors')} both-again\n")
-            trainer.stdin.flush()
-            assert (await asyncio.to_thread(trainer.stdout.readline)).split() == ["pushed", "both-again"]
-            await asyncio.wait(held, return_when=asyncio.FIRST_COMPLETED)
-            served_at = time.monotonic()
-            for r in await asyncio.gather(*held):
-                assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
-                assert r.headers["X-Weight-Version"] == "both-again"
-    finally:
-        trainer.kill()
-        _, err = trainer.communicate()
-    assert "setting it up again" in err, err[-2000:]
-    assert [e["state"] for e in crash_server.engines()] == ["ready", "ready"]
-    await asyncio.to_thread(assert_engines_match, crash_server, crash_server.model, demo_model, weights_3, "both-again")
-    print(
-        f"\nFAULT engine 0 SIGKILL at rest while engine 1 rejoins: ready for a push {ready_at - killed_at:.1f}s, "
-        f"serving after the push {served_at - killed_at:.1f}s"
-    )
-
-
-async def retire_engine_1(http: httpx.AsyncClient) -> None:
-    """Kill engine 1 each time it comes up (it comes back stale: the fleet's weights moved on) until it is retired."""
-    killed: list[int] = []
-    deadline = time.monotonic() + 300
-    while (engine := (await http.get("/engines")).json()["engines"][1])["state"] != "retired":
-        if engine["state"] in UP and engine["pid"] not in killed:
-            os.killpg(engine["pid"], signal.SIGKILL)
-            killed.append(engine["pid"])
-        assert len(killed) <= 2 and time.monotonic() < deadline, f"{engine['state']} after {len(killed)} kills"
-        await asyncio.sleep(0.2)
-    # The first death is restarted; the second, with one restart in a row allowed, retires it.
-    assert len(killed) == 2
-
-
-async def wait_up(http: httpx.AsyncClient) -> list[dict]:
-    deadline = time.monotonic() + 300
-    while True:
-        engines = (await http.get("/engines")).json()["engines"]
-        if all(e["state"] in UP for e in engines):
-            return engines
-        assert time.monotonic() < deadline, engines
-        await asyncio.sleep(0.2)
 
 
 # Last: it kills this module's server.
