@@ -52,6 +52,18 @@ def run_trainer(
     )
 
 
+def start_trainer(server, weights_file: Path, version: str, *extra: str) -> subprocess.Popen:
+    """The trainer as a separate process that stays up (``--more``, ``--hold-before-update``): its
+    stdin, stdout and stderr are text pipes."""
+    return subprocess.Popen(
+        [sys.executable, str(TRAINER), server.url, str(weights_file), version, *extra],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
 def reference_logprobs(
     demo_model: Path, weights: dict[str, torch.Tensor], prompt_ids: list[int], out_ids: list[int]
 ) -> list[float]:

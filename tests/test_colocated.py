@@ -24,9 +24,8 @@ import httpx
 import pytest
 import torch
 
-from pushes import assert_engines_match, modified_weights, run_trainer, save
+from pushes import assert_engines_match, modified_weights, run_trainer, save, start_trainer
 from support import (
-    TRAINER,
     ServerProcess,
     admit_while_paused,
     engine_socket,
@@ -261,24 +260,7 @@ async def test_a_slow_trainer_waiting_for_the_fleet_is_not_aborted(colocated, de
     memory: no collective whose own timeout would end a transfer that waits.)"""
     weights, path, version = pushes.next()
     body = {"model": colocated.model, "prompt": "drain slowly", "max_tokens": 2000, "ignore_eos": True}
-    trainer = subprocess.Popen(
-        [
-            sys.executable,
-            str(TRAINER),
-            colocated.url,
-            str(path),
-            version,
-            "--transport",
-            "shm",
-            "--hold-before-update",
-            "--timeout",
-            "3",
-        ],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    trainer = start_trainer(colocated, path, version, "--transport", "shm", "--hold-before-update", "--timeout", "3")
     try:
         async with httpx.AsyncClient(base_url=colocated.url, timeout=300) as http:
             draining = await admit_while_paused(

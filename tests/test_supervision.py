@@ -23,7 +23,7 @@ import httpx
 import psutil
 import pytest
 
-from pushes import assert_engines_match, modified_weights, run_trainer, save
+from pushes import assert_engines_match, modified_weights, run_trainer, save, start_trainer
 from support import (
     TRAINER,
     ServerProcess,
@@ -198,20 +198,7 @@ async def test_an_engine_that_cannot_come_back_is_retired_and_rejoins_on_request
 
     # A full push over the remaining engine, by a trainer that stays up (sized by /get_world_size).
     weights_1 = modified_weights(demo_model, seed=62)
-    trainer = subprocess.Popen(
-        [
-            sys.executable,
-            str(TRAINER),
-            crash_server.url,
-            str(save(weights_1, tmp_path / "w1.safetensors")),
-            "one-engine",
-            "--more",
-        ],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    trainer = start_trainer(crash_server, save(weights_1, tmp_path / "w1.safetensors"), "one-engine", "--more")
     try:
         assert (await asyncio.to_thread(trainer.stdout.readline)).split() == ["pushed", "one-engine"]
         async with httpx.AsyncClient(base_url=crash_server.url, timeout=HOLD_S + 60) as http:
