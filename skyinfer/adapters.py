@@ -296,7 +296,10 @@ class AdapterFleet:
             replies = await asyncio.gather(*(self._unload_on(r, request.lora_name) for r in engines))
         await asyncio.to_thread(shutil.rmtree, adapter.directory, True)
         failed = failure(f"unloading adapter {request.lora_name!r}", replies)
-        if failed is not None:
+        if failed is None:
+            # Every engine dropped it and answers 404 itself: the front need not read request bodies for it.
+            self.registry.unloaded_adapters.discard(request.lora_name)
+        else:
             # The fleet no longer serves the name; an engine that may still hold it starts afresh.
             for record, reply in zip(engines, replies):
                 if not reply.ok and record.up:

@@ -433,8 +433,8 @@ class EngineRegistry:
         # The LoRA adapters the fleet serves. A request for one goes only to an engine
         # that holds it at the fleet's version.
         self.fleet_adapters: dict[str, Adapter] = {}
-        # Adapters unloaded from the fleet, until loaded again: their requests are answered 404 here,
-        # as vLLM would, since an engine whose unload failed may hold one until it is restarted.
+        # Adapters being unloaded, and those an engine failed to unload (until loaded again): their
+        # requests are answered 404 here, as vLLM would, since such an engine may still hold one.
         self.unloaded_adapters: set[str] = set()
         # Adapters being loaded across the fleet: their requests wait until every engine has it.
         self._adapters_changing: dict[str, asyncio.Event] = {}
