@@ -2,8 +2,9 @@
 
 Bodies pass through untouched unless they carry a ``session_id`` field, which
 is moved to the ``X-Session-ID`` header (the engine validates bodies strictly
-and reads the session from that header). Streams are written to the client
-chunk by chunk as the engine produces them.
+and reads the session from that header). A streamed request's chunks go to
+the client as the engine frames them (``stream_relay``); every other answer is
+read whole, then passed on.
 """
 
 from __future__ import annotations
@@ -11,12 +12,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+from collections.abc import Mapping
 
 import aiohttp
 import attrs
 import orjson
 from aiohttp import web
 
+from . import stream_relay
 from .engine import ENGINE_DIED_HEADER
 from .errors import ApiError, error_body, error_response, parse_json_object
 from .state import EngineBusy, EngineRecord, EngineRegistry, NoEngineAvailable
@@ -123,6 +126,13 @@ def _json_object(body: bytes) -> dict | None:
     return payload if isinstance(payload, dict) else None
 
 
+def _streamed(body: bytes, payload: dict | None) -> bool:
+    """Whether the request asks for a stream (an answer that is not one is read whole all the same)."""
+    if b'"stream"' not in body:
+        return False
+    return bool((payload if payload is not None else _json_object(body) or {}).get("stream"))
+
+
 def _group_key(payload: dict, prefix_chars: int) -> int | None:
     """A hash of the first ``prefix_chars`` characters of the prompt's JSON text; None where there is none."""
     prompt = next((payload[f] for f in _PROMPT_FIELDS if f in payload), None)
@@ -155,8 +165,9 @@ async def forward(request: web.Request) -> web.StreamResponse:
     adapter = await registry.adapter_for(payload.get("model")) if payload and registry.has_adapters else None
     pinned = _previous_response_engine(registry, body, session_id) if request.path == RESPONSES_PATH else None
     target = _Target(session_id, group, adapter, pinned)
+    relayed = _streamed(body, payload) and request.version >= aiohttp.HttpVersion11
     try:
-        return await _send(request, target, body, headers)
+        return await _send(request, target, body, headers, relayed)
     except _EngineDied as died:
         first_death = died
     dead = first_death.engine_id
@@ -167,7 +178,7 @@ async def forward(request: web.Request) -> web.StreamResponse:
     # Once, and never to the engine that died: a request that kills engines must not walk through the
     # fleet. If no other engine serves now, it waits for one like any request.
     try:
-        return await _send(request, target, body, headers, retried_from=dead)
+        return await _send(request, target, body, headers, relayed, retried_from=dead)
     except _EngineDied as again:
         return again.answer
 
@@ -214,8 +225,14 @@ def _remember_response(request: web.Request, engine: EngineRecord, head: bytes) 
 
 
 async def _send(
-    request: web.Request, target: _Target, body: bytes, headers: dict, retried_from: int | None = None
+    request: web.Request,
+    target: _Target,
+    body: bytes,
+    headers: dict,
+    relayed: bool,
+    retried_from: int | None = None,
 ) -> web.StreamResponse:
+    """``relayed``: a stream, relayed chunk by chunk as the engine frames it (stream_relay.py)."""
     registry = request.app[REGISTRY]
     exclude = () if retried_from is None else (retried_from,)
     retried = {} if retried_from is None else {RETRIED_FROM_HEADER: str(retried_from)}
@@ -231,9 +248,10 @@ async def _send(
                 pinned=target.pinned,
             )
             async with engine.in_flight():
-                return await _relay(
-                    request, engine, body, headers, {**retried, **_version_header(engine, target.adapter)}
-                )
+                extra_headers = {**retried, **_version_header(engine, target.adapter)}
+                if relayed:
+                    return await _relay_stream(request, engine, body, headers, extra_headers)
+                return await _relay(request, engine, body, headers, extra_headers)
         except NoEngineAvailable as exc:
             held = f" (held {registry.hold_requests_s:g}s)" if registry.hold_requests_s else ""
             return error_response(503, f"{exc}{held}", headers={"Retry-After": str(NONE_SERVING_RETRY_AFTER_S)})
@@ -260,49 +278,58 @@ def _version_header(engine: EngineRecord, adapter: str | None) -> dict[str, str]
     return {} if adapter is None else {WEIGHT_VERSION_HEADER: engine.adapters.get(adapter, "")}
 
 
+def _check_serves(engine: EngineRecord) -> None:
+    # The engine may have gone down while the request waited for a connection.
+    if engine.client is None or engine.client.closed or not engine.serves:
+        raise _NotConnected(f"it is {engine.state.value}")
+
+
 async def _relay(
     request: web.Request, engine: EngineRecord, body: bytes, headers: dict, extra_headers: dict[str, str]
 ) -> web.StreamResponse:
-    client = engine.client
-    # The engine may have gone down while the request waited for a connection.
-    if client is None or client.closed or not engine.serves:
-        raise _NotConnected(f"it is {engine.state.value}")
+    """A request whose answer is read whole, then passed on."""
+    _check_serves(engine)
     try:
-        upstream = await client.request(request.method, request.rel_url, data=body or None, headers=headers)
+        async with engine.client.request(
+            request.method, request.rel_url, data=body or None, headers=headers
+        ) as upstream:
+            payload = await upstream.read()
     except aiohttp.ClientConnectorError as exc:
         raise _NotConnected(repr(exc.os_error)) from None
     except aiohttp.ClientError as exc:
         raise _EngineDied(engine.engine_id, _engine_failed(request, engine, exc)) from None
     except asyncio.TimeoutError as exc:
         return _engine_failed(request, engine, exc)
+    return _answer(request, engine, upstream.status, upstream.headers, payload, extra_headers)
+
+
+def _answer(
+    request: web.Request,
+    engine: EngineRecord,
+    status: int,
+    upstream_headers: Mapping[str, str],
+    payload: bytes,
+    extra_headers: dict[str, str],
+) -> web.Response:
+    """An engine's whole answer as the caller gets it; ``_EngineDied`` if the engine says it died."""
     # Read once the engine answers: the version a kept request finished with.
-    own_headers = {**_own_headers(engine), **extra_headers}
-    content_type = upstream.headers.get("Content-Type", "application/json")
-    if content_type.startswith("text/event-stream"):
-        async with upstream:
-            return await _relay_stream(request, engine, upstream, {**own_headers, "Content-Type": content_type})
-    try:
-        async with upstream:
-            answer = await _buffered(upstream, own_headers)
-    except aiohttp.ClientError as exc:
-        raise _EngineDied(engine.engine_id, _engine_failed(request, engine, exc)) from None
-    except asyncio.TimeoutError as exc:
-        return _engine_failed(request, engine, exc)
-    if ENGINE_DIED_HEADER in upstream.headers:
+    answer = _buffered(status, upstream_headers, payload, {**_own_headers(engine), **extra_headers})
+    if ENGINE_DIED_HEADER in upstream_headers:
         raise _EngineDied(engine.engine_id, answer)
-    if upstream.status == 200:
-        _remember_response(request, engine, answer.body)
+    if status == 200:
+        _remember_response(request, engine, payload)
     return answer
 
 
-async def _buffered(upstream: aiohttp.ClientResponse, own_headers: dict[str, str]) -> web.Response:
-    payload = await upstream.read()
-    content_type = upstream.headers.get("Content-Type", "application/json")
-    if upstream.status >= 400 and (message := _not_openai_error(payload, content_type)) is not None:
+def _buffered(
+    status: int, upstream_headers: Mapping[str, str], payload: bytes, own_headers: dict[str, str]
+) -> web.Response:
+    content_type = upstream_headers.get("Content-Type", "application/json")
+    if status >= 400 and (message := _not_openai_error(payload, content_type)) is not None:
         # An error from below vLLM's handlers (aiohttp's, or FastAPI's 404 for a
         # route the model lacks): still the OpenAI shape.
-        return error_response(upstream.status, message, headers=own_headers)
-    return web.Response(status=upstream.status, body=payload, headers={**own_headers, "Content-Type": content_type})
+        return error_response(status, message, headers=own_headers)
+    return web.Response(status=status, body=payload, headers={**own_headers, "Content-Type": content_type})
 
 
 def _not_openai_error(payload: bytes, content_type: str) -> str | None:
@@ -327,7 +354,7 @@ async def forward_to(request: web.Request, engine: EngineRecord, body: bytes) ->
         async with engine.client.request(
             request.method, request.rel_url, data=body or None, headers=_forwarded_headers(request)
         ) as upstream:
-            return await _buffered(upstream, _own_headers(engine))
+            return _buffered(upstream.status, upstream.headers, await upstream.read(), _own_headers(engine))
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         return _engine_failed(request, engine, exc)
 
@@ -339,30 +366,48 @@ def _engine_failed(request: web.Request, engine: EngineRecord, exc: BaseExceptio
 
 
 async def _relay_stream(
-    request: web.Request, engine: EngineRecord, upstream: aiohttp.ClientResponse, headers: dict
+    request: web.Request, engine: EngineRecord, body: bytes, headers: dict, extra_headers: dict[str, str]
+) -> web.StreamResponse:
+    """A streamed request, on a connection of its own: its chunks go to the caller as they come."""
+    _check_serves(engine)
+    try:
+        answer = await stream_relay.send(engine.socket_path, request.method, request.raw_path, body, headers)
+    except (OSError, asyncio.TimeoutError) as exc:
+        raise _NotConnected(repr(exc)) from None
+    try:
+        return await _relay_answer(request, engine, answer, extra_headers)
+    finally:
+        # Done, failed, or the caller went away (its handler cancelled): the engine sees the
+        # connection close and aborts what it still generates.
+        answer.close()
+
+
+async def _relay_answer(
+    request: web.Request, engine: EngineRecord, answer: stream_relay.EngineAnswer, extra_headers: dict[str, str]
 ) -> web.StreamResponse:
     try:
-        first = await upstream.content.readany()
-    except aiohttp.ClientError as exc:
+        head = await answer.head()
+        if not head.event_stream:
+            return _answer(request, engine, head.status, head.headers, await answer.body(), extra_headers)
+        first = await answer.first_chunk()
+    except stream_relay.EngineHangUp as exc:
         # Nothing has reached the caller: the request may still go to another engine.
         raise _EngineDied(engine.engine_id, _engine_failed(request, engine, exc)) from None
-    if upstream.status == 200:
+    if head.status == 200 and first:
         _remember_response(request, engine, first)
-    response = web.StreamResponse(status=upstream.status, headers={**headers, "Cache-Control": "no-cache"})
+    headers = {**_own_headers(engine), **extra_headers, "Content-Type": head.headers["Content-Type"]}
+    response = web.StreamResponse(status=head.status, headers={**headers, "Cache-Control": "no-cache"})
     await response.prepare(request)
-    try:
+    if first is not None:
         await response.write(first)
-        async for chunk in upstream.content.iter_any():
-            await response.write(chunk)
-    except (ConnectionResetError, asyncio.CancelledError):
-        # The client is gone: drop the engine connection so that the engine
-        # sees the disconnect and aborts the request.
-        upstream.close()
-        raise
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-        # The engine broke off mid-stream; the status line is already sent.
-        log.warning("engine %d: stream on %s broke off: %r", engine.engine_id, request.path, exc)
-        message = f"engine {engine.engine_id} failed mid-stream: {exc!r}"
-        await response.write(b"data: " + orjson.dumps(error_body(503, message)) + b"\n\ndata: [DONE]\n\n")
+        if request.transport is None:
+            raise ConnectionResetError("the caller went away")
+        try:
+            await answer.relay_to(request.transport)
+        except stream_relay.EngineHangUp as exc:
+            # The engine broke off mid-stream; the status line is already sent.
+            log.warning("engine %d: stream on %s broke off: %r", engine.engine_id, request.path, exc)
+            message = f"engine {engine.engine_id} failed mid-stream: {exc!r}"
+            await response.write(b"data: " + orjson.dumps(error_body(503, message)) + b"\n\ndata: [DONE]\n\n")
     await response.write_eof()
     return response

@@ -96,8 +96,11 @@ def start_skyinfer(
     return spawn_logged(cmd, env, log_name, cores)
 
 
-def start_vllm_router(worker_urls: list[str], log_name: str) -> tuple[subprocess.Popen, str]:
-    """``vllm-router --policy consistent_hash`` (session affinity on X-Session-ID) over ``worker_urls``; its URL."""
+def start_vllm_router(
+    worker_urls: list[str], log_name: str, policy: str = "consistent_hash"
+) -> tuple[subprocess.Popen, str]:
+    """``vllm-router`` over ``worker_urls``, its URL; by default ``--policy consistent_hash`` (session
+    affinity on X-Session-ID)."""
     router_bin = shutil.which("vllm-router", path=str(Path(sys.executable).parent))
     if router_bin is None:
         raise SystemExit("vllm-router is not installed: pip install -e .[multinode]")
@@ -111,7 +114,7 @@ def start_vllm_router(worker_urls: list[str], log_name: str) -> tuple[subprocess
         "--worker-urls",
         *worker_urls,
         "--policy",
-        "consistent_hash",
+        policy,
     ]
     return spawn_logged(cmd, dict(os.environ), log_name), f"http://127.0.0.1:{port}"
 

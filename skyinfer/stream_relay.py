@@ -1,0 +1,250 @@
+"""Streamed answers relayed as the engine frames them.
+
+An engine answers a streamed request with HTTP/1.1 chunked framing, one chunk per SSE event, and the
+front answers its caller with the same framing: a chunk can go from the engine's socket to the
+caller's as the same bytes, with no decoding, no Python object per event and no task woken per event.
+A streamed request therefore gets a connection of its own to the engine, speaks HTTP/1.1 on it
+directly, and once the answer's head and first chunk are in, the protocol's ``data_received`` writes
+each complete chunk straight to the caller's transport (aiohttp's client, which decodes each chunk
+and wakes the handler for it, keeps every other request). Only complete chunks are written, so a
+stream the engine breaks off can still be ended with an error event of the front's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from multidict import CIMultiDict
+
+# Caller's transport buffer at which the engine's connection stops being read (a slow caller),
+# and at which reading goes on.
+_PAUSE_AT_BYTES = 256 * 1024
+_RESUME_AT_BYTES = 64 * 1024
+_DRAIN_CHECK_S = 0.005
+CONNECT_TIMEOUT_S = 10
+
+
+class EngineHangUp(Exception):
+    """The engine's connection ended before its answer did."""
+
+
+class _Head:
+    __slots__ = ("headers", "status")
+
+    def __init__(self, status: int, headers: CIMultiDict[str]) -> None:
+        self.status = status
+        self.headers = headers
+
+    @property
+    def event_stream(self) -> bool:
+        return self.headers.get("Content-Type", "").startswith("text/event-stream")
+
+    @property
+    def chunked(self) -> bool:
+        return "chunked" in self.headers.get("Transfer-Encoding", "").lower()
+
+
+def _parse_head(raw: bytes) -> _Head:
+    status_line, *lines = raw.decode("latin-1").split("\r\n")
+    headers: CIMultiDict[str] = CIMultiDict()
+    for line in lines:
+        name, _, value = line.partition(":")
+        headers.add(name.strip(), value.strip())
+    return _Head(int(status_line.split(" ", 2)[1]), headers)
+
+
+def _complete_chunks(buffer: bytes | bytearray) -> tuple[int, int, bool]:
+    """Where the complete chunks at the start of ``buffer`` end; the end of the next chunk when its
+    size line is in but not all of it (0: not known yet); whether the terminal chunk was reached."""
+    pos = 0
+    while True:
+        line_end = buffer.find(b"\r\n", pos)
+        if line_end < 0:
+            return pos, 0, False
+        size = int(bytes(buffer[pos:line_end]).split(b";", 1)[0], 16)
+        if size == 0:
+            return pos, 0, True
+        chunk_end = line_end + 2 + size + 2
+        if chunk_end > len(buffer):
+            return pos, chunk_end, False
+        pos = chunk_end
+
+
+def _chunk_payloads(framed: bytes | bytearray) -> bytes:
+    """The payload of complete chunks, framing removed."""
+    parts, pos = [], 0
+    while pos < len(framed):
+        line_end = framed.index(b"\r\n", pos)
+        size = int(bytes(framed[pos:line_end]).split(b";", 1)[0], 16)
+        parts.append(framed[line_end + 2 : line_end + 2 + size])
+        pos = line_end + 2 + size + 2
+    return b"".join(parts)
+
+
+class EngineAnswer(asyncio.Protocol):
+    """One request on a connection of its own to an engine, and its answer as it arrives."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.transport: asyncio.Transport | None = None
+        self._buffer = bytearray()
+        self._head: asyncio.Future[_Head] = loop.create_future()
+        self._parsed: _Head | None = None
+        # What the handler waits for after the head: a body, the first chunk, the stream's end.
+        self._waiter: asyncio.Future | None = None
+        self._want = None  # "body", "first" or "end"
+        self._caller: asyncio.Transport | None = None
+        # The end of the first incomplete chunk in the buffer, once known: no scan before it is in.
+        self._need = 0
+        self._terminal = False
+        self._lost = False
+
+    # -- asyncio.Protocol ----------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        if self._terminal:
+            return  # what follows the terminal chunk (an empty trailer)
+        if self._caller is not None and not self._buffer:
+            # The common case while relaying: whole chunks, passed on without a copy.
+            end, need, self._terminal = _complete_chunks(data)
+            if end:
+                self._pass_on(data if end == len(data) else data[:end])
+            if self._terminal:
+                self._settle(None)
+            elif end < len(data):
+                self._buffer += data[end:]
+                self._need = need - end if need else 0
+            return
+        self._buffer += data
+        if not self._head.done():
+            head_end = self._buffer.find(b"\r\n\r\n")
+            if head_end < 0:
+                return
+            self._parsed = _parse_head(bytes(self._buffer[:head_end]))
+            del self._buffer[: head_end + 4]
+            self._head.set_result(self._parsed)
+        self._progress()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._lost = True
+        if not self._head.done():
+            self._head.set_exception(EngineHangUp(f"the engine closed the connection before answering ({exc!r})"))
+        head = self._parsed
+        if self._want == "body" and head is not None and not head.chunked and "Content-Length" not in head.headers:
+            self._settle(bytes(self._buffer))  # a body that ends with the connection
+            return
+        self._settle(EngineHangUp(f"the engine closed the connection mid-answer ({exc!r})"))
+
+    # -- what the handler asks -------------------------------------------------------------------
+
+    async def head(self) -> _Head:
+        return await self._head
+
+    async def body(self) -> bytes:
+        """The whole body of an answer that is not relayed."""
+        return await self._wait_for("body")
+
+    async def first_chunk(self) -> bytes | None:
+        """The payload of the stream's first chunk (None: the stream ended empty), taken out of the
+        buffer: the caller's answer starts with it, headers and all."""
+        return await self._wait_for("first")
+
+    async def relay_to(self, caller: asyncio.Transport) -> None:
+        """Pass every further chunk to ``caller`` as it arrives; return at the stream's end."""
+        self._caller = caller
+        return await self._wait_for("end")
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    # -- inside ----------------------------------------------------------------------------------
+
+    def _wait_for(self, want: str) -> asyncio.Future:
+        self._want = want
+        waiter = self._waiter = self._loop.create_future()
+        self._progress()
+        if self._lost and not waiter.done():
+            self.connection_lost(None)
+        return waiter
+
+    def _settle(self, result) -> None:
+        waiter, self._waiter, self._want = self._waiter, None, None
+        if waiter is None or waiter.done():
+            return
+        if isinstance(result, BaseException):
+            waiter.set_exception(result)
+        else:
+            waiter.set_result(result)
+
+    def _progress(self) -> None:
+        """Give the handler what it waits for, if the buffer holds it."""
+        if self._waiter is None or self._parsed is None or len(self._buffer) < self._need:
+            return
+        if self._want == "body":
+            self._progress_body()
+            return
+        end, self._need, self._terminal = _complete_chunks(self._buffer)
+        if self._want == "first":
+            if self._terminal and not end:
+                self._settle(None)
+            elif end:
+                line_end = self._buffer.index(b"\r\n")
+                size = int(bytes(self._buffer[:line_end]).split(b";", 1)[0], 16)
+                first = bytes(self._buffer[line_end + 2 : line_end + 2 + size])
+                del self._buffer[: line_end + 2 + size + 2]
+                self._need = 0
+                self._settle(first)
+            return
+        if end:
+            self._pass_on(bytes(self._buffer[:end]))
+            del self._buffer[:end]
+            self._need = max(0, self._need - end) if self._need else 0
+        if self._terminal:
+            self._settle(None)
+
+    def _progress_body(self) -> None:
+        head = self._parsed
+        if head.chunked:
+            end, self._need, terminal = _complete_chunks(self._buffer)
+            if terminal:
+                self._settle(_chunk_payloads(self._buffer[:end]))
+        elif "Content-Length" in head.headers:
+            length = int(head.headers["Content-Length"])
+            if len(self._buffer) >= length:
+                self._settle(bytes(self._buffer[:length]))
+
+    def _pass_on(self, framed: bytes) -> None:
+        caller = self._caller
+        if caller.is_closing():
+            # The caller is gone: so is this request (aiohttp cancels its handler, which closes us).
+            self.transport.close()
+            return
+        caller.write(framed)
+        if caller.get_write_buffer_size() > _PAUSE_AT_BYTES:
+            self.transport.pause_reading()
+            self._loop.call_later(_DRAIN_CHECK_S, self._resume_when_drained)
+
+    def _resume_when_drained(self) -> None:
+        if self._caller is None or self._caller.is_closing() or self.transport.is_closing():
+            return
+        if self._caller.get_write_buffer_size() > _RESUME_AT_BYTES:
+            self._loop.call_later(_DRAIN_CHECK_S, self._resume_when_drained)
+        else:
+            self.transport.resume_reading()
+
+
+async def send(socket_path: str, method: str, path: str, body: bytes, headers: dict[str, str]) -> EngineAnswer:
+    """Open a connection to the engine at ``socket_path`` and send one request on it; ``OSError``
+    (or ``TimeoutError``) when no connection could be opened, nothing having been sent."""
+    loop = asyncio.get_running_loop()
+    _, answer = await asyncio.wait_for(
+        loop.create_unix_connection(lambda: EngineAnswer(loop), socket_path), CONNECT_TIMEOUT_S
+    )
+    lines = [f"{method} {path} HTTP/1.1", "Host: engine", f"Content-Length: {len(body)}", "Connection: close"]
+    lines += [f"{name}: {value}" for name, value in headers.items()]
+    answer.transport.write(("\r\n".join(lines) + "\r\n\r\n").encode("utf-8", "surrogateescape") + body)
+    return answer
