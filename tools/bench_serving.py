@@ -41,6 +41,7 @@ from pathlib import Path
 
 import aiohttp
 import orjson
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from skyinfer.demo_model import build_demo_model
@@ -129,6 +130,7 @@ async def run_load(session, url, route, model, args, prompt_ids) -> dict:
         "failed": len(failures),
         "req_per_s": len(latencies) / wall,
         "tok_per_s": len(latencies) * args.max_tokens / wall,
+        "tokens": len(latencies) * args.max_tokens,
         "p50_ms": 1000 * statistics.median(latencies),
         "p99_ms": 1000 * latencies[int(0.99 * (len(latencies) - 1))],
         "ttft_p50_ms": 1000 * statistics.median(ttfts) if ttfts else None,
@@ -155,10 +157,30 @@ async def run_vllm_client(url: str, route: str, model: str, args) -> dict:
         "failed": r["failed"],
         "req_per_s": r["request_throughput"],
         "tok_per_s": r["output_throughput"],
+        "tokens": r["total_output_tokens"],
         "p50_ms": r["median_e2el_ms"],
         "p99_ms": r["p99_e2el_ms"],
         "ttft_p50_ms": r["median_ttft_ms"],
     }
+
+
+def cpu_by_process(proc: subprocess.Popen) -> dict[str, float]:
+    """CPU seconds (user + system) so far of each process in a server's tree, keyed by its depth and
+    name (the front or vLLM's API server at the top, then the engine, EngineCore, worker)."""
+    seconds: dict[str, float] = {}
+
+    def walk(process: psutil.Process, depth: int) -> None:
+        try:
+            times, name, children = process.cpu_times(), process.name(), process.children()
+        except psutil.NoSuchProcess:
+            return
+        key = f"{depth}:{name}"
+        seconds[key] = seconds.get(key, 0.0) + times.user + times.system
+        for child in children:
+            walk(child, depth + 1)
+
+    walk(psutil.Process(proc.pid), 0)
+    return seconds
 
 
 class Server:
@@ -182,10 +204,13 @@ async def bench(servers: list[Server], model: str, args) -> dict[str, dict[str, 
         for i in range(args.rounds):
             for route in args.routes:
                 for server in servers if i % 2 == 0 else servers[::-1]:
+                    before = cpu_by_process(server.proc)
                     if args.vllm_client:
                         result = await run_vllm_client(server.url, route, model, args)
                     else:
                         result = await run_load(session, server.url, route, model, args, prompt_ids)
+                    after = cpu_by_process(server.proc)
+                    result["cpu_s"] = {k: after[k] - before.get(k, 0.0) for k in after}
                     rounds[server.name][route].append(result)
                     print(f"  round {i} {server.name:9s} {route:24s} {result['tok_per_s']:8.0f} tok/s", file=sys.stderr)
     return rounds
@@ -212,6 +237,14 @@ def report(ref: dict[str, list[dict]], sky: dict[str, list[dict]], args) -> str:
             lines.append(f"{route:24s} {key:12s} {a:11.1f} {b:11.1f} {ratio:7.3f}")
         failed = (sum(r["failed"] for r in ref[route]), sum(r["failed"] for r in sky[route]))
         lines.append(f"{route:24s} {'failed':12s} {failed[0]:11d} {failed[1]:11d}")
+        for name, rounds in (("vllm serve", ref[route]), ("skyinfer", sky[route])):
+            # CPU per 1,000 output tokens, by process, median over rounds.
+            per_k = {
+                key: _median([1000 * r["cpu_s"].get(key, 0.0) / r["tokens"] for r in rounds])
+                for key in rounds[0]["cpu_s"]
+            }
+            shown = ", ".join(f"{key} {v:.3f}" for key, v in per_k.items() if v >= 0.001)
+            lines.append(f"{route:24s} {'CPU s/1k tok':12s} {name}: {sum(per_k.values()):.3f} ({shown})")
     return "\n".join(lines)
 
 
