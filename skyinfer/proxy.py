@@ -68,12 +68,12 @@ DATA_PLANE_POST = (
 )
 DATA_PLANE_GET = ("/v1/models", "/version", "/tokenizer_info")
 
-# Hop-by-hop headers, and credentials meant for the front only.
+# Hop-by-hop headers, credentials meant for the front only, and Expect (the front answered it).
 _NOT_FORWARDED = frozenset(
     h.lower()
     for h in (
         "Host", "Content-Length", "Connection", "Keep-Alive", "Transfer-Encoding", "TE", "Upgrade",
-        "Authorization", "Accept-Encoding", "Proxy-Authorization", "Proxy-Connection",
+        "Authorization", "Accept-Encoding", "Proxy-Authorization", "Proxy-Connection", "Expect",
     )
 )  # fmt: skip
 

@@ -119,13 +119,15 @@ class EngineAnswer(asyncio.Protocol):
                 self._need = need - end if need else 0
             return
         self._buffer += data
-        if not self._head.done():
+        while not self._head.done():
             head_end = self._buffer.find(b"\r\n\r\n")
             if head_end < 0:
                 return
-            self._parsed = _parse_head(bytes(self._buffer[:head_end]))
+            head = _parse_head(bytes(self._buffer[:head_end]))
             del self._buffer[: head_end + 4]
-            self._head.set_result(self._parsed)
+            if head.status >= 200:  # 1xx heads (100 Continue) come before the answer's own
+                self._parsed = head
+                self._head.set_result(head)
         self._progress()
 
     def connection_lost(self, exc: Exception | None) -> None:

@@ -342,3 +342,14 @@ async def test_a_hung_engine_is_declared_dead_its_requests_and_sessions_move_and
     assert [r.in_transfer_group for r in records] == [True, False]
     r = await client.post("/start_weight_update")
     assert r.status == 409 and (await r.json())["error"]["code"] == "transfer_group_gone"
+
+
+async def test_a_stream_whose_caller_expects_100_continue_is_relayed(aiohttp_client, demo_model, tmp_path):
+    """``Expect: 100-continue`` (curl sends it for large bodies) is the front's to answer: an engine
+    asked it too would answer an interim head the relay must not take for the stream's own."""
+    _, client = await fake_fleet(aiohttp_client, demo_model, tmp_path)
+    body = {"model": str(demo_model), "prompt": "x", "max_tokens": 3, "stream": True}
+    r = await client.post("/v1/completions", json=body, expect100=True)
+    assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+    events = [e for e in (await r.read()).split(b"\n\n") if e]
+    assert len(events) == 4 and events[-1] == b"data: [DONE]", events
