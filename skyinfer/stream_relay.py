@@ -53,31 +53,38 @@ def _parse_head(raw: bytes) -> _Head:
     return _Head(int(status_line.split(" ", 2)[1]), headers)
 
 
+def _chunk_at(buffer: bytes | bytearray, pos: int) -> tuple[int, int] | None:
+    """The chunk whose size line starts at ``pos``: where its payload starts and how long it is
+    (chunk extensions after ``;`` ignored); None while its size line is not whole in ``buffer``."""
+    line_end = buffer.find(b"\r\n", pos)
+    if line_end < 0:
+        return None
+    return line_end + 2, int(bytes(buffer[pos:line_end]).split(b";", 1)[0], 16)
+
+
 def _complete_chunks(buffer: bytes | bytearray) -> tuple[int, int, bool]:
     """Where the complete chunks at the start of ``buffer`` end; the end of the next chunk when its
     size line is in but not all of it (0: not known yet); whether the terminal chunk was reached."""
     pos = 0
     while True:
-        line_end = buffer.find(b"\r\n", pos)
-        if line_end < 0:
+        if (chunk := _chunk_at(buffer, pos)) is None:
             return pos, 0, False
-        size = int(bytes(buffer[pos:line_end]).split(b";", 1)[0], 16)
+        start, size = chunk
         if size == 0:
             return pos, 0, True
-        chunk_end = line_end + 2 + size + 2
+        chunk_end = start + size + 2
         if chunk_end > len(buffer):
             return pos, chunk_end, False
         pos = chunk_end
 
 
 def _chunk_payloads(framed: bytes | bytearray) -> bytes:
-    """The payload of complete chunks, framing removed."""
+    """The payload of complete chunks (every size line whole), framing removed."""
     parts, pos = [], 0
     while pos < len(framed):
-        line_end = framed.index(b"\r\n", pos)
-        size = int(bytes(framed[pos:line_end]).split(b";", 1)[0], 16)
-        parts.append(framed[line_end + 2 : line_end + 2 + size])
-        pos = line_end + 2 + size + 2
+        start, size = _chunk_at(framed, pos)
+        parts.append(framed[start : start + size])
+        pos = start + size + 2
     return b"".join(parts)
 
 
@@ -132,13 +139,7 @@ class EngineAnswer(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost = True
-        if not self._head.done():
-            self._head.set_exception(EngineHangUp(f"the engine closed the connection before answering ({exc!r})"))
-        head = self._parsed
-        if self._want == "body" and head is not None and not head.chunked and "Content-Length" not in head.headers:
-            self._settle(bytes(self._buffer))  # a body that ends with the connection
-            return
-        self._settle(EngineHangUp(f"the engine closed the connection mid-answer ({exc!r})"))
+        self._settle_lost(exc)
 
     # -- what the handler asks -------------------------------------------------------------------
 
@@ -170,8 +171,18 @@ class EngineAnswer(asyncio.Protocol):
         waiter = self._waiter = self._loop.create_future()
         self._progress()
         if self._lost and not waiter.done():
-            self.connection_lost(None)
+            self._settle_lost(None)
         return waiter
+
+    def _settle_lost(self, exc: Exception | None) -> None:
+        """The connection is gone: what the handler waits for is all there is, or it never comes."""
+        if not self._head.done():
+            self._head.set_exception(EngineHangUp(f"the engine closed the connection before answering ({exc!r})"))
+        head = self._parsed
+        if self._want == "body" and head is not None and not head.chunked and "Content-Length" not in head.headers:
+            self._settle(bytes(self._buffer))  # a body that ends with the connection
+            return
+        self._settle(EngineHangUp(f"the engine closed the connection mid-answer ({exc!r})"))
 
     def _settle(self, result) -> None:
         waiter, self._waiter, self._want = self._waiter, None, None
@@ -194,10 +205,9 @@ class EngineAnswer(asyncio.Protocol):
             if self._terminal and not end:
                 self._settle(None)
             elif end:
-                line_end = self._buffer.index(b"\r\n")
-                size = int(bytes(self._buffer[:line_end]).split(b";", 1)[0], 16)
-                first = bytes(self._buffer[line_end + 2 : line_end + 2 + size])
-                del self._buffer[: line_end + 2 + size + 2]
+                start, size = _chunk_at(self._buffer, 0)
+                first = bytes(self._buffer[start : start + size])
+                del self._buffer[: start + size + 2]
                 self._need = 0
                 self._settle(first)
             return

@@ -221,8 +221,8 @@ def report(results: dict[str, dict[str, list[dict]]], phases: list[str]) -> None
     print(header + f"{'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'+p99 ms':>8}")
     for phase in phases:
         direct = results["direct"][phase]
-        for target, phases in results.items():
-            rounds = phases[phase]
+        for target, by_phase in results.items():
+            rounds = by_phase[phase]
             per = [
                 {
                     "rps": r["requests"] / r["elapsed_s"],
@@ -264,6 +264,12 @@ def main() -> None:
     parser.add_argument("--only", choices=("plain", "stream", "flood"), action="append")
     args = parser.parse_args()
     phases = args.only or ["plain", "stream", "flood"]
+    # Per phase: clients at once, requests per round, tokens per request.
+    loads = {
+        "plain": (args.concurrency, args.requests, 16),
+        "stream": (args.concurrency, args.streams, args.max_tokens),
+        "flood": (args.flood_concurrency, args.streams, args.max_tokens),
+    }
     results: dict[str, dict[str, list[dict]]] = {}
     # Each phase needs its own pace in the fake engines: one set of servers per pace.
     for phase in phases:
@@ -275,12 +281,7 @@ def main() -> None:
             for round_no in range(args.rounds):
                 order = names if round_no % 2 == 0 else names[::-1]
                 for name, (urls, middle) in order:
-                    if phase == "plain":
-                        r = run_phase(urls, middle, phase, args.concurrency, args.requests, 16)
-                    elif phase == "stream":
-                        r = run_phase(urls, middle, phase, args.concurrency, args.streams, args.max_tokens)
-                    else:
-                        r = run_phase(urls, middle, phase, args.flood_concurrency, args.streams, args.max_tokens)
+                    r = run_phase(urls, middle, phase, *loads[phase])
                     results.setdefault(name, {}).setdefault(phase, []).append(r)
                     print(f"round {round_no} {phase:<6} {name:<12} {json.dumps(r)}", file=sys.stderr)
         finally:
