@@ -258,14 +258,14 @@ class AdapterFleet:
             body={"lora_name": name, "lora_path": adapter.path_for(record.engine_id)},
         )
         if reply.ok:
-            record.adapters[name] = adapter.version
+            record.hold_adapter(name, adapter.version)
         return reply
 
     async def _roll_back(self, name: str, previous: Adapter | None, loaded: list[EngineRecord]) -> None:
         """Engines that took the new version go back to the old one (or lose the name); one that
         cannot is never routed the adapter again until a load succeeds on it."""
         for record in loaded:
-            record.adapters.pop(name, None)
+            record.drop_adapter(name)
         if previous is None:
             replies = await asyncio.gather(*(self._unload_on(r, name) for r in loaded))
         else:
@@ -281,7 +281,7 @@ class AdapterFleet:
                 self._restart(record, f"{step} got no answer: {reply.message}")
 
     async def _unload_on(self, record: EngineRecord, name: str) -> EngineReply:
-        record.adapters.pop(name, None)
+        record.drop_adapter(name)
         return await call_engine(record, "/adapters/unload", timeout_s=self.timeout_s, body={"lora_name": name})
 
     async def unload(self, request: UnloadAdapterRequest) -> dict:

@@ -14,9 +14,12 @@ from .control import CONTROL, ControlPlane, add_control_routes
 from .devices import detect_device_kind, plan_engine_devices
 from .draining import IN_FLIGHT, InFlight
 from .errors import openai_errors_middleware
+from .front_workers.leases import LEASE_HUB, LeaseHub
+from .front_workers.pool import FRONT_WORKERS, FrontWorkers
 from .health import engines_view, health, ready
+from .leasing import LocalLeases
 from .metrics import METRICS, ServiceMetrics, metrics_view
-from .proxy import DATA_PLANE_GET, DATA_PLANE_POST, REGISTRY, forward
+from .proxy import DATA_PLANE_GET, DATA_PLANE_POST, GROUP_PREFIX_CHARS, LEASES, REGISTRY, forward
 from .routing import SessionRouter
 from .security import AccessPolicy
 from .sessions import FINISH_SESSION_PATH, finish_session
@@ -65,6 +68,8 @@ def create_app(config: ServeConfig) -> web.Application:
     app[IN_FLIGHT] = in_flight
     supervisor = Supervisor(registry, config)
     app[REGISTRY] = registry
+    app[LEASES] = LocalLeases(registry)
+    app[GROUP_PREFIX_CHARS] = config.group_prefix_chars
     app[SUPERVISOR] = supervisor
     app[METRICS] = metrics
     app[CONTROL] = ControlPlane(registry, config.control_timeout_s)
@@ -100,6 +105,18 @@ def create_app(config: ServeConfig) -> web.Application:
         transport.update_ended()  # segments a trainer left
 
     app.cleanup_ctx.append(engines_ctx)
+    if config.front_workers > 1:
+        hub = app[LEASE_HUB] = LeaseHub(registry)
+        app[FRONT_WORKERS] = FrontWorkers(
+            config, os.path.join(socket_dir, "control.sock"), os.path.join(socket_dir, "leases.sock")
+        )
+
+        async def leases_ctx(app: web.Application):
+            await hub.start(app[FRONT_WORKERS].leases_socket)
+            yield
+            await hub.close()
+
+        app.cleanup_ctx.append(leases_ctx)
     for path in DATA_PLANE_POST:
         app.router.add_post(path, forward)
     for path in DATA_PLANE_GET:

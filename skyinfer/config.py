@@ -62,6 +62,13 @@ class ServeConfig:
     )
     host: str = _option("127.0.0.1", "address to bind")
     port: int = _option(8000, "port to bind")
+    front_workers: int = _option(
+        1,
+        "processes that accept on the port and relay the data plane; the first process keeps routing, admin "
+        "and weight calls and the engines (more than 1: when one core cannot relay what the engines produce)",
+        metavar="N",
+        validator=_at_least_one,
+    )
     # vLLM engine arguments, passed to every engine as `vllm serve` takes them.
     engine_args: tuple[str, ...] = ()
     device: str = _option("auto", "auto: cuda if nvidia-ml-py sees GPUs, else cpu", choices=("auto", "cuda", "cpu"))

@@ -55,3 +55,13 @@ class InFlight:
 
 
 IN_FLIGHT = web.AppKey("in_flight", InFlight)
+
+
+async def drain(runner: web.AppRunner, in_flight: InFlight, drain_s: float) -> None:
+    """Stop accepting, then give in-flight requests their share of the grace."""
+    log.info("shutting down: no new connections; %d request(s) in flight get up to %.0fs", len(in_flight), drain_s)
+    for site in list(runner.sites):
+        await site.stop()
+    # Keep-alive connections take no new request once the current one is answered.
+    runner.server.pre_shutdown()
+    await in_flight.drain(drain_s)

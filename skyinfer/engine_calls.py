@@ -33,6 +33,18 @@ class EngineReply:
         return {"engine": self.engine_id, "status": self.status, "error": self.message}
 
 
+def engine_client(socket_path: str) -> aiohttp.ClientSession:
+    """A client over an engine's Unix socket. No connection cap: the front may hold thousands of
+    requests on one engine."""
+    connector = aiohttp.UnixConnector(path=socket_path, limit=0)
+    return aiohttp.ClientSession(
+        base_url="http://engine",
+        connector=connector,
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+        auto_decompress=False,
+    )
+
+
 async def call_engine(
     record: EngineRecord,
     path: str,

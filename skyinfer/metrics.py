@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 import aiohttp
 import prometheus_client
@@ -19,6 +20,7 @@ from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from .front_workers.leases import LEASE_HUB
 from .proxy import ENGINE_HEADER, REGISTRY
 from .state import EngineRegistry, EngineState, Phase
 
@@ -83,8 +85,11 @@ class _EngineCollector:
         return [state, paused, sleeping, in_flight, queued, refused, restarts, version, moves, retried]
 
 
-class ServiceMetrics:
-    def __init__(self, registry: EngineRegistry):
+class RequestMetrics:
+    """Requests answered, by route, engine and status, and their latency: what every process that
+    answers requests counts (the front, or each front worker and the control process)."""
+
+    def __init__(self) -> None:
         self.prom = prometheus_client.CollectorRegistry()
         self.requests = prometheus_client.Counter(
             "skyinfer_requests", "HTTP requests answered", ["route", "engine", "status"], registry=self.prom
@@ -96,6 +101,45 @@ class ServiceMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.prom,
         )
+
+    def text(self) -> str:
+        return prometheus_client.generate_latest(self.prom).decode()
+
+    def middleware(self, counted: Callable[[web.Request], bool] = lambda _request: True):
+        """``counted``: whether a request is this process's to count (a front worker passes the
+        control process's routes on, and the control process counts those)."""
+
+        @web.middleware
+        async def count(request: web.Request, handler):
+            if not counted(request):
+                return await handler(request)
+            started = time.perf_counter()
+            status, engine = 500, ""
+            try:
+                response = await handler(request)
+                status, engine = response.status, response.headers.get(ENGINE_HEADER, "")
+                return response
+            except web.HTTPException as exc:
+                status = exc.status
+                raise
+            except asyncio.CancelledError:
+                status = CLIENT_CLOSED
+                raise
+            finally:
+                resource = request.match_info.route.resource
+                # Unknown paths share one label: a scanner must not grow the series without bound.
+                route = resource.canonical if resource is not None else "unmatched"
+                self.requests.labels(route, engine, str(status)).inc()
+                self.latency.labels(route).observe(time.perf_counter() - started)
+
+        return count
+
+
+class ServiceMetrics(RequestMetrics):
+    """The front's metrics: requests, weight pushes, and the engines' state read off the registry."""
+
+    def __init__(self, registry: EngineRegistry):
+        super().__init__()
         self.push_seconds = prometheus_client.Histogram(
             "skyinfer_weight_update_duration_seconds",
             "completed weight pushes, first transfer call to finish",
@@ -117,30 +161,6 @@ class ServiceMetrics:
     def set_update_phase(self, phase: Phase) -> None:
         for known in Phase:
             self.update_phase.labels(known.value).set(float(known is phase))
-
-    def middleware(self):
-        @web.middleware
-        async def count(request: web.Request, handler):
-            started = time.perf_counter()
-            status, engine = 500, ""
-            try:
-                response = await handler(request)
-                status, engine = response.status, response.headers.get(ENGINE_HEADER, "")
-                return response
-            except web.HTTPException as exc:
-                status = exc.status
-                raise
-            except asyncio.CancelledError:
-                status = CLIENT_CLOSED
-                raise
-            finally:
-                resource = request.match_info.route.resource
-                # Unknown paths share one label: a scanner must not grow the series without bound.
-                route = resource.canonical if resource is not None else "unmatched"
-                self.requests.labels(route, engine, str(status)).inc()
-                self.latency.labels(route).observe(time.perf_counter() - started)
-
-        return count
 
 
 METRICS = web.AppKey("metrics", ServiceMetrics)
@@ -207,9 +227,37 @@ def read_hit_rates(metrics_text: str) -> dict[int, float]:
     return {}
 
 
-def _render(metrics: ServiceMetrics, engine_texts: dict[int, str]) -> bytes:
+def sum_expositions(texts: list[str]) -> list[Metric]:
+    """Processes' exposition texts as one: samples with the same name and labels added up (a
+    counter's ``_created``: the earliest)."""
+    merged: dict[str, Metric] = {}
+    values: dict[tuple, float] = {}
+    for text in texts:
+        for family in text_string_to_metric_families(text):
+            target = merged.get(family.name)
+            if target is None:
+                target = merged[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
+            for s in family.samples:
+                key = (family.name, s.name, tuple(sorted(s.labels.items())))
+                if key not in values:
+                    values[key] = s.value
+                elif s.name.endswith("_created"):
+                    values[key] = min(values[key], s.value)
+                else:
+                    values[key] += s.value
+    for (family_name, name, labels), value in values.items():
+        merged[family_name].add_sample(name, dict(labels), value)
+    return list(merged.values())
+
+
+def _render(metrics: ServiceMetrics, engine_texts: dict[int, str], worker_texts: list[str]) -> bytes:
     engine_families = relabel_engine_metrics(engine_texts)
-    return prometheus_client.generate_latest(metrics.prom) + prometheus_client.generate_latest(
+    own = (
+        prometheus_client.generate_latest(_Families(sum_expositions([metrics.text(), *worker_texts])))
+        if worker_texts
+        else prometheus_client.generate_latest(metrics.prom)
+    )
+    return own + prometheus_client.generate_latest(
         _Families([prefix_cache_hit_rates(engine_families), *engine_families])
     )
 
@@ -220,8 +268,10 @@ def metrics_view(probe_timeout_s: float):
         records = [r for r in request.app[REGISTRY].up() if r.client is not None]
         fetched = await asyncio.gather(*(_engine_metrics(r.engine_id, r.client, probe_timeout_s) for r in records))
         texts = {engine_id: text for engine_id, text in fetched if text is not None}
+        hub = request.app.get(LEASE_HUB)
+        worker_texts = await hub.worker_metrics() if hub is not None else []
         # Parsing and rendering a few hundred samples per engine: off the event loop.
-        body = await asyncio.to_thread(_render, request.app[METRICS], texts)
+        body = await asyncio.to_thread(_render, request.app[METRICS], texts, worker_texts)
         return web.Response(body=body, headers={"Content-Type": prometheus_client.CONTENT_TYPE_LATEST})
 
     return view

@@ -12,22 +12,26 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import zlib
 from collections.abc import Mapping
 
 import aiohttp
-import attrs
 import orjson
 from aiohttp import web
 
 from . import stream_relay
 from .engine import ENGINE_DIED_HEADER
-from .errors import ApiError, error_body, error_response, parse_json_object
+from .errors import error_body, error_response, parse_json_object
+from .leasing import Ask, Engine, Leases, NotConnected
 from .state import EngineBusy, EngineRecord, EngineRegistry, NoEngineAvailable
 from .wire import checked_session_id
 
 log = logging.getLogger("skyinfer.proxy")
 
 REGISTRY = web.AppKey("registry", EngineRegistry)
+# Where the data plane gets its engine from: the registry in this process, or the control process.
+LEASES = web.AppKey("leases", Leases)
+GROUP_PREFIX_CHARS = web.AppKey("group_prefix_chars", int)
 
 SESSION_HEADER = "X-Session-ID"
 ENGINE_HEADER = "X-Skyinfer-Engine"
@@ -99,10 +103,6 @@ BUSY_RETRY_AFTER_S = 1
 NONE_SERVING_RETRY_AFTER_S = 10
 
 
-class _NotConnected(Exception):
-    """No connection to the engine could be opened; nothing of the request was sent."""
-
-
 class _EngineDied(Exception):
     """The engine died under the request before any byte of its answer reached the caller."""
 
@@ -134,9 +134,10 @@ def _streamed(body: bytes, payload: dict | None) -> bool:
 
 
 def _group_key(payload: dict, prefix_chars: int) -> int | None:
-    """A hash of the first ``prefix_chars`` characters of the prompt's JSON text; None where there is none."""
+    """A hash of the first ``prefix_chars`` characters of the prompt's JSON text; None where there is none.
+    CRC-32, not ``hash()``: front workers must agree on it, and each process salts ``hash()`` its own way."""
     prompt = next((payload[f] for f in _PROMPT_FIELDS if f in payload), None)
-    return None if prompt is None else hash(orjson.dumps(prompt)[:prefix_chars])
+    return None if prompt is None else zlib.crc32(orjson.dumps(prompt)[:prefix_chars])
 
 
 def _forwarded_headers(request: web.Request) -> dict[str, str]:
@@ -157,42 +158,32 @@ async def forward(request: web.Request) -> web.StreamResponse:
     headers = _forwarded_headers(request)
     if session_id:
         headers[SESSION_HEADER] = session_id
-    registry = request.app[REGISTRY]
-    prefix_chars = registry.router.group_prefix_chars
-    # Parsed only when routing needs what is inside: a prompt's prefix, or an adapter's name.
-    payload = _json_object(body) if body and (registry.has_adapters or (prefix_chars and not session_id)) else None
-    group = _group_key(payload, prefix_chars) if payload and prefix_chars and not session_id else None
-    adapter = await registry.adapter_for(payload.get("model")) if payload and registry.has_adapters else None
-    pinned = _previous_response_engine(registry, body, session_id) if request.path == RESPONSES_PATH else None
-    target = _Target(session_id, group, adapter, pinned)
+    prefix_chars = request.app[GROUP_PREFIX_CHARS]
+    # Parsed only when routing needs what is inside: a prompt's prefix, or a model's name.
+    payload = _json_object(body) if body and (b'"model"' in body or (prefix_chars and not session_id)) else None
+    ask = Ask(
+        session_id=session_id or None,
+        group=_group_key(payload, prefix_chars) if payload and prefix_chars and not session_id else None,
+        model=model if payload and isinstance(model := payload.get("model"), str) else None,
+        previous_response=_previous_response(body) if request.path == RESPONSES_PATH else None,
+    )
     relayed = _streamed(body, payload) and request.version >= aiohttp.HttpVersion11
+    leases = request.app[LEASES]
     try:
-        return await _send(request, target, body, headers, relayed)
+        return await _send(request, ask, body, headers, relayed)
     except _EngineDied as died:
         first_death = died
     dead = first_death.engine_id
-    if not any(r.engine_id != dead for r in registry.members()):
+    if not leases.has_other_member(dead):
         return first_death.answer
     log.warning("engine %d died under %s %s: sending it to another engine", dead, request.method, request.path)
-    registry.records[dead].retried_elsewhere += 1
+    leases.note_retried(dead)
     # Once, and never to the engine that died: a request that kills engines must not walk through the
     # fleet. If no other engine serves now, it waits for one like any request.
     try:
-        return await _send(request, target, body, headers, relayed, retried_from=dead)
+        return await _send(request, ask, body, headers, relayed, retried_from=dead)
     except _EngineDied as again:
         return again.answer
-
-
-@attrs.frozen
-class _Target:
-    """What a request's engine is picked by."""
-
-    session_id: str | None
-    group: int | None
-    # The LoRA adapter it asks for; only engines holding the fleet's version of it serve it.
-    adapter: str | None
-    # The engine storing the response this one continues (Responses' previous_response_id).
-    pinned: int | None = None
 
 
 RESPONSES_PATH = "/v1/responses"
@@ -201,65 +192,48 @@ RESPONSES_PATH = "/v1/responses"
 _RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[A-Za-z0-9_-]+)"')
 
 
-def _previous_response_engine(registry: EngineRegistry, body: bytes, session_id: str | None) -> int | None:
-    """The engine that stores the response a Responses request continues, if this front saw it."""
+def _previous_response(body: bytes) -> str | None:
+    """The stored response a Responses request continues (its engine alone can answer it)."""
     if b'"previous_response_id"' not in body:
         return None
     previous = (_json_object(body) or {}).get("previous_response_id")
-    engine = registry.stored_responses.engine_of(previous) if isinstance(previous, str) else None
-    bound = registry.router.engine_of(session_id) if session_id and engine is not None else None
-    if bound is not None and bound != engine:
-        raise ApiError(
-            f"session {session_id!r} is on engine {bound}, but previous_response_id {previous!r} is stored on"
-            f" engine {engine}, the only one that can continue it: drop the session id or start a new chain",
-            status=409,
-            param="previous_response_id",
-        )
-    return engine
+    return previous if isinstance(previous, str) else None
 
 
-def _remember_response(request: web.Request, engine: EngineRecord, head: bytes) -> None:
+def _remember_response(request: web.Request, engine: Engine, head: bytes) -> None:
     """Record which engine stored a Responses answer, from the first bytes of its body."""
     if request.path == RESPONSES_PATH and (found := _RESPONSE_ID.search(head[:4096])):
-        request.app[REGISTRY].stored_responses.record(found.group(1).decode(), engine.engine_id)
+        request.app[LEASES].remember_response(found.group(1).decode(), engine.engine_id)
 
 
 async def _send(
     request: web.Request,
-    target: _Target,
+    ask: Ask,
     body: bytes,
     headers: dict,
     relayed: bool,
     retried_from: int | None = None,
 ) -> web.StreamResponse:
     """``relayed``: a stream, relayed chunk by chunk as the engine frames it (stream_relay.py)."""
-    registry = request.app[REGISTRY]
+    leases = request.app[LEASES]
     exclude = () if retried_from is None else (retried_from,)
     retried = {} if retried_from is None else {RETRIED_FROM_HEADER: str(retried_from)}
     for delay_s in (*CONNECT_RETRY_DELAYS_S, None):
         try:
-            # Picked afresh each time: a session stays on its engine while that
-            # one serves; a request without a session may go to another.
-            engine = await registry.pick_held(
-                session_id=target.session_id,
-                exclude=exclude,
-                group_key=target.group,
-                adapter=target.adapter,
-                pinned=target.pinned,
-            )
-            async with engine.in_flight():
-                extra_headers = {**retried, **_version_header(engine, target.adapter)}
+            async with leases.lease(ask, exclude) as grant:
+                engine = grant.engine
+                extra_headers = {**retried, **_version_header(engine, grant.adapter)}
                 if relayed:
                     return await _relay_stream(request, engine, body, headers, extra_headers)
                 return await _relay(request, engine, body, headers, extra_headers)
         except NoEngineAvailable as exc:
-            held = f" (held {registry.hold_requests_s:g}s)" if registry.hold_requests_s else ""
+            held = f" (held {leases.hold_requests_s:g}s)" if leases.hold_requests_s else ""
             return error_response(503, f"{exc}{held}", headers={"Retry-After": str(NONE_SERVING_RETRY_AFTER_S)})
         except EngineBusy as exc:
-            return error_response(
-                503, str(exc), headers={"Retry-After": str(BUSY_RETRY_AFTER_S), **_own_headers(engine)}
-            )
-        except _NotConnected as exc:
+            busy = {ENGINE_HEADER: str(exc.engine_id), WEIGHT_VERSION_HEADER: exc.weight_version or ""}
+            return error_response(503, str(exc), headers={"Retry-After": str(BUSY_RETRY_AFTER_S), **busy})
+        except NotConnected as exc:
+            engine = exc.engine
             if delay_s is None:
                 return error_response(
                     503, f"engine {engine.engine_id} could not be reached: {exc}", headers=_own_headers(engine)
@@ -269,33 +243,26 @@ async def _send(
     raise AssertionError("unreachable: the last attempt returns")
 
 
-def _own_headers(engine: EngineRecord) -> dict[str, str]:
+def _own_headers(engine: Engine) -> dict[str, str]:
     return {ENGINE_HEADER: str(engine.engine_id), WEIGHT_VERSION_HEADER: engine.weight_version or ""}
 
 
-def _version_header(engine: EngineRecord, adapter: str | None) -> dict[str, str]:
+def _version_header(engine: Engine, adapter: str | None) -> dict[str, str]:
     """An adapter's answer carries the adapter's version (the base weights' is in ``/weight_info``)."""
     return {} if adapter is None else {WEIGHT_VERSION_HEADER: engine.adapters.get(adapter, "")}
 
 
-def _check_serves(engine: EngineRecord) -> None:
-    # The engine may have gone down while the request waited for a connection.
-    if engine.client is None or engine.client.closed or not engine.serves:
-        raise _NotConnected(f"it is {engine.state.value}")
-
-
 async def _relay(
-    request: web.Request, engine: EngineRecord, body: bytes, headers: dict, extra_headers: dict[str, str]
+    request: web.Request, engine: Engine, body: bytes, headers: dict, extra_headers: dict[str, str]
 ) -> web.StreamResponse:
     """A request whose answer is read whole, then passed on."""
-    _check_serves(engine)
     try:
         async with engine.client.request(
             request.method, request.rel_url, data=body or None, headers=headers
         ) as upstream:
             payload = await upstream.read()
     except aiohttp.ClientConnectorError as exc:
-        raise _NotConnected(repr(exc.os_error)) from None
+        raise NotConnected(repr(exc.os_error), engine) from None
     except aiohttp.ClientError as exc:
         raise _EngineDied(engine.engine_id, _engine_failed(request, engine, exc)) from None
     except asyncio.TimeoutError as exc:
@@ -305,7 +272,7 @@ async def _relay(
 
 def _answer(
     request: web.Request,
-    engine: EngineRecord,
+    engine: Engine,
     status: int,
     upstream_headers: Mapping[str, str],
     payload: bytes,
@@ -359,21 +326,20 @@ async def forward_to(request: web.Request, engine: EngineRecord, body: bytes) ->
         return _engine_failed(request, engine, exc)
 
 
-def _engine_failed(request: web.Request, engine: EngineRecord, exc: BaseException) -> web.Response:
+def _engine_failed(request: web.Request, engine: Engine, exc: BaseException) -> web.Response:
     log.warning("engine %d: %s %s failed: %r", engine.engine_id, request.method, request.path, exc)
     message = f"engine {engine.engine_id} failed while serving the request: {exc!r}"
     return error_response(503, message, headers=_own_headers(engine))
 
 
 async def _relay_stream(
-    request: web.Request, engine: EngineRecord, body: bytes, headers: dict, extra_headers: dict[str, str]
+    request: web.Request, engine: Engine, body: bytes, headers: dict, extra_headers: dict[str, str]
 ) -> web.StreamResponse:
     """A streamed request, on a connection of its own: its chunks go to the caller as they come."""
-    _check_serves(engine)
     try:
         answer = await stream_relay.send(engine.socket_path, request.method, request.raw_path, body, headers)
     except (OSError, asyncio.TimeoutError) as exc:
-        raise _NotConnected(repr(exc)) from None
+        raise NotConnected(repr(exc), engine) from None
     try:
         return await _relay_answer(request, engine, answer, extra_headers)
     finally:
@@ -383,7 +349,7 @@ async def _relay_stream(
 
 
 async def _relay_answer(
-    request: web.Request, engine: EngineRecord, answer: stream_relay.EngineAnswer, extra_headers: dict[str, str]
+    request: web.Request, engine: Engine, answer: stream_relay.EngineAnswer, extra_headers: dict[str, str]
 ) -> web.StreamResponse:
     try:
         head = await answer.head()

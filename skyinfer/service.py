@@ -11,8 +11,9 @@ from aiohttp import web
 
 from .app import create_app
 from .config import ServeConfig
-from .draining import IN_FLIGHT
+from .draining import IN_FLIGHT, drain
 from .errors import OpenAIErrorsAppRunner
+from .front_workers.pool import FRONT_WORKERS, listening_socket
 from .supervisor import SUPERVISOR, EngineStartError
 
 log = logging.getLogger("skyinfer")
@@ -28,10 +29,22 @@ async def run_service(config: ServeConfig) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    workers = app.get(FRONT_WORKERS)
     try:
-        # Thousands of rollout clients may connect at once.
-        await web.TCPSite(runner, config.host, config.port, backlog=4096).start()
-        log.info("listening on http://%s:%d; starting %d engine(s)", config.host, config.port, config.engines)
+        if workers is None:
+            # Thousands of rollout clients may connect at once.
+            await web.TCPSite(runner, config.host, config.port, backlog=4096).start()
+        else:
+            # The workers accept on the port; what they pass on comes to this process's socket.
+            await web.UnixSite(runner, workers.control_socket).start()
+            await workers.start(listening_socket(config.host, config.port))
+        log.info(
+            "listening on http://%s:%d (%d front process(es)); starting %d engine(s)",
+            config.host,
+            config.port,
+            config.front_workers,
+            config.engines,
+        )
         ready = asyncio.ensure_future(app[SUPERVISOR].wait_ready())
         stopped = asyncio.ensure_future(stop.wait())
         await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -43,9 +56,13 @@ async def run_service(config: ServeConfig) -> int:
                 return 1
             log.info("skyinfer ready on http://%s:%d", config.host, config.port)
             await stopped
-        await _drain(runner, app[IN_FLIGHT], config.shutdown_budget_s[0])
+        if workers is not None:
+            await workers.stop(config.shutdown_budget_s[0])
+        await drain(runner, app[IN_FLIGHT], config.shutdown_budget_s[0])
         return 0
     finally:
+        if workers is not None:
+            await workers.stop(0)
         # Then the engines stop, within the rest of the grace (the app's cleanup).
         await runner.cleanup()
 
@@ -55,13 +72,3 @@ def _raise_open_files_limit() -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-
-
-async def _drain(runner, in_flight, drain_s: float) -> None:
-    """Stop accepting, then give in-flight requests their share of the grace."""
-    log.info("shutting down: no new connections; %d request(s) in flight get up to %.0fs", len(in_flight), drain_s)
-    for site in list(runner.sites):
-        await site.stop()
-    # Keep-alive connections take no new request once the current one is answered.
-    runner.server.pre_shutdown()
-    await in_flight.drain(drain_s)

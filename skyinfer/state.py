@@ -279,6 +279,18 @@ class NoEngineAvailable(RuntimeError):
 class EngineBusy(RuntimeError):
     """The engine's queue of waiting requests is full; the caller may retry later."""
 
+    def __init__(self, message: str, engine_id: int, weight_version: str | None):
+        super().__init__(message)
+        self.engine_id = engine_id
+        self.weight_version = weight_version
+
+
+def _announce(record: EngineRecord, _attribute: attrs.Attribute, value):
+    """attrs' setter hook: runs before the value is set, so the announcement waits a loop turn."""
+    if record.on_change is not None:
+        asyncio.get_running_loop().call_soon(record.on_change)
+    return value
+
 
 @attrs.define(eq=False)
 class EngineRecord:
@@ -289,13 +301,13 @@ class EngineRecord:
     connection_limit: int = 4096
     # Requests that may wait for a connection before new ones are refused; 0: no cap.
     queue_limit: int = 0
-    lifecycle: Lifecycle = Lifecycle.STARTING
+    lifecycle: Lifecycle = attrs.field(default=Lifecycle.STARTING, on_setattr=_announce)
     # While it is up: its scheduler and memory, why its weights are not the fleet's (None:
     # they are), whether it is inside a weight update. A new process starts with none of it.
     residency: Residency = Residency()
     stale: str | None = None
     receiving: bool = False
-    pid: int | None = None
+    pid: int | None = attrs.field(default=None, on_setattr=_announce)
     # Requests the front holds for this engine: sent to it, or waiting to be.
     in_flight_count: int = 0
     # Of those, the ones waiting for a connection.
@@ -307,22 +319,33 @@ class EngineRecord:
     # HTTP client over this engine's Unix socket; set once it is ready.
     client: aiohttp.ClientSession | None = None
     # The weights it serves, as the engine reports them ("default": as loaded).
-    weight_version: str | None = None
+    weight_version: str | None = attrs.field(default=None, on_setattr=_announce)
     # The dtype it serves weights in.
     model_dtype: str | None = None
     # The largest LoRA rank it takes; None: started without --enable-lora.
     max_lora_rank: int | None = None
-    # The LoRA adapters it holds: name -> version (a new process holds none).
-    adapters: dict[str, str] = attrs.field(factory=dict)
+    # The LoRA adapters it holds: name -> version (a new process holds none). Replaced, never
+    # changed in place (``hold_adapter``, ``drop_adapter``), so that each change is announced.
+    adapters: dict[str, str] = attrs.field(factory=dict, on_setattr=_announce)
     # Whether its workers are in the current trainer's weight-transfer group
     # (a new process never is).
     in_transfer_group: bool = False
     # Process replacements since the service started (crashes, failed transfers).
     restarts: int = 0
+    # Called (soon after, once per loop turn) when what front workers mirror of it changes:
+    # its process, lifecycle, weight version or adapters. Set by the front-worker pool.
+    on_change: Callable[[], None] | None = attrs.field(default=None, init=False)
     _connections: asyncio.Semaphore = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         self._connections = asyncio.Semaphore(self.connection_limit)
+
+    def hold_adapter(self, name: str, version: str) -> None:
+        self.adapters = {**self.adapters, name: version}
+
+    def drop_adapter(self, name: str) -> None:
+        if name in self.adapters:
+            self.adapters = {k: v for k, v in self.adapters.items() if k != name}
 
     @property
     def up(self) -> bool:
@@ -365,7 +388,11 @@ class EngineRecord:
         """Hold one of the engine's connections for a request, waiting in arrival order for one."""
         if self.queue_limit and self._connections.locked() and self.queued >= self.queue_limit:
             self.refused += 1
-            raise EngineBusy(f"engine {self.engine_id} has {self.queued} requests waiting; retry later")
+            raise EngineBusy(
+                f"engine {self.engine_id} has {self.queued} requests waiting; retry later",
+                self.engine_id,
+                self.weight_version,
+            )
         self.in_flight_count += 1
         self.queued += 1
         try:

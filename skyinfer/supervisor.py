@@ -18,6 +18,7 @@ from .config import COLOCATED_GPU_MEMORY_UTILIZATION, ServeConfig
 from .devices import platform_engine_args
 from .engine import EXTENSION_PATH
 from .engine.output import read_tail
+from .engine_calls import engine_client
 from .errors import ApiError, json_response
 from .state import EngineRecord, EngineRegistry, Lifecycle, OrderingError
 
@@ -116,7 +117,7 @@ class EngineProcess:
                     f"during start-up; its last output:\n{tail}"
                 )
             if os.path.exists(self.record.socket_path):
-                client = _engine_client(self.record.socket_path)
+                client = engine_client(self.record.socket_path)
                 try:
                     async with client.get(
                         "/info", timeout=aiohttp.ClientTimeout(total=self.config.engine_probe_timeout_s)
@@ -159,17 +160,6 @@ class EngineProcess:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, signal.SIGKILL)
         await self.proc.wait()
-
-
-def _engine_client(socket_path: str) -> aiohttp.ClientSession:
-    # No connection cap: the front may hold thousands of requests on one engine.
-    connector = aiohttp.UnixConnector(path=socket_path, limit=0)
-    return aiohttp.ClientSession(
-        base_url="http://engine",
-        connector=connector,
-        timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
-        auto_decompress=False,
-    )
 
 
 async def _close_client(record: EngineRecord) -> None:

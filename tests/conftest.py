@@ -14,7 +14,7 @@ import pytest
 
 from skyinfer.demo_model import build_demo_model
 
-from support import keyed_one_engine, restore_checkpoint, running, two_float32_engines
+from support import FRONT_WORKERS, WORKERS_ARGS, keyed_one_engine, restore_checkpoint, running, two_float32_engines
 
 
 def pytest_addoption(parser) -> None:
@@ -38,17 +38,44 @@ def demo_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def server(request, demo_model, tmp_path_factory):
+def server(one_front_server):
+    return one_front_server
+
+
+@pytest.fixture(scope="session")
+def one_front_server(request, demo_model, tmp_path_factory):
     """One skyinfer server with two real vLLM engines, shared by the session.
 
     When the session needs the keyed server too, it is launched at the same
     time: an engine starts one process after another, so a third engine
     starting beside two costs little more than the two.
     """
-    if any("keyed_server" in item.fixturenames for item in request.session.items):
+    items = request.session.items
+    if any("keyed_server" in item.fixturenames for item in items):
         request.getfixturevalue("_keyed_process")
+    if any(f"[{FRONT_WORKERS}" in item.name for item in items):
+        request.getfixturevalue("_workers_process")
+        if any("keyed_server" in item.fixturenames and f"[{FRONT_WORKERS}" in item.name for item in items):
+            request.getfixturevalue("_keyed_workers_process")
     with running(two_float32_engines(demo_model, tmp_path_factory.mktemp("logs") / "server.log")) as srv:
         yield srv
+
+
+def _launched(srv):
+    """A server process for a session fixture: launched (ready or not), stopped at the end."""
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="session")
+def _workers_process(demo_model, tmp_path_factory):
+    """The shared server's twin behind two front workers: what the modules that run both ways use
+    the second time."""
+    yield from _launched(
+        two_float32_engines(demo_model, tmp_path_factory.mktemp("workers") / "server.log", *WORKERS_ARGS)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -61,12 +88,7 @@ def restores_checkpoint(server):
 
 @pytest.fixture(scope="session")
 def _keyed_process(demo_model, tmp_path_factory):
-    """The keyed server, launched (ready or not)."""
-    srv = keyed_one_engine(demo_model, tmp_path_factory.mktemp("keyed") / "server.log")
-    try:
-        yield srv
-    finally:
-        srv.stop()
+    yield from _launched(keyed_one_engine(demo_model, tmp_path_factory.mktemp("keyed") / "server.log"))
 
 
 @pytest.fixture(scope="session")
@@ -74,6 +96,14 @@ def keyed_server(_keyed_process):
     """One engine behind API and admin keys, shared by the security and load tests."""
     _keyed_process.wait_ready()
     return _keyed_process
+
+
+@pytest.fixture(scope="session")
+def _keyed_workers_process(demo_model, tmp_path_factory):
+    """The keyed server behind two front workers (the load tests' second way)."""
+    yield from _launched(
+        keyed_one_engine(demo_model, tmp_path_factory.mktemp("keyed-workers") / "server.log", *WORKERS_ARGS)
+    )
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from skyinfer.app import create_app
@@ -122,7 +123,7 @@ class ServerProcess(ChildProcess):
 MAX_LOGPROBS = 100
 
 
-def two_float32_engines(model: Path, log_path: Path) -> ServerProcess:
+def two_float32_engines(model: Path, log_path: Path, *more_args: str) -> ServerProcess:
     """The shared server's kind: two engines in float32, so that greedy tokens
     compared across batch shapes do not flip on bf16 rounding."""
     return ServerProcess(
@@ -130,6 +131,7 @@ def two_float32_engines(model: Path, log_path: Path) -> ServerProcess:
         engines=2,
         log_path=log_path,
         extra_args=(
+            *more_args,
             "--allow-collective-rpc",
             COLLECTIVE_RPC_ALLOWED,
             "--dtype",
@@ -162,7 +164,7 @@ def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
-def keyed_one_engine(model: Path, log_path: Path) -> ServerProcess:
+def keyed_one_engine(model: Path, log_path: Path, *more_args: str) -> ServerProcess:
     """One engine behind keys and a 1 MiB body limit: the security tests' server, and the
     load tests' (every one of their requests passes the key check)."""
     return ServerProcess(
@@ -170,8 +172,28 @@ def keyed_one_engine(model: Path, log_path: Path) -> ServerProcess:
         engines=1,
         log_path=log_path,
         admin_key=ADMIN_KEY,
-        extra_args=("--api-key", API_KEY, "--admin-key", ADMIN_KEY, "--max-request-mb", "1"),
+        extra_args=("--api-key", API_KEY, "--admin-key", ADMIN_KEY, "--max-request-mb", "1", *more_args),
     )
+
+
+# The two ways the front runs, as test ids: one process, or a control process and two front
+# workers. The data-plane, session, retry, pause and load modules run both ways.
+ONE_FRONT, FRONT_WORKERS = "one-front", "front-workers"
+FRONTS = (ONE_FRONT, FRONT_WORKERS)
+WORKERS_ARGS = ("--front-workers", "2")
+
+
+def both_fronts(one_front: str, front_workers: str):
+    """A module's server fixture run both ways: the tests of the module run against the session's
+    server named ``one_front``, then against its twin behind front workers, ``front_workers``."""
+
+    @pytest.fixture(scope="module", params=FRONTS)
+    def server(request) -> ServerProcess:
+        srv = request.getfixturevalue(one_front if request.param == ONE_FRONT else front_workers)
+        srv.wait_ready()
+        return srv
+
+    return server
 
 
 @contextlib.contextmanager

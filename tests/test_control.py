@@ -8,7 +8,10 @@ import json
 import httpx
 import pytest
 
-from support import admit_while_paused, engine_of, restore_fleet, total_unfinished, wait_unfinished
+from support import admit_while_paused, both_fronts, engine_of, restore_fleet, total_unfinished, wait_unfinished
+
+# Against one front process, then against front workers.
+server = both_fronts("one_front_server", "_workers_process")
 
 
 @pytest.fixture

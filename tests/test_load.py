@@ -18,7 +18,11 @@ import openai
 import orjson
 import pytest
 
-from support import API_KEY, bearer, scrape, total
+from support import API_KEY, bearer, both_fronts, scrape, total
+
+# Against one front process, then against front workers.
+keyed_server = both_fronts("_keyed_process", "_keyed_workers_process")
+
 
 MAX_TOKENS = 4
 N_PLAIN, N_STREAM = 2000, 500

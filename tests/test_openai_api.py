@@ -8,7 +8,11 @@ import httpx
 import openai
 import pytest
 
-from support import engine_of
+from support import both_fronts, engine_of
+
+# Against one front process, then against front workers.
+server = both_fronts("one_front_server", "_workers_process")
+
 
 MAX_TOKENS = 16
 

@@ -7,7 +7,10 @@ import collections
 
 import httpx
 
-from support import engine_of
+from support import both_fronts, engine_of
+
+# Against one front process, then against front workers.
+server = both_fronts("one_front_server", "_workers_process")
 
 
 def complete(server, model: str, headers=None, **body) -> httpx.Response:

@@ -25,7 +25,10 @@ import pytest
 
 from pushes import assert_engines_match, modified_weights, run_trainer, save, start_trainer
 from support import (
+    FRONTS,
+    ONE_FRONT,
     TRAINER,
+    WORKERS_ARGS,
     ServerProcess,
     admit_while_paused,
     engine_of,
@@ -41,13 +44,13 @@ HOLD_S = 180
 UP = {"ready", "stale", "paused", "sleeping", "receiving"}
 
 
-@pytest.fixture(scope="module")
-def crash_server(demo_model, tmp_path_factory):
-    srv = ServerProcess(
+def crash_process(demo_model, log_path, *more_args: str) -> ServerProcess:
+    return ServerProcess(
         demo_model,
         engines=2,
-        log_path=tmp_path_factory.mktemp("crash") / "server.log",
+        log_path=log_path,
         extra_args=(
+            *more_args,
             "--dtype",
             "float32",
             "--health-interval",
@@ -64,7 +67,11 @@ def crash_server(demo_model, tmp_path_factory):
         ),
         env={"VLLM_LOGGING_LEVEL": "DEBUG"},
     )
-    with running(srv):
+
+
+@pytest.fixture(scope="module")
+def crash_server(demo_model, tmp_path_factory):
+    with running(crash_process(demo_model, tmp_path_factory.mktemp("crash") / "server.log")) as srv:
         yield srv
 
 
@@ -108,7 +115,17 @@ async def _stream_past_first_token(http: httpx.AsyncClient, body: dict) -> tuple
 
 
 # First: engine 1 dies; the next test kills it again as it comes back.
-async def test_requests_on_a_killed_engine_are_answered_by_the_other(crash_server):
+@pytest.mark.parametrize("front", FRONTS)
+async def test_requests_on_a_killed_engine_are_answered_by_the_other(front, crash_server, demo_model, tmp_path):
+    """Against one front process, and against front workers (a server of its own, stopped after)."""
+    if front == ONE_FRONT:
+        await _requests_on_a_killed_engine_are_answered_by_the_other(crash_server)
+        return
+    with running(crash_process(demo_model, tmp_path / "server.log", *WORKERS_ARGS)) as srv:
+        await _requests_on_a_killed_engine_are_answered_by_the_other(srv)
+
+
+async def _requests_on_a_killed_engine_are_answered_by_the_other(crash_server):
     """32 requests over both engines (token route and chat) and 4 chat streams that have sent
     tokens, then SIGKILL of engine 1's EngineCore while they run: every request is answered 200 in
     full, those engine 1 held by engine 0, saying so; engine 1's streams end with an error event,

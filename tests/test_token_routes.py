@@ -5,7 +5,10 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from support import engine_of
+from support import both_fronts, engine_of
+
+# Against one front process, then against front workers.
+server = both_fronts("one_front_server", "_workers_process")
 
 
 def post(server, path: str, body: dict, **kw) -> httpx.Response:

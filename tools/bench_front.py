@@ -12,7 +12,7 @@ Per round and target (targets in alternating order), a load generator in its own
   one stream are spaced as a GPU spaces them): the middle's CPU per relayed event;
 * ``flood``: the same streams with no spacing at ``--flood-concurrency``: the highest events/s.
 
-The middle's CPU is read from its process (psutil: user + system, all threads, not its children);
+The middle's CPU is read from its processes (psutil: user + system, all threads; a front's workers, not its engines);
 latency added is the target's median (p99) latency less the direct one's in the same round.
 
     .venv/bin/python tools/bench_front.py --rounds 3
@@ -136,6 +136,7 @@ def front_main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="bench_front.py front")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--engines", type=int, required=True)
+    parser.add_argument("--front-workers", type=int, default=1)
     args, extra = parser.parse_known_args(argv)
     import logging
 
@@ -149,6 +150,7 @@ def front_main(argv: list[str]) -> None:
         model=MODEL,
         engines=args.engines,
         port=args.port,
+        front_workers=args.front_workers,
         device="cpu",
         engine_command=(sys.executable, str(TOOLS / "fake_engine.py")),
         engine_args=tuple(extra),
@@ -163,7 +165,7 @@ def _self(*argv: str) -> list[str]:
 class Targets:
     """The fake engines on TCP, vllm-router over them, and skyinfer over its own fake engines."""
 
-    def __init__(self, engines: int) -> None:
+    def __init__(self, engines: int, front_workers: list[int]) -> None:
         env = dict(os.environ)
         self.engine_urls, self.procs = [], []
         for i in range(engines):
@@ -172,35 +174,40 @@ class Targets:
             self.engine_urls.append(f"http://127.0.0.1:{port}")
         asyncio.run(wait_servers([(url, proc) for url, proc in zip(self.engine_urls, self.procs)]))
         self.router, self.router_url = start_vllm_router(self.engine_urls, "bench-front-router.log", "round_robin")
-        front_port = free_port()
-        self.front = spawn_logged(
-            _self("front", "--port", str(front_port), "--engines", str(engines)), env, "bench-front-skyinfer.log"
-        )
-        self.front_url = f"http://127.0.0.1:{front_port}"
-        asyncio.run(wait_servers([(self.router_url, self.router), (self.front_url, self.front)], path="/v1/models"))
-        asyncio.run(wait_servers([(self.front_url, self.front)], path="/ready"))
-        self.procs += [self.router, self.front]
+        # skyinfer with each number of front workers asked for: name -> (url, process).
+        self.fronts: dict[str, tuple[str, subprocess.Popen]] = {}
+        for workers in front_workers:
+            name = "skyinfer" if workers == 1 else f"skyinfer-w{workers}"
+            port = free_port()
+            argv = _self("front", "--port", str(port), "--engines", str(engines), "--front-workers", str(workers))
+            self.fronts[name] = (f"http://127.0.0.1:{port}", spawn_logged(argv, env, f"bench-front-{name}.log"))
+        servers = [(self.router_url, self.router), *self.fronts.values()]
+        asyncio.run(wait_servers(servers, path="/v1/models"))
+        asyncio.run(wait_servers(list(self.fronts.values()), path="/ready"))
+        self.procs += [self.router, *(proc for _, proc in self.fronts.values())]
 
-    def by_name(self) -> dict[str, tuple[list[str], psutil.Process | None]]:
-        return {
-            "direct": (self.engine_urls, None),
-            "vllm-router": ([self.router_url], psutil.Process(self.router.pid)),
-            "skyinfer": ([self.front_url], psutil.Process(self.front.pid)),
+    def by_name(self) -> dict[str, tuple[list[str], list[psutil.Process]]]:
+        """Each target's URLs and its middle's processes (a front's: itself and its front workers)."""
+        targets = {
+            "direct": (self.engine_urls, []),
+            "vllm-router": ([self.router_url], [psutil.Process(self.router.pid)]),
         }
+        for name, (url, proc) in self.fronts.items():
+            front = psutil.Process(proc.pid)
+            workers = [c for c in front.children() if "skyinfer.front_workers.worker" in c.cmdline()]
+            targets[name] = ([url], [front, *workers])
+        return targets
 
     def stop(self) -> None:
         for proc in reversed(self.procs):
             stop(proc)
 
 
-def _cpu_s(process: psutil.Process | None) -> float:
-    if process is None:
-        return 0.0
-    times = process.cpu_times()
-    return times.user + times.system
+def _cpu_s(processes: list[psutil.Process]) -> float:
+    return sum(times.user + times.system for times in (p.cpu_times() for p in processes))
 
 
-def run_phase(urls: list[str], middle: psutil.Process | None, phase: str, concurrency: int, requests: int,
+def run_phase(urls: list[str], middle: list[psutil.Process], phase: str, concurrency: int, requests: int,
               max_tokens: int) -> dict:  # fmt: skip
     before = _cpu_s(middle)
     cmd = _self("load", "--phase", phase, "--concurrency", str(concurrency), "--requests", str(requests),
@@ -262,6 +269,9 @@ def main() -> None:
     parser.add_argument("--tokens-per-s", type=float, default=100, help="each stream's pace in the stream phase")
     parser.add_argument("--flood-concurrency", type=int, default=256)
     parser.add_argument("--only", choices=("plain", "stream", "flood"), action="append")
+    parser.add_argument(
+        "--front-workers", type=int, action="append", help="skyinfer with N front workers (repeatable; default 1)"
+    )
     args = parser.parse_args()
     phases = args.only or ["plain", "stream", "flood"]
     # Per phase: clients at once, requests per round, tokens per request.
@@ -275,7 +285,7 @@ def main() -> None:
     for phase in phases:
         pace = args.tokens_per_s if phase == "stream" else 0
         os.environ["FAKE_ENGINE_SCRIPT"] = json.dumps({"tokens_per_s": pace})
-        targets = Targets(args.engines)
+        targets = Targets(args.engines, args.front_workers or [1])
         try:
             names = list(targets.by_name().items())
             for round_no in range(args.rounds):

@@ -1,0 +1,167 @@
+"""Front workers (``--front-workers 2``) as processes: what each process's death costs, and what the
+control process keeps exact for them. Over fake engines (tools/fake_engine.py, started as real
+processes by the real service), so that kills and restarts take a second; the data-plane, session,
+pause, load and retry modules run against real engines behind front workers as well.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from support import ChildProcess, free_port, scrape, total
+
+BENCH_FRONT = str(Path(__file__).resolve().parent.parent / "tools" / "bench_front.py")
+MODEL = "bench-front-model"  # what bench_front's fake engines serve
+
+
+class FakeFleet(ChildProcess):
+    """``skyinfer serve`` over two fake engines, behind two front workers."""
+
+    def __init__(self, log_path: Path, tokens_per_s: float = 0):
+        port = free_port()
+        argv = [sys.executable, BENCH_FRONT, "front", "--port", str(port), "--engines", "2", "--front-workers", "2"]
+        super().__init__(argv, log_path, port, env={"FAKE_ENGINE_SCRIPT": json.dumps({"tokens_per_s": tokens_per_s})})
+
+    def workers(self) -> list[psutil.Process]:
+        return [c for c in psutil.Process(self.proc.pid).children() if "skyinfer.front_workers.worker" in c.cmdline()]
+
+    def engines(self) -> list[dict]:
+        return httpx.get(f"{self.url}/engines", timeout=10).json()["engines"]
+
+
+@pytest.fixture
+def fleet(tmp_path):
+    # Streams of 100 tokens take 2 s: long enough to kill a worker under them.
+    srv = FakeFleet(tmp_path / "server.log", tokens_per_s=50)
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+def _cpu_s(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return times.user + times.system
+
+
+def _completion(i: int) -> dict:
+    return {"model": MODEL, "prompt": f"request {i}", "max_tokens": 4}
+
+
+async def test_both_workers_answer_and_metrics_count_every_request(fleet):
+    """Requests on new connections are spread over both workers (each spends CPU on them), and
+    ``/metrics`` counts every one of them, summed over the workers."""
+    workers = fleet.workers()
+    assert len(workers) == 2
+    before = [_cpu_s(w) for w in workers]
+    n = 200
+    for i in range(n):
+        # A connection per request: the kernel hands each to one of the workers.
+        r = httpx.post(f"{fleet.url}/v1/completions", json=_completion(i), timeout=30)
+        assert r.status_code == 200, r.text
+    spent = [_cpu_s(w) - b for w, b in zip(workers, before)]
+    assert all(s > 0.02 for s in spent), spent
+    families = scrape(fleet)
+    answered = sum(
+        total(families, "skyinfer_requests", "skyinfer_requests_total", route="/v1/completions", engine=e, status="200")
+        for e in ("0", "1")
+    )
+    assert answered == n
+    latency = total(
+        families,
+        "skyinfer_request_duration_seconds",
+        "skyinfer_request_duration_seconds_count",
+        route="/v1/completions",
+    )
+    assert latency == n
+
+
+async def _stream(http: httpx.AsyncClient, i: int) -> tuple[str, int]:
+    """A chat stream of 100 tokens on a connection of its own: how it ended, and its token events."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": f"stream {i}"}], "max_tokens": 100, "stream": True}
+    events = 0
+    try:
+        async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                events += line.startswith('data: {"id"')
+                if line == "data: [DONE]":
+                    return "done", events
+    except httpx.TransportError:
+        return "cut", events
+    return "ended without [DONE]", events
+
+
+def _client_ports(worker: psutil.Process, port: int) -> set[int]:
+    """The callers' ports of the connections a worker holds on the service's port."""
+    return {c.raddr.port for c in worker.net_connections(kind="tcp") if c.laddr.port == port and c.raddr}
+
+
+async def test_a_killed_worker_costs_only_its_own_connections_and_is_replaced(fleet):
+    """SIGKILL of a worker holding streams: exactly its streams are cut, the other worker's finish,
+    the engine connections it held go back (nothing left in flight), a new worker takes its place
+    within seconds, and every request after the kill is answered."""
+    limits = httpx.Limits(max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=fleet.url, timeout=60, limits=limits) as http:
+        streams = [asyncio.create_task(_stream(http, i)) for i in range(12)]
+        await asyncio.sleep(1.0)  # every stream has begun
+        workers = fleet.workers()
+        held = {w.pid: _client_ports(w, fleet.port) for w in workers}
+        victim = max(workers, key=lambda w: len(held[w.pid]))
+        assert sum(len(ports) for ports in held.values()) == 12 and held[victim.pid], held
+        assert sum(e["in_flight"] for e in fleet.engines()) == 12
+        victim.send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        ended = await asyncio.wait_for(asyncio.gather(*streams), timeout=30)
+        cut = [e for e in ended if e[0] == "cut"]
+        assert len(cut) == len(held[victim.pid]), ended
+        assert all(e == ("done", 100) for e in ended if e[0] != "cut"), ended
+        # Requests keep being answered, by the worker left and then by the new one too.
+        after = await asyncio.gather(*(http.post("/v1/completions", json=_completion(i)) for i in range(20)))
+        assert all(r.status_code == 200 for r in after), [r.text for r in after if r.status_code != 200]
+    deadline = time.monotonic() + 15
+    while not (len(now := fleet.workers()) == 2 and victim.pid not in {w.pid for w in now}):
+        assert time.monotonic() < deadline, now
+        await asyncio.sleep(0.2)
+    assert sum(e["in_flight"] for e in fleet.engines()) == 0
+    print(f"\nFAULT front worker SIGKILL: replaced {time.monotonic() - killed_at:.1f}s after")
+
+
+async def test_requests_are_held_through_workers_while_no_engine_serves(fleet):
+    """Both engines killed: requests sent through the workers meanwhile wait in the control
+    process's hold, and are answered once the engines are back."""
+    pids = [e["pid"] for e in fleet.engines()]
+    for pid in pids:
+        psutil.Process(pid).send_signal(signal.SIGKILL)
+    limits = httpx.Limits(max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=fleet.url, timeout=60, limits=limits) as http:
+        deadline = time.monotonic() + 10
+        while any(e["state"] == "ready" for e in fleet.engines()):
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        answers = await asyncio.gather(*(http.post("/v1/completions", json=_completion(i)) for i in range(16)))
+    assert all(r.status_code == 200 for r in answers), [r.text for r in answers if r.status_code != 200]
+    assert {e["pid"] for e in fleet.engines()}.isdisjoint(pids)
+
+
+async def test_a_killed_control_process_takes_its_workers_and_engines_with_it(fleet):
+    """SIGKILL of the control process: its workers see their channel close and exit, the engines
+    their lifeline, and the port is free again."""
+    tree = psutil.Process(fleet.proc.pid).children(recursive=True)
+    assert len([p for p in tree if p in fleet.workers()]) == 2
+    fleet.proc.kill()
+    killed_at = time.monotonic()
+    _, alive = psutil.wait_procs(tree, timeout=10)
+    assert not alive, [(p.pid, p.cmdline()) for p in alive]
+    print(f"\nFAULT control process SIGKILL: every worker and engine gone {time.monotonic() - killed_at:.1f}s after")
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{fleet.url}/health", timeout=5)
