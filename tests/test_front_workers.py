@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import aiohttp
 import httpx
 import psutil
 import pytest
@@ -165,3 +166,42 @@ async def test_a_killed_control_process_takes_its_workers_and_engines_with_it(fl
     print(f"\nFAULT control process SIGKILL: every worker and engine gone {time.monotonic() - killed_at:.1f}s after")
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{fleet.url}/health", timeout=5)
+
+
+async def test_sigterm_lets_the_workers_finish_their_streams_then_stops_everything(fleet):
+    """SIGTERM of the control process with streams in flight on both workers: the workers stop
+    accepting, every stream finishes in full, and every process exits (the front with 0)."""
+    tree = psutil.Process(fleet.proc.pid).children(recursive=True)
+    limits = httpx.Limits(max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=fleet.url, timeout=60, limits=limits) as http:
+        streams = [asyncio.create_task(_stream(http, i)) for i in range(8)]
+        await asyncio.sleep(0.5)
+        assert sum(e["in_flight"] for e in fleet.engines()) == 8
+        fleet.proc.send_signal(signal.SIGTERM)
+        ended = await asyncio.wait_for(asyncio.gather(*streams), timeout=30)
+    assert ended == [("done", 100)] * 8
+    assert await asyncio.to_thread(fleet.proc.wait, 30) == 0
+    _, alive = psutil.wait_procs(tree, timeout=10)
+    assert not alive, [(p.pid, p.cmdline()) for p in alive]
+
+
+async def test_what_a_worker_does_not_answer_is_passed_on_to_the_control_process(fleet):
+    """Admin calls, a session's end, engine views and unknown paths reach the control process as
+    they came (an ``Expect: 100-continue`` answered by the worker, not passed on); their answers
+    come back unchanged."""
+    async with aiohttp.ClientSession(fleet.url) as http:
+        async with http.post("/pause", params={"mode": "keep"}, json={}, expect100=True) as r:
+            assert r.status == 200, await r.text()
+            assert [e["result"]["status"] for e in (await r.json())["engines"]] == ["paused", "paused"]
+        assert [e["state"] for e in fleet.engines()] == ["paused", "paused"]
+        async with http.post("/resume") as r:
+            assert r.status == 200
+        async with http.post("/v1/completions", json=_completion(0), headers={"X-Session-ID": "s-1"}) as r:
+            engine = int(r.headers["X-Skyinfer-Engine"])
+        async with http.post("/finish_session", json={"session_id": "s-1"}) as r:
+            assert (await r.json()) == {"status": "finished", "session_id": "s-1", "engine": engine}
+        async with http.post("/pause", params={"mode": "sideways"}) as r:
+            assert r.status == 400 and (await r.json())["error"]["param"] == "mode"
+        async with http.get("/no/such/route") as r:
+            assert r.status == 404 and (await r.json())["error"]["type"] == "NotFoundError"
+    assert [e["state"] for e in fleet.engines()] == ["ready", "ready"]

@@ -268,6 +268,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens (events) per stream")
     parser.add_argument("--tokens-per-s", type=float, default=100, help="each stream's pace in the stream phase")
     parser.add_argument("--flood-concurrency", type=int, default=256)
+    parser.add_argument(
+        "--flood-streams", type=int, default=4000, help="streamed requests per round (flood phase: seconds of load)"
+    )
     parser.add_argument("--only", choices=("plain", "stream", "flood"), action="append")
     parser.add_argument(
         "--front-workers", type=int, action="append", help="skyinfer with N front workers (repeatable; default 1)"
@@ -278,7 +281,7 @@ def main() -> None:
     loads = {
         "plain": (args.concurrency, args.requests, 16),
         "stream": (args.concurrency, args.streams, args.max_tokens),
-        "flood": (args.flood_concurrency, args.streams, args.max_tokens),
+        "flood": (args.flood_concurrency, args.flood_streams, args.max_tokens),
     }
     results: dict[str, dict[str, list[dict]]] = {}
     # Each phase needs its own pace in the fake engines: one set of servers per pace.

@@ -251,7 +251,11 @@ class RemoteLeases(_Lines):
     async def connect(cls, socket_path: str, hold_requests_s: float, metrics_text: Callable[[], str]) -> RemoteLeases:
         loop = asyncio.get_running_loop()
         _, leases = await loop.create_unix_connection(lambda: cls(hold_requests_s, metrics_text), socket_path)
-        await leases._engines_known.wait()
+        known = asyncio.ensure_future(leases._engines_known.wait())
+        await asyncio.wait({known, leases.closed}, return_when=asyncio.FIRST_COMPLETED)
+        if not known.done():
+            known.cancel()
+            raise ConnectionError("the front's control process closed the channel before it said what its engines are")
         return leases
 
     def connection_lost(self, exc) -> None:

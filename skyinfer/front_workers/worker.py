@@ -37,8 +37,10 @@ log = logging.getLogger("skyinfer.front_workers")
 PASSED_ON = "/{path:.*}"
 _PASSED_ON_CANONICAL = web.DynamicResource(PASSED_ON).canonical
 CONTROL = web.AppKey("control", aiohttp.ClientSession)
-# Hop-by-hop headers, and what aiohttp sets again on the answer it writes.
-_NOT_PASSED = frozenset({"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade"})
+# Hop-by-hop headers, what aiohttp sets again on the answer it writes, and Expect (the worker answered it).
+_NOT_PASSED = frozenset(
+    {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade", "expect"}
+)
 
 
 @attrs.frozen
@@ -112,7 +114,11 @@ def create_worker_app(
 
 async def serve(index: int, listen_fd: int, control_socket: str, leases_socket: str, settings: WorkerSettings) -> int:
     metrics = RequestMetrics()
-    leases = await RemoteLeases.connect(leases_socket, settings.hold_requests_s, metrics.text)
+    try:
+        leases = await RemoteLeases.connect(leases_socket, settings.hold_requests_s, metrics.text)
+    except OSError as exc:
+        log.error("front worker %d: no channel to the control process (%r); exiting", index, exc)
+        return 1
     app = create_worker_app(settings, leases, metrics, control_socket)
     runner = OpenAIErrorsAppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
     await runner.setup()
