@@ -14,7 +14,15 @@ import pytest
 
 from skyinfer.demo_model import build_demo_model
 
-from support import FRONT_WORKERS, WORKERS_ARGS, keyed_one_engine, restore_checkpoint, running, two_float32_engines
+from support import (
+    FRONT_WORKERS,
+    WORKERS_ARGS,
+    keyed_one_engine,
+    launched,
+    restore_checkpoint,
+    running,
+    two_float32_engines,
+)
 
 
 def pytest_addoption(parser) -> None:
@@ -61,19 +69,11 @@ def one_front_server(request, demo_model, tmp_path_factory):
         yield srv
 
 
-def _launched(srv):
-    """A server process for a session fixture: launched (ready or not), stopped at the end."""
-    try:
-        yield srv
-    finally:
-        srv.stop()
-
-
 @pytest.fixture(scope="session")
 def _workers_process(demo_model, tmp_path_factory):
     """The shared server's twin behind two front workers: what the modules that run both ways use
     the second time."""
-    yield from _launched(
+    yield from launched(
         two_float32_engines(demo_model, tmp_path_factory.mktemp("workers") / "server.log", *WORKERS_ARGS)
     )
 
@@ -88,7 +88,7 @@ def restores_checkpoint(server):
 
 @pytest.fixture(scope="session")
 def _keyed_process(demo_model, tmp_path_factory):
-    yield from _launched(keyed_one_engine(demo_model, tmp_path_factory.mktemp("keyed") / "server.log"))
+    yield from launched(keyed_one_engine(demo_model, tmp_path_factory.mktemp("keyed") / "server.log"))
 
 
 @pytest.fixture(scope="session")
@@ -101,7 +101,7 @@ def keyed_server(_keyed_process):
 @pytest.fixture(scope="session")
 def _keyed_workers_process(demo_model, tmp_path_factory):
     """The keyed server behind two front workers (the load tests' second way)."""
-    yield from _launched(
+    yield from launched(
         keyed_one_engine(demo_model, tmp_path_factory.mktemp("keyed-workers") / "server.log", *WORKERS_ARGS)
     )
 

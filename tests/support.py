@@ -196,6 +196,14 @@ def both_fronts(one_front: str, front_workers: str):
     return server
 
 
+def launched(srv: ChildProcess):
+    """For fixtures: a server launched (ready or not), stopped at the end."""
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
 @contextlib.contextmanager
 def running(*children: ChildProcess):
     """For fixtures: the children, ready; stopped afterwards however the tests went.

@@ -25,6 +25,7 @@ import pytest
 
 from pushes import assert_engines_match, modified_weights, run_trainer, save, start_trainer
 from support import (
+    FRONT_WORKERS,
     FRONTS,
     ONE_FRONT,
     TRAINER,
@@ -32,6 +33,7 @@ from support import (
     ServerProcess,
     admit_while_paused,
     engine_of,
+    launched,
     process_tree,
     running,
     scrape,
@@ -70,9 +72,20 @@ def crash_process(demo_model, log_path, *more_args: str) -> ServerProcess:
 
 
 @pytest.fixture(scope="module")
-def crash_server(demo_model, tmp_path_factory):
+def crash_server(request, demo_model, tmp_path_factory):
+    if any(f"[{FRONT_WORKERS}]" in item.name for item in request.session.items if item.module is request.module):
+        # Its twin behind front workers starts beside it (one engine process after another: two
+        # servers starting together are ready in about the time of one).
+        request.getfixturevalue("_crash_workers_process")
     with running(crash_process(demo_model, tmp_path_factory.mktemp("crash") / "server.log")) as srv:
         yield srv
+
+
+@pytest.fixture(scope="module")
+def _crash_workers_process(demo_model, tmp_path_factory):
+    yield from launched(
+        crash_process(demo_model, tmp_path_factory.mktemp("crash-workers") / "server.log", *WORKERS_ARGS)
+    )
 
 
 def pids(server) -> list[tuple[int, int]]:
@@ -116,12 +129,12 @@ async def _stream_past_first_token(http: httpx.AsyncClient, body: dict) -> tuple
 
 # First: engine 1 dies; the next test kills it again as it comes back.
 @pytest.mark.parametrize("front", FRONTS)
-async def test_requests_on_a_killed_engine_are_answered_by_the_other(front, crash_server, demo_model, tmp_path):
-    """Against one front process, and against front workers (a server of its own, stopped after)."""
+async def test_requests_on_a_killed_engine_are_answered_by_the_other(front, request, crash_server):
+    """Against one front process, and against front workers (the twin server, stopped after)."""
     if front == ONE_FRONT:
         await _requests_on_a_killed_engine_are_answered_by_the_other(crash_server)
         return
-    with running(crash_process(demo_model, tmp_path / "server.log", *WORKERS_ARGS)) as srv:
+    with running(request.getfixturevalue("_crash_workers_process")) as srv:
         await _requests_on_a_killed_engine_are_answered_by_the_other(srv)
 
 
