@@ -333,7 +333,7 @@ class EngineRecord:
     # Process replacements since the service started (crashes, failed transfers).
     restarts: int = 0
     # Called (soon after, once per loop turn) when what front workers mirror of it changes:
-    # its process, lifecycle, weight version or adapters. Set by the front-worker pool.
+    # its process, lifecycle, weight version or adapters. Set by the front workers' lease hub.
     on_change: Callable[[], None] | None = attrs.field(default=None, init=False)
     _connections: asyncio.Semaphore = attrs.field(init=False)
 

@@ -116,7 +116,8 @@ class _WorkerLink(_Lines):
         for task in self.leases.values():
             task.cancel()
         for future in self._metrics.values():
-            future.cancel()
+            if not future.done():
+                future.set_result(None)
 
     def on_message(self, message: dict) -> None:
         op = message["op"]
@@ -154,7 +155,7 @@ class _WorkerLink(_Lines):
         self.send({"op": "metrics", "id": request_id})
         try:
             return await asyncio.wait_for(future, METRICS_TIMEOUT_S)
-        except (asyncio.TimeoutError, asyncio.CancelledError):
+        except asyncio.TimeoutError:
             return None
         finally:
             self._metrics.pop(request_id, None)
