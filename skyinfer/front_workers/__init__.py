@@ -1,0 +1,1 @@
+"""``skyinfer serve --front-workers N``: data-plane processes beside the front (docs/architecture.rst)."""
