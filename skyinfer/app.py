@@ -14,11 +14,11 @@ from .control import CONTROL, ControlPlane, add_control_routes
 from .devices import detect_device_kind, plan_engine_devices
 from .draining import IN_FLIGHT, InFlight
 from .errors import openai_errors_middleware
-from .front_workers.leases import LEASE_HUB, LeaseHub
+from .front_workers.leases import LeaseHub
 from .front_workers.pool import FRONT_WORKERS, FrontWorkers
 from .health import engines_view, health, ready
 from .leasing import LocalLeases
-from .metrics import METRICS, ServiceMetrics, metrics_view
+from .metrics import METRICS, WORKER_METRICS, ServiceMetrics, metrics_view
 from .proxy import DATA_PLANE_GET, DATA_PLANE_POST, GROUP_PREFIX_CHARS, LEASES, REGISTRY, forward
 from .routing import SessionRouter
 from .security import AccessPolicy
@@ -106,7 +106,8 @@ def create_app(config: ServeConfig) -> web.Application:
 
     app.cleanup_ctx.append(engines_ctx)
     if config.front_workers > 1:
-        hub = app[LEASE_HUB] = LeaseHub(registry)
+        hub = LeaseHub(registry)
+        app[WORKER_METRICS] = hub.worker_metrics
         app[FRONT_WORKERS] = FrontWorkers(
             config, os.path.join(socket_dir, "control.sock"), os.path.join(socket_dir, "leases.sock")
         )

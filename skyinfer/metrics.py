@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 import prometheus_client
@@ -20,7 +20,6 @@ from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from .front_workers.leases import LEASE_HUB
 from .proxy import ENGINE_HEADER, REGISTRY
 from .state import EngineRegistry, EngineState, Phase
 
@@ -164,6 +163,8 @@ class ServiceMetrics(RequestMetrics):
 
 
 METRICS = web.AppKey("metrics", ServiceMetrics)
+# Set when front workers answer the data plane: asks each for its request metrics (Prometheus text).
+WORKER_METRICS = web.AppKey("worker_metrics", Callable[[], Awaitable[list[str]]])
 
 
 class _Families:
@@ -268,8 +269,8 @@ def metrics_view(probe_timeout_s: float):
         records = [r for r in request.app[REGISTRY].up() if r.client is not None]
         fetched = await asyncio.gather(*(_engine_metrics(r.engine_id, r.client, probe_timeout_s) for r in records))
         texts = {engine_id: text for engine_id, text in fetched if text is not None}
-        hub = request.app.get(LEASE_HUB)
-        worker_texts = await hub.worker_metrics() if hub is not None else []
+        worker_metrics = request.app.get(WORKER_METRICS)
+        worker_texts = await worker_metrics() if worker_metrics is not None else []
         # Parsing and rendering a few hundred samples per engine: off the event loop.
         body = await asyncio.to_thread(_render, request.app[METRICS], texts, worker_texts)
         return web.Response(body=body, headers={"Content-Type": prometheus_client.CONTENT_TYPE_LATEST})

@@ -24,7 +24,6 @@ from collections.abc import AsyncIterator, Callable, Collection
 import aiohttp
 import attrs
 import orjson
-from aiohttp import web
 
 from ..engine_calls import engine_client
 from ..errors import ApiError
@@ -200,10 +199,6 @@ class LeaseHub:
         """Every worker's request metrics (Prometheus text), asked of each now."""
         texts = await asyncio.gather(*(link.metrics_text() for link in list(self.links)))
         return [t for t in texts if t is not None]
-
-
-# Set when front workers answer the data plane: the control process's end of their channel.
-LEASE_HUB = web.AppKey("lease_hub", LeaseHub)
 
 
 # -- a worker's side ------------------------------------------------------------------------
