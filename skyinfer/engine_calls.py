@@ -33,9 +33,9 @@ class EngineReply:
         return {"engine": self.engine_id, "status": self.status, "error": self.message}
 
 
-def engine_client(socket_path: str) -> aiohttp.ClientSession:
-    """A client over an engine's Unix socket. No connection cap: the front may hold thousands of
-    requests on one engine."""
+def unix_client(socket_path: str) -> aiohttp.ClientSession:
+    """A client over a Unix socket: an engine's, or (for a front worker) the control process's. No
+    connection cap: the front may hold thousands of requests on one engine."""
     connector = aiohttp.UnixConnector(path=socket_path, limit=0)
     return aiohttp.ClientSession(
         base_url="http://engine",

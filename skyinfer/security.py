@@ -71,8 +71,8 @@ class AccessPolicy:
         async def require_key(request: web.Request, handler):
             resource = request.match_info.route.resource
             # Unknown routes fall through to a plain 404.
-            passed_on = resource is None or resource.canonical in checked_elsewhere
-            key = None if passed_on else self.key_for(resource.canonical)
+            unchecked_here = resource is None or resource.canonical in checked_elsewhere
+            key = None if unchecked_here else self.key_for(resource.canonical)
             if key is not None:
                 given = _bearer(request)
                 # compare_digest: the time taken does not tell how much of the key matched.

@@ -18,7 +18,7 @@ from .config import COLOCATED_GPU_MEMORY_UTILIZATION, ServeConfig
 from .devices import platform_engine_args
 from .engine import EXTENSION_PATH
 from .engine.output import read_tail
-from .engine_calls import engine_client
+from .engine_calls import unix_client
 from .errors import ApiError, json_response
 from .state import EngineRecord, EngineRegistry, Lifecycle, OrderingError
 
@@ -117,7 +117,7 @@ class EngineProcess:
                     f"during start-up; its last output:\n{tail}"
                 )
             if os.path.exists(self.record.socket_path):
-                client = engine_client(self.record.socket_path)
+                client = unix_client(self.record.socket_path)
                 try:
                     async with client.get(
                         "/info", timeout=aiohttp.ClientTimeout(total=self.config.engine_probe_timeout_s)

@@ -25,7 +25,7 @@ import aiohttp
 import attrs
 import orjson
 
-from ..engine_calls import engine_client
+from ..engine_calls import unix_client
 from ..errors import ApiError
 from ..leasing import Ask, Grant, NotConnected, lease_engine
 from ..state import EngineBusy, EngineRecord, EngineRegistry, NoEngineAvailable
@@ -222,7 +222,7 @@ class MirroredEngine:
             # A new process: connections kept to the old one are useless.
             if self.client is not None:
                 self._closing = asyncio.ensure_future(self.client.close())
-            self.client = engine_client(self.socket_path) if mirrored["pid"] is not None else None
+            self.client = unix_client(self.socket_path) if mirrored["pid"] is not None else None
             self.pid = mirrored["pid"]
         self.weight_version = mirrored["weight_version"]
         self.adapters = mirrored["adapters"]

@@ -103,7 +103,10 @@ class FrontWorkers:
             await self._spawn(index)
 
     async def stop(self, timeout_s: float) -> None:
-        """SIGTERM: each worker drains its requests within ``timeout_s``; then SIGKILL."""
+        """SIGTERM: each worker drains its requests within ``timeout_s``; then SIGKILL. Once: a
+        later call (the service's last resort on its way out) finds the workers stopped."""
+        if self._stopping:
+            return
         self._stopping = True
         running = [p for p in self.processes.values() if p.returncode is None]
         for process in running:

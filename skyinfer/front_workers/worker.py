@@ -25,6 +25,7 @@ import orjson
 from aiohttp import web
 
 from ..draining import IN_FLIGHT, InFlight, drain
+from ..engine_calls import unix_client
 from ..errors import OpenAIErrorsAppRunner, error_response, openai_errors_middleware
 from ..metrics import RequestMetrics
 from ..proxy import DATA_PLANE_GET, DATA_PLANE_POST, GROUP_PREFIX_CHARS, LEASES, forward
@@ -94,12 +95,7 @@ def create_worker_app(
     app[GROUP_PREFIX_CHARS] = settings.group_prefix_chars
 
     async def control_client(app: web.Application):
-        app[CONTROL] = aiohttp.ClientSession(
-            base_url="http://control",
-            connector=aiohttp.UnixConnector(path=control_socket, limit=0),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
-            auto_decompress=False,
-        )
+        app[CONTROL] = unix_client(control_socket)
         yield
         await app[CONTROL].close()
 
