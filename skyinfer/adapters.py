@@ -30,7 +30,7 @@ from aiohttp import web
 
 from .engine import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
 from .engine_calls import EngineReply, call_engine, failure
-from .errors import ApiError, json_response, parse_json_object
+from .errors import ApiError, admin_json_body, json_response
 from .state import Adapter, EngineRecord, EngineRegistry
 from .transfer.protocol import UpdateMetadata
 from .weights.checkpoint import CheckpointSpec, safetensors_shapes
@@ -176,7 +176,7 @@ class AdapterFleet:
     async def load(self, request: LoadAdapterRequest) -> dict:
         """Load an adapter from a directory on every engine (vLLM's body, plus ``version``), or
         reload it in place; checked against the checkpoint first, rolled back if an engine fails."""
-        async with self.registry.lock:
+        async with self.registry.fleet_change():
             engines = self._targets(request.lora_name, request.load_inplace)
             config, shapes = await asyncio.to_thread(_read_adapter_dir, request.lora_path)
             check_adapter(config, shapes, self._base, self._max_rank(engines))
@@ -191,7 +191,7 @@ class AdapterFleet:
         broadcast), then load it everywhere. A failed receive touches no model weights:
         the fleet keeps what it served, and the trainer's group must be formed again."""
         meta = UpdateMetadata.parse(request.update_info, ("update_info",))
-        async with self.registry.lock:
+        async with self.registry.fleet_change():
             engines = self.sync.transfer_members()
             self._targets(request.lora_name, load_inplace=True)
             shapes = {name: tuple(shape) for name, shape in zip(meta.names, meta.shapes)}
@@ -286,7 +286,7 @@ class AdapterFleet:
 
     async def unload(self, request: UnloadAdapterRequest) -> dict:
         """Take an adapter out of routing, then off every engine."""
-        async with self.registry.lock:
+        async with self.registry.fleet_change():
             # Out of routing first: no request is sent to an adapter on its way out.
             adapter = self.adapters.pop(request.lora_name, None)
             if adapter is None:
@@ -308,9 +308,13 @@ class AdapterFleet:
         return {"status": "unloaded", "lora_name": request.lora_name, "engines": [rep.as_json() for rep in replies]}
 
     async def restore(self, record: EngineRecord) -> None:
-        """A new engine process takes the fleet's adapters before it serves (called with the
-        registry's lock held); one it cannot load is never routed to it."""
-        for name, adapter in self.adapters.items():
+        """An engine process being brought up takes the fleet's adapters, at the fleet's versions,
+        before it serves (bringup.py); one it cannot load is never routed to it."""
+        for name in [name for name in record.adapters if name not in self.adapters]:
+            await self._unload_on(record, name)  # unloaded from the fleet while it was brought up
+        for name, adapter in list(self.adapters.items()):
+            if record.adapters.get(name) == adapter.version:
+                continue
             reply = await self._load_on(record, name, adapter)
             if not reply.ok:
                 log.error("engine %d: restoring adapter %s failed: %s", record.engine_id, name, reply.message)
@@ -322,10 +326,9 @@ ADAPTERS = web.AppKey("adapters", AdapterFleet)
 def _route(request_type, call):
     @takes(request_type)
     async def route(request: web.Request) -> web.Response:
-        raw = await request.read()
-        body = request_type.parse(parse_json_object(raw) if raw else {})
-        # Shielded: a caller that goes away must not leave engines half-changed.
-        return json_response(await asyncio.shield(call(request.app[ADAPTERS], body)))
+        body = request_type.parse(await admin_json_body(request) or {})
+        # A caller that goes away does not leave engines half-changed: admin calls run to their end (abandoning.py).
+        return json_response(await call(request.app[ADAPTERS], body))
 
     route.__doc__ = call.__doc__
     return route

@@ -8,7 +8,9 @@ import tempfile
 
 from aiohttp import web
 
+from . import abandoning
 from .adapters import ADAPTERS, AdapterFleet, add_adapter_routes
+from .bringup import Bringup
 from .config import ServeConfig
 from .control import CONTROL, ControlPlane, add_control_routes
 from .devices import detect_device_kind, plan_engine_devices
@@ -21,7 +23,7 @@ from .leasing import LocalLeases
 from .metrics import METRICS, WORKER_METRICS, ServiceMetrics, metrics_view
 from .proxy import DATA_PLANE_GET, DATA_PLANE_POST, GROUP_PREFIX_CHARS, LEASES, REGISTRY, forward
 from .routing import SessionRouter
-from .security import AccessPolicy
+from .security import DATA_PLANE_PATHS, AccessPolicy
 from .sessions import FINISH_SESSION_PATH, finish_session
 from .state import EngineRecord, EngineRegistry
 from .supervisor import SUPERVISOR, Supervisor, add_supervisor_routes
@@ -61,8 +63,15 @@ def create_app(config: ServeConfig) -> web.Application:
     access = AccessPolicy(config.api_key, config.admin_key)
     in_flight = InFlight()
     app = web.Application(
-        # Outermost first: metrics see the final status of every answer, 401s included.
-        middlewares=[metrics.middleware(), in_flight.middleware(), openai_errors_middleware, access.middleware()],
+        # Outermost first: metrics see the final status of every answer, 401s included; an admin
+        # call, once accepted, runs to its end (errors answered inside it) if its caller leaves.
+        middlewares=[
+            metrics.middleware(),
+            in_flight.middleware(),
+            abandoning.middleware(DATA_PLANE_PATHS),
+            openai_errors_middleware,
+            access.middleware(),
+        ],
         client_max_size=config.max_request_bytes,
     )
     app[IN_FLIGHT] = in_flight
@@ -80,7 +89,14 @@ def create_app(config: ServeConfig) -> web.Application:
         config.allow_pickled_ipc,
     )
     app[WEIGHT_SYNC] = WeightSync(
-        registry, transport, config.model, config.weight_transfer_timeout_s, supervisor.restart_in_background, metrics
+        registry,
+        transport,
+        config.model,
+        config.weight_transfer_timeout_s,
+        supervisor,
+        app[CONTROL],
+        metrics,
+        config.max_push_failures,
     )
     adapter_dir = config.adapter_dir or tempfile.mkdtemp(prefix="skyinfer-adapters-")
     app[ADAPTERS] = AdapterFleet(
@@ -91,8 +107,7 @@ def create_app(config: ServeConfig) -> web.Application:
         config.weight_transfer_timeout_s,
         supervisor.restart_in_background,
     )
-    # A new engine process takes the fleet's state, adapters and weight transfer before it serves.
-    supervisor.before_serving = [app[CONTROL].bring_to_intent, app[ADAPTERS].restore, app[WEIGHT_SYNC].rejoin]
+    supervisor.bring_up = Bringup(registry, app[CONTROL], app[ADAPTERS], app[WEIGHT_SYNC]).bring
 
     async def engines_ctx(_app: web.Application):
         supervisor.start()

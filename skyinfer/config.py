@@ -12,7 +12,7 @@ import sys
 import attrs
 
 from .devices import given
-from .security import check_bind, is_loopback
+from .security import check_bind
 
 CLI = "skyinfer.cli"
 # What a colocated engine takes of its GPUs' memory, unless told otherwise: the rest is the trainer's.
@@ -104,6 +104,13 @@ class ServeConfig:
         "retired: out of the fleet until POST /engines/{id}/restart",
         metavar="N",
         validator=attrs.validators.ge(0),
+    )
+    max_push_failures: int = _option(
+        3,
+        "an engine that stays up but fails N weight pushes in a row by itself (the other engines did their "
+        "part) is retired: out of the fleet, which trains on, until POST /engines/{id}/restart",
+        metavar="N",
+        validator=_at_least_one,
     )
     # Per-call timeout for the front's short calls to an engine (status views, start-up polling).
     engine_probe_timeout_s: float = 5.0
@@ -222,7 +229,7 @@ class ServeConfig:
         False,
         "take vLLM's own IPC trainer's updates, whose CUDA IPC handles come pickled (ipc_handles_pickled); "
         "the engines then unpickle what an admin caller sends, as vLLM's VLLM_ALLOW_INSECURE_SERIALIZATION=1 does. "
-        "Needs --colocate, and --admin-key unless the server listens on loopback only",
+        "Needs --colocate and --admin-key (or SKYINFER_ADMIN_KEY), on any address, loopback included",
         group="security",
     )
     allow_unauthenticated_admin: bool = _option(
@@ -240,8 +247,15 @@ class ServeConfig:
             )
         if self.allow_pickled_ipc and not self.colocate:
             raise ValueError("--allow-pickled-ipc is for a colocated server's IPC transport: add --colocate")
-        if self.allow_pickled_ipc and self.admin_key is None and not is_loopback(self.host):
-            raise ValueError("--allow-pickled-ipc on a non-loopback --host needs an --admin-key: pickles run code")
+        if self.allow_pickled_ipc and not self.admin_key:
+            # On loopback too: any local process, or a web page the operator's browser opens, reaches 127.0.0.1.
+            raise ValueError(
+                "--allow-pickled-ipc needs an admin key, on any address (loopback included): the engines "
+                "unpickle the ipc_handles_pickled an admin caller sends, which runs any code that caller "
+                "chooses, so only holders of the admin key may send one. Set --admin-key KEY (or "
+                "SKYINFER_ADMIN_KEY) and give the trainer the same key, or leave --allow-pickled-ipc out "
+                "(skyinfer's IPCTrainer needs no pickles)"
+            )
 
     @property
     def workers_per_engine(self) -> int:

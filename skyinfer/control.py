@@ -17,9 +17,9 @@ from typing import Any
 from aiohttp import web
 
 from .engine_calls import EngineReply, call_engine, failure
-from .errors import error_body, json_response, parse_json_object
+from .errors import admin_json_body, error_body, json_response
 from .proxy import REGISTRY
-from .state import SLEEP_TAGS, EngineRecord, EngineRegistry, Residency, control_targets
+from .state import DISCARDED_BY_SLEEP, SLEEP_TAGS, EngineRecord, EngineRegistry, Residency, control_targets
 from .wire import AbortParams, PauseParams, QueryParams, ResetPrefixCacheParams, SleepParams, WakeUpParams, takes
 
 log = logging.getLogger("skyinfer.control")
@@ -42,24 +42,13 @@ class ControlPlane:
         """Run ``/operation`` on every up engine it applies to; record what each engine now is.
         ``params``: what the residency transition needs (a sleep's ``level``, a wake-up's ``tags``)."""
         # One fleet operation at a time: a pause must not interleave with a resume.
-        async with contextlib.nullcontext() if operation in LOCK_FREE_OPERATIONS else self.registry.lock:
+        async with contextlib.nullcontext() if operation in LOCK_FREE_OPERATIONS else self.registry.fleet_change():
             targets, already_done = control_targets(operation, self.registry.up(), **params)
-            moves_residency = operation in RESIDENCY_OPERATIONS
-            if moves_residency:
-                # Engines that are down now take it when they come up.
-                self.registry.intent = self.registry.intent.after(operation, **params)
             outcomes = await asyncio.gather(
                 *(call_engine(r, f"/{operation}", timeout_s=self.timeout_s, query=query, body=body) for r in targets)
             )
-            for outcome in outcomes:
-                record = self.registry.records[outcome.engine_id]
-                if not record.up:
-                    continue  # it died meanwhile; its next process starts afresh
-                if not outcome.ok:
-                    log.warning("engine %d: %s failed: %s", outcome.engine_id, operation, outcome.message)
-                    await self._reread(record)
-                elif moves_residency:
-                    self.registry.record_call(record, operation, **params)
+            if operation in RESIDENCY_OPERATIONS:
+                await self._record(operation, targets, outcomes, params)
         unchanged = [
             EngineReply(r.engine_id, 200, {"status": "unchanged", "state": r.state.value}) for r in already_done
         ]
@@ -71,11 +60,37 @@ class ControlPlane:
         ]
         return sorted([*outcomes, *unchanged, *down], key=lambda o: o.engine_id)
 
+    async def _record(
+        self, operation: str, targets: list[EngineRecord], outcomes: list[EngineReply], params: dict
+    ) -> None:
+        """What the engines answered becomes each one's residency, and the fleet's intent once any
+        engine did it (engines that are down take the intent when they come up); one that failed is
+        asked what it is."""
+        took_it = False
+        for record, outcome in zip(targets, outcomes):
+            if not record.up:
+                continue  # it died meanwhile; its next process starts afresh
+            if outcome.ok:
+                self.registry.record_call(record, operation, **params)
+                took_it = True
+            else:
+                log.warning("engine %d: %s failed: %s", record.engine_id, operation, outcome.message)
+                await self.reread(record, operation, **params)
+        if took_it:
+            self.registry.intent = self.registry.intent.after(operation, **params)
+
     async def bring_to_intent(self, record: EngineRecord) -> None:
-        """A new engine process is brought to what the fleet was asked to be (paused, or asleep at
-        its level with the same tags awake) before it counts as up. Called with the registry's lock held."""
+        """Bring an engine process to what the fleet was asked to be (paused, or asleep at its
+        level with the same tags awake) before it counts as up: from a new process's fresh start,
+        or (brought once already, the fleet moved meanwhile) from where it is, by way of awake."""
         intent = self.registry.intent
+        if record.residency == intent:
+            return
         steps: list[tuple[str, QueryParams, dict]] = []
+        if record.residency.sleeping:
+            steps.append(("wake_up", WakeUpParams(), {}))
+        if record.residency.paused or record.residency.sleeping:
+            steps.append(("resume", QueryParams(), {}))
         if intent.sleeping:
             assert intent.sleep_level is not None
             steps.append(("sleep", SleepParams(level=intent.sleep_level), {"level": intent.sleep_level}))
@@ -85,19 +100,25 @@ class ControlPlane:
         elif intent.paused:
             steps.append(("pause", PauseParams(mode="keep"), {}))
         for operation, query, params in steps:
+            if operation == "resume" and not record.residency.paused:
+                continue  # the full wake-up resumed it
             reply = await call_engine(record, f"/{operation}", timeout_s=self.timeout_s, query=query.to_query())
             if not reply.ok:
                 raise RuntimeError(f"bringing it to the fleet's state failed at {operation}: {reply.message}")
             self.registry.record_call(record, operation, **params)
-        if steps:
-            log.info("engine %d: brought to the fleet's state (%s)", record.engine_id, record.residency.describe())
+        log.info("engine %d: brought to the fleet's state (%s)", record.engine_id, record.residency.describe())
 
-    async def _reread(self, record: EngineRecord) -> None:
-        """After a failed or timed-out call the engine may have done it anyway: ask vLLM what it is."""
+    async def reread(self, record: EngineRecord, operation: str, **params: Any) -> None:
+        """After a failed or timed-out call the engine may have done it anyway, or part of it: ask
+        vLLM what it is. A sleep that failed counts as done (its memory may be released): pushes
+        and resumes wait for a wake-up, and a level-2 one leaves the weights unknown (stale)."""
         reply = await call_engine(record, "/conditions", method="GET", timeout_s=self.timeout_s)
         if reply.ok and record.up:
-            residency = Residency.reread(record.residency, reply.body["paused"], reply.body["sleeping"])
+            attempted = record.residency.after(operation, **params)
+            residency = Residency.reread(record.residency, attempted, reply.body["paused"], reply.body["sleeping"])
             self.registry.set_residency(record, residency)
+            if operation == "sleep" and params.get("level") == 2 and residency.sleeping:
+                self.registry.set_stale(record, DISCARDED_BY_SLEEP)
         elif not reply.ok:
             log.warning("engine %d: its conditions are unknown: %s", record.engine_id, reply.message)
 
@@ -114,13 +135,8 @@ def aggregate(operation: str, outcomes: list[EngineReply], ok_body: dict) -> web
 CONTROL = web.AppKey("control", ControlPlane)
 
 
-async def _body(request: web.Request) -> dict | None:
-    raw = await request.read()
-    return parse_json_object(raw) if raw else None
-
-
 async def _params(request: web.Request, params: type[QueryParams]):
-    return params.from_request(request.query, await _body(request))
+    return params.from_request(request.query, await admin_json_body(request))
 
 
 @takes(PauseParams)
@@ -171,7 +187,7 @@ async def _reset_prefix_cache(request: web.Request) -> web.Response:
 async def _abort_requests(request: web.Request) -> web.Response:
     """Abort the requests ``request_ids`` name (response ids), or every request in flight; never
     waits behind another fleet operation."""
-    p = AbortParams.parse(await _body(request) or {})
+    p = AbortParams.parse(await admin_json_body(request) or {})
     outcomes = await request.app[CONTROL].apply("abort_requests", body=p.to_body())
     aborted = sum(o.body.get("aborted", 0) for o in outcomes if o.ok)
     return aggregate("abort_requests", outcomes, {"status": "aborted", "aborted": aborted})

@@ -11,6 +11,8 @@ import attrs
 
 from .state import EngineRecord
 
+CUT_SHORT = "cut short: another engine failed this step"
+
 
 @attrs.frozen
 class EngineReply:
@@ -21,6 +23,11 @@ class EngineReply:
     @property
     def ok(self) -> bool:
         return 200 <= self.status < 300
+
+    @property
+    def cut_short(self) -> bool:
+        """It did not fail by itself: another engine's failure of the same step ended its call."""
+        return self.status == 503 and self.body.get("error") == CUT_SHORT
 
     @property
     def message(self) -> str:
@@ -54,14 +61,16 @@ async def call_engine(
     body: dict | None = None,
     method: str = "POST",
 ) -> EngineReply:
-    """Call one engine; a timeout or an unreachable engine is a reply too (504, 503)."""
+    """Call one engine; a timeout or an unreachable engine is a reply too (504, 503). While the call
+    runs the engine's probes do not count against it (the call's own deadline judges it)."""
     if record.client is None:
         return EngineReply(record.engine_id, 503, {"error": f"engine is {record.state.value}"})
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     try:
-        async with record.client.request(method, path, params=query, json=body, timeout=timeout) as r:
-            payload = await r.json(content_type=None)
-            return EngineReply(record.engine_id, r.status, payload if isinstance(payload, dict) else {"value": payload})
+        with record.answering_front(timeout_s):
+            async with record.client.request(method, path, params=query, json=body, timeout=timeout) as r:
+                payload = await r.json(content_type=None)
+        return EngineReply(record.engine_id, r.status, payload if isinstance(payload, dict) else {"value": payload})
     except asyncio.TimeoutError:
         return EngineReply(record.engine_id, 504, {"error": f"{path} got no answer within {timeout_s:.0f}s"})
     except (aiohttp.ClientError, ValueError) as exc:
@@ -81,9 +90,8 @@ async def gather_until_failure(calls: list[tuple[EngineRecord, Awaitable[EngineR
     for task in pending:
         task.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
-    cut_short = {"error": "cut short: another engine failed this step"}
     return [
-        EngineReply(record.engine_id, 503, cut_short) if task.cancelled() else task.result()
+        EngineReply(record.engine_id, 503, {"error": CUT_SHORT}) if task.cancelled() else task.result()
         for (record, _), task in zip(calls, tasks)
     ]
 

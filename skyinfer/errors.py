@@ -24,6 +24,7 @@ _TYPE_BY_STATUS = {
     404: "NotFoundError",
     409: "ConflictError",
     413: "RequestTooLargeError",
+    415: "UnsupportedMediaTypeError",
     422: "UnprocessableEntityError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
@@ -81,6 +82,10 @@ class ApiError(Exception):
 # The engines are not (or no longer) in the trainer's weight-transfer group: form it again
 # (POST /init_weight_transfer) and retry. skyinfer's trainer helpers do so by themselves.
 TRANSFER_GROUP_GONE = "transfer_group_gone"
+# The weight update a chunk, finish or verify belongs to was abandoned by the server (its trainer
+# fell silent, a new trainer set up a transfer, an engine failed it): start the push over
+# (POST /start_weight_update, or /init_weight_transfer). skyinfer's trainer helpers do so by themselves.
+UPDATE_ABANDONED = "update_abandoned"
 
 
 class BadRequest(ApiError, ValueError):
@@ -98,6 +103,35 @@ def parse_json_object(body: bytes) -> dict:
     if not isinstance(payload, dict):
         raise BadRequest(f"request body must be a JSON object, not {type(payload).__name__}")
     return payload
+
+
+# What an admin route's body must be sent as (parameters such as ``; charset=utf-8`` are fine).
+ADMIN_BODY_TYPE = "application/json"
+
+
+async def admin_json_body(request: web.Request, *, required: bool = False) -> dict | None:
+    """The JSON object an admin route's body carries, or None for an empty body (vLLM's admin routes
+    take query strings: ``curl -X POST`` with no body works, whatever its Content-Type).
+
+    A non-empty body is read only when sent as ``application/json``, else it is a 415: a web page
+    can make a browser POST ``text/plain`` (or a form) cross-site without asking the server first,
+    and such a body must never pause, sleep or re-weight the fleet. ``required``: an empty body is a
+    400 too (a route with nothing to do without one)."""
+    raw = await request.read()
+    if not raw:
+        if required:
+            raise BadRequest("request body is empty; expected a JSON object")
+        return None
+    # aiohttp's content_type: the media type alone, lower case; application/octet-stream when none is sent.
+    if request.content_type.lower() != ADMIN_BODY_TYPE:
+        sent = request.headers.get("Content-Type")
+        raise ApiError(
+            f"{request.path} takes a JSON body only as Content-Type {ADMIN_BODY_TYPE}, and this one came "
+            f"{'as ' + repr(sent) if sent else 'with no Content-Type'}: send the body as {ADMIN_BODY_TYPE} "
+            "(or send no body, the parameters in the query string)",
+            status=415,
+        )
+    return parse_json_object(raw)
 
 
 @web.middleware

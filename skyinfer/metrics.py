@@ -21,7 +21,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.parser import text_string_to_metric_families
 
 from .proxy import ENGINE_HEADER, REGISTRY
-from .state import EngineRegistry, EngineState, Phase
+from .state import EngineRegistry, EngineState
+from .weights.phases import Phase
 
 log = logging.getLogger("skyinfer.metrics")
 

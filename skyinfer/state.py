@@ -11,7 +11,7 @@ The state model, defined once:
   takes admin and weight calls and serves nothing until a push.
 - ``receiving``: the engine is inside a weight update (vLLM's layerwise reload), its layers part
   new: nothing may resume its scheduler until the update ends.
-- ``Phase``: where the fleet is in a weight update.
+- A weight update's phases: ``skyinfer/weights/phases.py``.
 - Which call fits which state: ``CONTROL_VERDICTS`` and ``push_verdict``.
 """
 
@@ -128,11 +128,15 @@ class Residency:
         return {"paused": self.paused, "sleep_level": self.sleep_level, "asleep": sorted(self.asleep)}
 
     @classmethod
-    def reread(cls, known: Residency, vllm_paused: bool, vllm_sleeping: bool) -> Residency:
-        """What an engine is after a call that failed, from vLLM's own two flags. They cannot say
-        which tags sleep: where they agree with what the front knew, that stands."""
+    def reread(cls, known: Residency, attempted: Residency, vllm_paused: bool, vllm_sleeping: bool) -> Residency:
+        """What an engine is after a call that failed (``attempted``: what it would have left),
+        from vLLM's own two flags. They cannot say which tags sleep: where they agree with what the
+        front knew, that stands; a sleep that failed may have released its memory all the same, so
+        the engine counts as asleep (its weights too) until a wake-up, never as merely paused."""
         if not vllm_sleeping:
             return cls()
+        if attempted.sleeping and not known.sleeping:
+            return attempted
         if known.vllm_is_sleeping and known.paused == vllm_paused:
             return known
         return cls(paused=vllm_paused)
@@ -156,16 +160,6 @@ class EngineState(enum.Enum):
     STOPPED = "stopped"
     DEAD = "dead"
     RETIRED = "retired"
-
-
-class Phase(enum.Enum):
-    """Where the fleet is in a weight update; a transfer group may be formed or not in any of them."""
-
-    IDLE = "idle"
-    # /start_weight_update seen, its metadata checked; no engine touched yet.
-    STARTED = "started"
-    # Engines are between vLLM's start and finish: their weights are part new.
-    RECEIVING = "receiving"
 
 
 # An operation's verdict for one engine: it applies, it is already done (the engine is left
@@ -330,15 +324,39 @@ class EngineRecord:
     # Whether its workers are in the current trainer's weight-transfer group
     # (a new process never is).
     in_transfer_group: bool = False
+    # Whether vLLM holds a weight-transfer engine (a communicator) from an init, even one whose
+    # group broke since: it is shut down before the next init, or NCCL leaks it.
+    transfer_engine_open: bool = False
     # Process replacements since the service started (crashes, failed transfers).
     restarts: int = 0
+    # Pushes in a row that this engine failed itself (the others did their part): at
+    # ``--max-push-failures`` it is retired. A push it completes, or a new process, starts afresh.
+    push_failures: int = 0
     # Called (soon after, once per loop turn) when what front workers mirror of it changes:
     # its process, lifecycle, weight version or adapters. Set by the front workers' lease hub.
     on_change: Callable[[], None] | None = attrs.field(default=None, init=False)
     _connections: asyncio.Semaphore = attrs.field(init=False)
+    # When each call the front has in flight to it must end by: while one runs, the engine may be
+    # busy on the front's behalf (a rendezvous, a transfer, a drain), and its probes say nothing.
+    _front_call_deadlines: list[float] = attrs.field(init=False, factory=list)
 
     def __attrs_post_init__(self) -> None:
         self._connections = asyncio.Semaphore(self.connection_limit)
+
+    @contextlib.contextmanager
+    def answering_front(self, timeout_s: float):
+        """While the front waits up to ``timeout_s`` for this engine to answer one of its calls."""
+        deadline = time.monotonic() + timeout_s
+        self._front_call_deadlines.append(deadline)
+        try:
+            yield
+        finally:
+            self._front_call_deadlines.remove(deadline)
+
+    def busy_for_front(self) -> bool:
+        """A call of the front's is in flight and within its deadline: a busy EngineCore is expected."""
+        now = time.monotonic()
+        return any(deadline > now for deadline in self._front_call_deadlines)
 
     def hold_adapter(self, name: str, version: str) -> None:
         self.adapters = {**self.adapters, name: version}
@@ -465,9 +483,22 @@ class EngineRegistry:
         self.unloaded_adapters: set[str] = set()
         # Adapters being loaded across the fleet: their requests wait until every engine has it.
         self._adapters_changing: dict[str, asyncio.Event] = {}
-        # Held across multi-step, awaiting changes to an engine (start, stop,
-        # restart). Routing itself never awaits, so it needs no lock.
+        # Held by every fleet operation (control calls, weight transfer, adapters) while it runs:
+        # one at a time across the fleet. Routing itself never awaits, so it needs no lock, and an
+        # engine being brought up takes it only to check that nothing moved meanwhile (``changes``).
         self.lock = asyncio.Lock()
+        # Fleet operations completed: an engine brought to the fleet's state while it changed is
+        # brought again.
+        self.changes = 0
+
+    @contextlib.asynccontextmanager
+    async def fleet_change(self):
+        """One fleet operation: the fleet's lock held, counted in ``changes`` once over."""
+        async with self.lock:
+            try:
+                yield
+            finally:
+                self.changes += 1
 
     def set_lifecycle(self, record: EngineRecord, new: Lifecycle) -> None:
         old = record.lifecycle
@@ -482,6 +513,7 @@ class EngineRegistry:
             # Whatever the old process was, the next one starts fresh.
             record.residency, record.stale, record.receiving = Residency(), None, False
             record.adapters = {}
+            record.in_transfer_group = record.transfer_engine_open = False
         log.info("engine %d: %s -> %s", record.engine_id, old.value, new.value)
 
     def set_residency(self, record: EngineRecord, residency: Residency) -> None:

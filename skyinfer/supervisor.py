@@ -181,13 +181,12 @@ class Supervisor:
         # when it dies, however it dies, they die with it (engine/lifeline.py).
         self._lifeline: tuple[int, int] | None = None
         self._start_task: asyncio.Task | None = None
-        # Bring a new engine process to the fleet (its paused or sleeping state, its LoRA adapters,
-        # its weight transfer), in order, with the registry's lock held, before the engine is up.
-        self.before_serving: list[Callable[[EngineRecord], Awaitable[None]]] = []
+        # Brings a new engine process to the fleet and marks it up (bringup.py).
+        self.bring_up: Callable[[EngineRecord], Awaitable[None]] | None = None
         # Exit watchers and restarts running in the background.
         self._tasks: set[asyncio.Task] = set()
 
-    def _in_background(self, coro, process: EngineProcess) -> None:
+    def _in_background(self, coro, process: EngineProcess) -> asyncio.Task:
         """Watch, probe or restart ``process`` beside the caller.
 
         Nobody awaits these tasks, so a failure nobody foresaw would otherwise
@@ -198,6 +197,7 @@ class Supervisor:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(functools.partial(self._background_done, process))
+        return task
 
     def _background_done(self, process: EngineProcess, task: asyncio.Task) -> None:
         self._tasks.discard(task)
@@ -249,24 +249,14 @@ class Supervisor:
             return
         record.client = client
         process.ready_since = time.monotonic()
-        record.in_transfer_group = False
         record.weight_version = info["weight_version"]
         record.model_dtype = info["model_dtype"]
         record.max_lora_rank = info["max_lora_rank"]
-        # Under the lock: nothing of the fleet's may change between this engine taking it and serving.
-        async with self.registry.lock:
-            fleet = self.registry.fleet_weight_version
-            if fleet is not None and record.weight_version != fleet:
-                # It loaded the checkpoint from disk: behind a fleet that has had pushes.
-                self.registry.set_stale(
-                    record, f"it restarted from the checkpoint on disk; the fleet serves {fleet}: push to bring it in"
-                )
-            for step in self.before_serving:
-                await step(record)
-            if record.lifecycle not in (Lifecycle.STARTING, Lifecycle.RESTARTING):
-                return  # stopped or killed meanwhile
-            self.registry.set_lifecycle(record, Lifecycle.UP)
-        self._in_background(self._probe(process), process)
+        record.push_failures = 0
+        assert self.bring_up is not None
+        await self.bring_up(record)
+        if record.up:
+            self._in_background(self._probe(process), process)
 
     async def _probe(self, process: EngineProcess) -> None:
         """Probe one engine process's health on a timer; a hung engine is dead.
@@ -287,6 +277,13 @@ class Supervisor:
                     healthy = resp.status == 200
             except (aiohttp.ClientError, asyncio.TimeoutError):
                 healthy = False
+            if not healthy and record.busy_for_front():
+                # Busy on the front's behalf (a rendezvous, a transfer, a drain): that call's own
+                # deadline judges it, and its process is watched; a busy EngineCore is no fault.
+                log.info(
+                    "engine %d: health probe unanswered during a call of the front's: not counted", record.engine_id
+                )
+                continue
             failures = 0 if healthy else failures + 1
             if failures and failures < c.health_failures:
                 log.warning("engine %d: health probe failed (%d of %d)", record.engine_id, failures, c.health_failures)
@@ -310,6 +307,22 @@ class Supervisor:
         except Exception:  # whatever went wrong, the engine must not stay "restarting"
             log.exception("engine %d: restart failed", record.engine_id)
             self._declare_dead(process, "its restart failed")
+
+    def retire(self, record: EngineRecord, reason: str) -> None:
+        """Take an engine that stays up but keeps failing out of the fleet, as a restart-looping one
+        is: its processes killed, no admin call, push or readiness waits for it, until
+        ``POST /engines/{id}/restart``."""
+        log.error(
+            "engine %d: retired: %s; POST /engines/%d/restart brings it back",
+            record.engine_id,
+            reason,
+            record.engine_id,
+        )
+        self.registry.set_lifecycle(record, Lifecycle.DEAD)
+        process = self.processes[record.engine_id]
+        process.kill()
+        self.registry.set_lifecycle(record, Lifecycle.RETIRED)
+        self._in_background(_close_client(record), process)
 
     def restart_in_background(self, record: EngineRecord, reason: str) -> None:
         """Take an engine out of rotation now; replace its process beside the caller."""
@@ -360,12 +373,15 @@ class Supervisor:
 
     async def restart_on_request(self, record: EngineRecord) -> None:
         """An operator's restart (``POST /engines/{id}/restart``): a retired engine rejoins the fleet,
-        with its failures forgotten; returns once it is up (it raises if it did not come up)."""
+        with its failures forgotten; returns once it is up (it raises if it did not come up). The
+        restart is the supervisor's from the start: a caller who gives up leaves it running to its
+        end, never an engine "restarting" for ever."""
         if record.lifecycle not in (Lifecycle.UP, Lifecycle.DEAD, Lifecycle.RETIRED):
             raise OrderingError(f"engine {record.engine_id} is {record.state.value}: restart it once that is over")
         process = self.processes[record.engine_id]
         process.crashes = 0
-        await self.restart(record, "an operator asked for it")
+        self.registry.set_lifecycle(record, Lifecycle.RESTARTING)
+        await asyncio.shield(self._in_background(self.restart(record, "an operator asked for it"), process))
         if not record.up:
             raise EngineStartError(f"engine {record.engine_id} did not come back: it is {record.state.value}")
 

@@ -17,7 +17,7 @@ from aiohttp import web
 
 from .control import CONTROL, aggregate
 from .engine_calls import call_engine
-from .errors import ApiError, json_response, parse_json_object
+from .errors import ApiError, admin_json_body, json_response
 from .health import health
 from .proxy import REGISTRY, forward_to
 
@@ -95,7 +95,7 @@ def _cache_reset(operation: str):
 async def _collective_rpc(request: web.Request) -> web.Response:
     """vLLM's ``collective_rpc`` on every engine, for the worker methods ``--allow-collective-rpc``
     allows (body: ``method``, ``args``, ``kwargs``, ``timeout``); any other is a 403."""
-    body = parse_json_object(await request.read())
+    body = await admin_json_body(request, required=True)
     method = body.get("method")
     if not isinstance(method, str) or not method:
         raise ApiError("'method' must be the name of a worker method", param="method")

@@ -8,6 +8,7 @@ tests that must stop or break a server start their own.
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
@@ -110,3 +111,13 @@ def _keyed_workers_process(demo_model, tmp_path_factory):
 def model_name(demo_model) -> str:
     """What every test server serves the demo model as (its path)."""
     return str(demo_model)
+
+
+@pytest.fixture
+def group_init():
+    """A gloo group's init_info whose trainer listens (the front asks engines to join only then):
+    a socket nobody accepts on, as a trainer's store before its group forms."""
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        yield {"master_address": "127.0.0.1", "master_port": listening.getsockname()[1], "world_size": 3}

@@ -11,55 +11,14 @@ import logging
 import os
 import re
 import signal
-import sys
-import time
 from pathlib import Path
 
 import pytest
-from aiohttp import web
+from fakes import fake_fleet, kill, script, states, until
 
-from skyinfer.app import create_app
-from skyinfer.config import ServeConfig
 from skyinfer.proxy import REGISTRY
-from skyinfer.supervisor import SUPERVISOR
 
 from lora_support import make_adapter
-
-FAKE_ENGINE = str(Path(__file__).resolve().parent.parent / "tools" / "fake_engine.py")
-
-
-async def fake_fleet(aiohttp_client, demo_model, tmp_path, **options):
-    options = {"restart_backoff_s": 0.1, "health_interval_s": 0.5, "health_timeout_s": 1.0, **options}
-    config = ServeConfig(
-        model=str(demo_model),
-        engines=2,
-        device="cpu",
-        socket_dir=str(tmp_path),
-        engine_command=(sys.executable, FAKE_ENGINE),
-        **options,
-    )
-    app = create_app(config)
-    client = await aiohttp_client(app)
-    await app[SUPERVISOR].wait_ready()
-    return app, client
-
-
-async def states(client) -> list[str]:
-    return [e["state"] for e in (await (await client.get("/engines")).json())["engines"]]
-
-
-async def until(predicate, timeout_s: float = 30):
-    deadline = time.monotonic() + timeout_s
-    while not (value := await predicate()):
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.05)
-    return value
-
-
-def kill(app: web.Application, engine: int) -> int:
-    pid = app[REGISTRY].records[engine].pid
-    os.killpg(pid, signal.SIGKILL)
-    return pid
 
 
 async def test_requests_are_held_while_every_engine_restarts_and_answered_after(aiohttp_client, demo_model, tmp_path):
@@ -132,13 +91,12 @@ async def test_an_admin_call_one_engine_fails_is_reported_per_engine_and_not_hid
 
 
 async def test_a_push_step_one_engine_fails_ends_the_update_everywhere_without_a_restart(
-    aiohttp_client, demo_model, tmp_path
+    aiohttp_client, demo_model, tmp_path, group_init
 ):
     app, client = await fake_fleet(aiohttp_client, demo_model, tmp_path)
     pids = [r.pid for r in app[REGISTRY].records]
     await script(app, 1, {"fail": {"/start_weight_update": 500}})
-    init = {"master_address": "127.0.0.1", "master_port": 29999, "world_size": 3}
-    assert (await client.post("/init_weight_transfer", json={"init_info": init})).status == 200
+    assert (await client.post("/init_weight_transfer", json={"init_info": group_init})).status == 200
     meta = {"names": ["model.norm.weight"], "dtype_names": ["float32"], "shapes": [[128]]}
     r = await client.post("/update_weights", json={"update_info": meta, "weight_version": "v1"})
     assert r.status == 500 and [e["status"] for e in (await r.json())["engines"]] == [200, 500]
@@ -149,11 +107,6 @@ async def test_a_push_step_one_engine_fails_ends_the_update_everywhere_without_a
     # The next push is refused with the code that tells a trainer to set its group up again.
     r = await client.post("/start_weight_update")
     assert r.status == 409 and (await r.json())["error"]["code"] == "transfer_group_gone"
-
-
-async def script(app: web.Application, engine: int, behaviour: dict) -> None:
-    async with app[REGISTRY].records[engine].client.post("/fake/script", json=behaviour) as r:
-        assert r.status == 200
 
 
 async def _stream_past_first_token(client, body: dict):
@@ -296,7 +249,7 @@ async def test_an_unload_with_a_hung_engine_takes_the_name_out_at_once_and_resta
 
 
 async def test_a_hung_engine_is_declared_dead_its_requests_and_sessions_move_and_it_rejoins_outside_the_group(
-    aiohttp_client, demo_model, tmp_path
+    aiohttp_client, demo_model, tmp_path, group_init
 ):
     """Engine 1's process stops (SIGSTOP) while 16 requests run: its probes declare it dead, its
     requests are answered in full by engine 0 and its sticky session moves there; admin calls
@@ -307,8 +260,7 @@ async def test_a_hung_engine_is_declared_dead_its_requests_and_sessions_move_and
     records = app[REGISTRY].records
     for engine in (0, 1):
         await script(app, engine, {"tokens_per_s": 200})
-    init = {"master_address": "127.0.0.1", "master_port": 29999, "world_size": 3}
-    assert (await client.post("/init_weight_transfer", json={"init_info": init})).status == 200
+    assert (await client.post("/init_weight_transfer", json={"init_info": group_init})).status == 200
     body = {"model": str(demo_model), "max_tokens": 400}
     sticky = {}
     for i in range(8):

@@ -89,9 +89,10 @@ async def test_both_workers_answer_and_metrics_count_every_request(fleet):
     assert latency == n
 
 
-async def _stream(http: httpx.AsyncClient, i: int) -> tuple[str, int]:
-    """A chat stream of 100 tokens on a connection of its own: how it ended, and its token events."""
-    body = {"model": MODEL, "messages": [{"role": "user", "content": f"stream {i}"}], "max_tokens": 100, "stream": True}
+async def _stream(http: httpx.AsyncClient, i: int, max_tokens: int = 100) -> tuple[str, int]:
+    """A chat stream (100 tokens: 2 s) on a connection of its own: how it ended, and its token events."""
+    messages = [{"role": "user", "content": f"stream {i}"}]
+    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "stream": True}
     events = 0
     try:
         async with http.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -185,6 +186,47 @@ async def test_sigterm_lets_the_workers_finish_their_streams_then_stops_everythi
     assert await asyncio.to_thread(fleet.proc.wait, 30) == 0
     _, alive = psutil.wait_procs(tree, timeout=10)
     assert not alive, [(p.pid, p.cmdline()) for p in alive]
+
+
+async def _new_connection(port: int) -> str:
+    """What a new connection to the port gets: "refused", or the status line of its answer."""
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    except ConnectionRefusedError:
+        return "refused"
+    try:
+        writer.write(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+        return (await reader.readline()).decode().strip()
+    finally:
+        writer.close()
+
+
+async def test_sigterm_refuses_new_connections_at_once_while_the_workers_drain(fleet):
+    """Issue 43: once SIGTERM begins the drain, no process holds the port's socket open, so a new
+    connection is refused at once instead of waiting in a backlog no one accepts from (and being
+    reset when the drain ends); the streams in flight still finish in full."""
+    limits = httpx.Limits(max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=fleet.url, timeout=60, limits=limits) as http:
+        # 250 tokens at 50 tokens/s: the drain takes 5 s.
+        streams = [asyncio.create_task(_stream(http, i, max_tokens=250)) for i in range(4)]
+        deadline = time.monotonic() + 10
+        while sum(e["in_flight"] for e in fleet.engines()) != 4:
+            assert time.monotonic() < deadline, fleet.engines()
+            await asyncio.sleep(0.05)
+        fleet.proc.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.5)  # the workers have had their SIGTERM and stopped accepting
+        tried_at = time.monotonic()
+        try:
+            got = await asyncio.wait_for(_new_connection(fleet.port), timeout=2)
+        except asyncio.TimeoutError:
+            got = "no answer in 2 s"
+        took = time.monotonic() - tried_at
+        assert not any(s.done() for s in streams), "the drain ended before the new connection was tried"
+        assert got == "refused" or got.startswith("HTTP/1.1 "), got
+        ended = await asyncio.wait_for(asyncio.gather(*streams), timeout=30)
+    assert ended == [("done", 250)] * 4
+    assert await asyncio.to_thread(fleet.proc.wait, 30) == 0
+    print(f"\nSHUTDOWN new connection during the drain: {got!r} in {took * 1000:.0f} ms")
 
 
 async def test_what_a_worker_does_not_answer_is_passed_on_to_the_control_process(fleet):

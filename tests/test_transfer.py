@@ -54,9 +54,15 @@ def test_residency_follows_vllms_sleep_and_wake_up():
     assert walk(("sleep", {"level": 0})).after("wake_up", tags=["scheduling"]) == Residency()
     assert walk(("pause", {})).vllm_is_sleeping and walk(("pause", {}), ("wake_up", {})) == Residency()
     # Re-read after a failed call: what vLLM's two flags cannot say stands where they agree.
-    assert Residency.reread(weights, vllm_paused=True, vllm_sleeping=True) == weights
-    assert Residency.reread(weights, vllm_paused=False, vllm_sleeping=False) == Residency()
-    assert Residency.reread(Residency(), vllm_paused=True, vllm_sleeping=True) == Residency(paused=True)
+    # (the second argument: what the failed call would have left).
+    assert Residency.reread(weights, weights, vllm_paused=True, vllm_sleeping=True) == weights
+    assert Residency.reread(weights, Residency(), vllm_paused=False, vllm_sleeping=False) == Residency()
+    paused = Residency(paused=True)
+    assert Residency.reread(Residency(), paused, vllm_paused=True, vllm_sleeping=True) == paused
+    # A sleep that failed may have released its memory: asleep (weights too) until a wake-up, never merely paused.
+    slept = Residency().after("sleep", level=1)
+    assert Residency.reread(Residency(), slept, vllm_paused=True, vllm_sleeping=True) == slept
+    assert not Residency.reread(Residency(), slept, vllm_paused=True, vllm_sleeping=True).weights_awake
 
 
 def record(**conditions) -> EngineRecord:
@@ -297,11 +303,14 @@ def test_serve_options_that_cannot_work_are_refused(tmp_path):
             ServeConfig(model=str(tmp_path), engine_args=engine_args)
     with pytest.raises(ValueError, match="add --colocate"):
         ServeConfig(model=str(tmp_path), allow_pickled_ipc=True)
-    with pytest.raises(ValueError, match="needs an --admin-key"):
+    with pytest.raises(ValueError, match="--allow-pickled-ipc needs an admin key"):
         ServeConfig(
             model=str(tmp_path), colocate=True, allow_pickled_ipc=True, host="0.0.0.0", allow_unauthenticated_admin=True
         )
-    ServeConfig(model=str(tmp_path), colocate=True, allow_pickled_ipc=True)  # loopback: the operator's own machine
+    # Loopback too: any local process (or a web page) reaches it.
+    with pytest.raises(ValueError, match="--allow-pickled-ipc needs an admin key"):
+        ServeConfig(model=str(tmp_path), colocate=True, allow_pickled_ipc=True)
+    ServeConfig(model=str(tmp_path), colocate=True, allow_pickled_ipc=True, admin_key="admin-0123456789")
 
 
 async def test_the_front_refuses_ipc_bodies_over_http_before_any_engine(aiohttp_client, demo_model, tmp_path):

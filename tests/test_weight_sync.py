@@ -200,3 +200,58 @@ async def test_an_update_the_trainer_leaves_is_aborted_and_the_group_can_be_left
             assert refused.status_code == 409 and "init_weight_transfer" in refused.json()["error"]["message"]
     finally:
         trainer.close()
+
+
+async def abandon(http: httpx.AsyncClient, path: str, after_s: float, **kwargs) -> None:
+    """A caller that gives up ``after_s`` into its call (its connection closes, as a client
+    timeout or a Ctrl-C closes it)."""
+    try:
+        r = await asyncio.wait_for(http.post(path, **kwargs), after_s)
+    except asyncio.TimeoutError:
+        return
+    raise AssertionError(f"{path} answered {r.status_code} before its caller gave up: {r.text}")
+
+
+async def until_states(http: httpx.AsyncClient, wanted: set[str], timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while {e["state"] for e in (await http.get("/engines")).json()["engines"]} - wanted:
+        assert time.monotonic() < deadline, (await http.get("/engines")).json()
+        await asyncio.sleep(0.5)
+
+
+async def test_abandoned_restart_sleep_wait_pause_and_init_leave_a_fleet_that_pushes_and_serves(
+    server, model_name, demo_model, tmp_path
+):
+    """Callers who give up half-way, one after another, as a trainer's client timeouts and an
+    operator's Ctrl-C do: a restart of engine 1 (after 2 s of its bring-up), a level-1 sleep that
+    waits for long requests, a wait-mode pause behind long requests (a resume sent a second after it waits for it and
+    undoes it), an init naming an address where no trainer listens. Each runs to its end; then a
+    real trainer process pushes and both engines serve its weights."""
+    from support import free_port
+
+    async with httpx.AsyncClient(base_url=server.url, timeout=300) as http:
+        pid = server.engines()[1]["pid"]
+        await abandon(http, "/engines/1/restart", 2)
+        await until_states(http, {"ready"})
+        assert server.engines()[1]["pid"] != pid
+        body = {"model": model_name, "prompt": "a long one", "max_tokens": 1500, "ignore_eos": True}
+        long = [asyncio.ensure_future(http.post("/v1/completions", json=body)) for _ in range(4)]
+        await asyncio.sleep(1)
+        await abandon(http, "/sleep", 0.5, params={"level": "1", "mode": "wait"})
+        await until_states(http, {"sleeping"})
+        assert (await http.post("/wake_up")).status_code == 200
+        assert [r.status_code for r in await asyncio.gather(*long)] == [200] * 4
+        long = [asyncio.ensure_future(http.post("/v1/completions", json=body)) for _ in range(4)]
+        await asyncio.sleep(1)
+        await abandon(http, "/pause", 0.5, params={"mode": "wait"})
+        await asyncio.sleep(1)
+        resumed = await http.post("/resume")
+        assert resumed.status_code == 200, resumed.text
+        assert [r.status_code for r in await asyncio.gather(*long)] == [200] * 4
+        nobody = {"master_address": "127.0.0.1", "master_port": free_port(), "world_size": 3, "timeout_s": 60}
+        await abandon(http, "/init_weight_transfer", 1, json={"init_info": nobody})
+        await until_states(http, {"ready"})
+    weights = modified_weights(demo_model, seed=11)
+    trainer = await asyncio.to_thread(run_trainer, server, save(weights, tmp_path / "w.safetensors"), "after-abandon")
+    assert trainer.returncode == 0, trainer.stdout + trainer.stderr
+    await asyncio.to_thread(assert_engines_match, server, model_name, demo_model, weights, "after-abandon")

@@ -10,7 +10,11 @@ Its behaviour comes from the environment, or from ``POST /fake/script`` at any t
 * ``tokens_per_s``: how fast each request generates (0: as fast as it can);
 * ``delay_s``: ``{path: seconds}`` to wait before answering a route;
 * ``fail``: ``{path: status}`` to answer a route with an error;
+* ``fail_after``: ``{path: status}`` to do what a route does, then answer it with an error (an
+  engine that paused, or slept, and failed to say so);
 * ``hang``: paths that never answer.
+
+``GET /fake/calls`` says how many times each route was called.
 
 It serves the model vLLM's ``--model`` (or ``--served-model-name``) names, and 404s any other
 model a request names, as vLLM does; with ``--enable-lora`` (and ``--max-lora-rank``) it holds
@@ -55,6 +59,8 @@ class FakeEngine:
         self.unfinished = 0
         self.resumed = asyncio.Event()
         self.resumed.set()
+        # Calls of each route, for the tests.
+        self.calls: dict[str, int] = {}
 
     def pause(self) -> None:
         self.paused = True
@@ -67,6 +73,8 @@ class FakeEngine:
 
 def _scripted(handler):
     async def route(request: web.Request) -> web.StreamResponse:
+        calls = request.app[STATE].calls
+        calls[request.path] = calls.get(request.path, 0) + 1
         script = request.app[SCRIPT]
         if request.path in script.get("hang", ()):
             await asyncio.Event().wait()
@@ -74,7 +82,10 @@ def _scripted(handler):
             await asyncio.sleep(delay)
         if status := script.get("fail", {}).get(request.path):
             return error_response(status, f"scripted failure of {request.path}")
-        return await handler(request)
+        answer = await handler(request)
+        if status := script.get("fail_after", {}).get(request.path):
+            return error_response(status, f"scripted failure of {request.path}, after doing it")
+        return answer
 
     return route
 
@@ -251,6 +262,10 @@ async def _metrics(_request: web.Request) -> web.Response:
     return web.Response(text="", content_type="text/plain")
 
 
+async def _calls(request: web.Request) -> web.Response:
+    return json_response(request.app[STATE].calls)
+
+
 async def _set_script(request: web.Request) -> web.Response:
     request.app[SCRIPT].clear()
     request.app[SCRIPT].update(await _body(request))
@@ -293,6 +308,7 @@ def create_fake_engine_app(script: dict, served_model_name: str, max_lora_rank: 
         app.router.add_get(path, _scripted(handler))
     app.router.add_get("/metrics", _metrics)
     app.router.add_post("/fake/script", _set_script)
+    app.router.add_get("/fake/calls", _calls)
     return app
 
 

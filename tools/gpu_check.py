@@ -115,20 +115,22 @@ def engine_core_pid(server_pid: int) -> int:
 
 
 class Server:
-    def __init__(self, model: Path, args: list[str], device: str, name: str):
+    def __init__(self, model: Path, args: list[str], device: str, name: str, admin_key: str | None = None):
         self.port = free_port()
+        self.admin_key = admin_key
         self.url = f"http://127.0.0.1:{self.port}"
         # float32, as the transformers forward the logprobs are judged against.
         engine_args = ["--max-model-len", "1024", "--dtype", "float32"] + (
             ["--cpu-kvcache-gib", "1"] if device == "cpu" else []
         )
+        # The key in the environment (SKYINFER_ADMIN_KEY), out of ps; no API key, so the data plane stays open.
+        env = {**os.environ, **({"SKYINFER_ADMIN_KEY": admin_key} if admin_key else {})}
         started = time.monotonic()
-        self.proc = start_skyinfer(
-            str(model), self.port, [*args, *engine_args], dict(os.environ), log_name=f"gpu-check-{name}.log"
-        )
+        self.proc = start_skyinfer(str(model), self.port, [*args, *engine_args], env, log_name=f"gpu-check-{name}.log")
         asyncio.run(wait_servers([(self.url, self.proc)]))
         self.startup_s = time.monotonic() - started
-        self.http = httpx.Client(base_url=self.url, timeout=300)
+        headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
+        self.http = httpx.Client(base_url=self.url, timeout=300, headers=headers)
         self.model = self.http.get("/v1/models").json()["data"][0]["id"]
         self.prompt_ids = {
             p: self.post("/tokenize", {"model": self.model, "prompt": p}).json()["tokens"] for p in PROMPTS
@@ -211,10 +213,21 @@ def trainer_main(kind: str, url: str, weights_file: str, version: str) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tensors = [(k, v.to(device)) for k, v in load_file(weights_file).items()]
     started = time.perf_counter()
+    admin_key = os.environ.get("SKYINFER_ADMIN_KEY")
     if kind == "vllm_ipc":
+        import requests
         from vllm.distributed.weight_transfer.base import WeightSource
         from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
         from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo, IPCTrainerWeightTransferEngine
+
+        class KeyedClient(HTTPVLLMWeightSyncClient):
+            """vLLM's HTTP client sends no key; a server that takes pickles has an admin key."""
+
+            def _post(self, path, json=None):
+                headers = {"Authorization": f"Bearer {admin_key}"}
+                requests.post(
+                    f"{self.base_url}/{path}", json=json, headers=headers, timeout=self.timeout
+                ).raise_for_status()
 
         class Tensors(WeightSource):
             def metadata(self):
@@ -226,14 +239,14 @@ def trainer_main(kind: str, url: str, weights_file: str, version: str) -> None:
                 return iter(tensors)
 
         engine = IPCTrainerWeightTransferEngine.trainer_init(
-            IPCTrainerInitInfo(rank=0), client=HTTPVLLMWeightSyncClient(url), source=Tensors()
+            IPCTrainerInitInfo(rank=0), client=KeyedClient(url), source=Tensors()
         )
         started = time.perf_counter()
         engine.send_weights()
     else:
         from skyinfer.trainer import IPCTrainer, SharedMemoryTrainer
 
-        trainer = (IPCTrainer if device == "cuda" else SharedMemoryTrainer)(url)
+        trainer = (IPCTrainer if device == "cuda" else SharedMemoryTrainer)(url, admin_key=admin_key)
         trainer.init()
         started = time.perf_counter()
         trainer.push(tensors, version)
@@ -243,6 +256,7 @@ def trainer_main(kind: str, url: str, weights_file: str, version: str) -> None:
 def run_trainer(kind: str, server: Server, weights_file: Path, version: str) -> dict:
     done = subprocess.run(
         [sys.executable, __file__, "--trainer", kind, server.url, str(weights_file), version],
+        env={**os.environ, **({"SKYINFER_ADMIN_KEY": server.admin_key} if server.admin_key else {})},
         capture_output=True,
         text=True,
         timeout=600,
@@ -344,11 +358,15 @@ def check_ipc_push(c: Check, device: str, model_dir: Path, name: str) -> None:
         server.close()
 
 
+VLLM_IPC_ADMIN_KEY = "sk-gpu-check-admin-0123456789"
+
+
 def check_vllm_ipc(c: Check, device: str, model_dir: Path) -> None:
     if device != "cuda":
         c.say("check vllm_ipc                     not run: CUDA IPC needs a GPU")
         return
-    server = Server(model_dir, ["--colocate", "--allow-pickled-ipc"], device, "vllm-ipc")
+    # Pickles run code: a server that takes them has an admin key, which the trainer sends.
+    server = Server(model_dir, ["--colocate", "--allow-pickled-ipc"], device, "vllm-ipc", admin_key=VLLM_IPC_ADMIN_KEY)
     try:
         weights = modified_weights_file(model_dir, Path(tempfile.mkdtemp()) / "w.safetensors")
         push = run_trainer("vllm_ipc", server, weights, "vllm-ipc")

@@ -108,6 +108,12 @@ class FrontWorkers:
         if self._stopping:
             return
         self._stopping = True
+        # Close this process's copy of the port's socket first: while any process holds it open the
+        # kernel keeps completing handshakes into a backlog no one accepts from, and a new client
+        # hangs through the whole drain before it is reset. Each worker closes its own copy when
+        # SIGTERM stops its site, so from then on a new connection is refused at once.
+        if self._listening is not None:
+            self._listening.close()
         running = [p for p in self.processes.values() if p.returncode is None]
         for process in running:
             process.send_signal(signal.SIGTERM)
@@ -122,8 +128,6 @@ class FrontWorkers:
                 await asyncio.wait(late)
         for watcher in list(self._watchers):
             watcher.cancel()
-        if self._listening is not None:
-            self._listening.close()
 
 
 FRONT_WORKERS = web.AppKey("front_workers", FrontWorkers)

@@ -59,10 +59,12 @@ class WorkerSettings:
 async def pass_on(request: web.Request) -> web.Response:
     """The control process's answer to the request, as it came (its key checked there)."""
     body = await request.read()
+    # Content-Type included, as it came: the control process reads an admin body only when it is
+    # application/json. None sent, none passed on (aiohttp would make a body application/octet-stream).
     headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_PASSED}
     try:
         async with request.app[CONTROL].request(
-            request.method, request.rel_url, data=body or None, headers=headers
+            request.method, request.rel_url, data=body or None, headers=headers, skip_auto_headers=("Content-Type",)
         ) as upstream:
             payload = await upstream.read()
     except aiohttp.ClientError as exc:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 
 from ..client import Client, SkyinferError
-from ..errors import TRANSFER_GROUP_GONE
+from ..errors import TRANSFER_GROUP_GONE, UPDATE_ABANDONED
 from .packing import dtype_name
 
 log = logging.getLogger("skyinfer.trainer")
@@ -68,12 +68,13 @@ class Trainer:
 
     def _in_group(self, send: Callable[[], None]) -> None:
         """``send``, and if the server refuses it (before any byte moved) because its engines left
-        the transfer (an engine restarted or rejoined the fleet, a push was aborted), set the
-        transfer up again and send once more."""
+        the transfer (an engine restarted or rejoined the fleet, a push was aborted) or it abandoned
+        the update this push had begun (this trainer was silent too long), set the transfer up
+        again and send the whole push once more."""
         try:
             send()
         except SkyinferError as exc:
-            if exc.code != TRANSFER_GROUP_GONE:
+            if exc.code not in (TRANSFER_GROUP_GONE, UPDATE_ABANDONED):
                 raise
             log.warning("the server's engines left the weight transfer (%s): setting it up again", exc.message)
             self.init()

@@ -40,6 +40,12 @@ class CheckpointSpec:
     shapes: dict[str, tuple[int, ...]]
     # As the checkpoint stores each tensor (vLLM's names); None where it is none vLLM knows.
     dtypes: dict[str, str | None]
+    # The tensors the checkpoint stores (a tied lm_head, which it does not, is in ``shapes`` only).
+    names: frozenset[str] = attrs.field(default=attrs.Factory(lambda spec: frozenset(spec.shapes), takes_self=True))
+
+    def missing(self, received: set[str]) -> list[str]:
+        """The checkpoint's tensors a push did not carry (none: it replaced every weight)."""
+        return sorted(self.names - received)
 
     @classmethod
     def read(cls, model_dir: str | Path) -> CheckpointSpec | None:
@@ -53,6 +59,7 @@ class CheckpointSpec:
             for name, entry in safetensors_header(path).items():
                 shapes[name] = tuple(entry["shape"])
                 dtypes[name] = _SAFETENSORS_DTYPES.get(entry["dtype"])
+        stored = frozenset(shapes)
         config = Path(model_dir) / "config.json"
         if config.exists() and json.loads(config.read_text()).get("tie_word_embeddings"):
             # Tied models store no lm_head; trainers' state dicts still carry it.
@@ -60,7 +67,7 @@ class CheckpointSpec:
             if embed is not None:
                 shapes.setdefault("lm_head.weight", shapes[embed])
                 dtypes.setdefault("lm_head.weight", dtypes[embed])
-        return cls(shapes, dtypes)
+        return cls(shapes, dtypes, stored)
 
     def check(self, meta: UpdateMetadata) -> None:
         """Raise ValueError naming the first tensor that does not fit the served model.

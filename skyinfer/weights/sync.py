@@ -11,8 +11,10 @@ or asleep with their weights awake (a colocated push). Engines that are running 
 (``keep``) for the push and resumed after it, so requests sent meanwhile wait in vLLM and run on
 the new weights. An update that fails or is abandoned ends on every engine without a restart:
 vLLM's layerwise reload is closed (layers that received nothing keep their old tensors), the
-requests held there are aborted, and the engines serve nothing (stale) until the next push.
-Only an engine that cannot even end the update is restarted.
+requests held there are aborted, and the engines serve nothing (stale) until a push of the whole
+checkpoint. Only an engine that cannot even end the update is restarted; one that fails
+``--max-push-failures`` pushes in a row by itself is retired. The update's phases, and the refusal
+of what an abandoned update's trainer sends after it, are ``phases.py``'s.
 """
 
 from __future__ import annotations
@@ -21,14 +23,14 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from ..engine_calls import EngineReply, call_engine, failure, gather_until_failure
-from ..errors import TRANSFER_GROUP_GONE, ApiError, json_response, parse_json_object
+from ..errors import TRANSFER_GROUP_GONE, ApiError, admin_json_body, json_response
 from ..metrics import ServiceMetrics
-from ..state import APPLY, PAUSE_FOR_PUSH, EngineRecord, EngineRegistry, Phase, push_verdict
+from ..state import APPLY, PAUSE_FOR_PUSH, EngineRecord, EngineRegistry, push_verdict
 from ..transfer.protocol import UpdateMetadata
 from ..wire import (
     Checksums,
@@ -43,7 +45,12 @@ from ..wire import (
     takes,
 )
 from .checkpoint import CheckpointSpec
-from .transports import FrontTransport
+from .phases import Phase, UpdateMachine
+from .transports import FrontTransport, InitPlan
+
+if TYPE_CHECKING:
+    from ..control import ControlPlane
+    from ..supervisor import Supervisor
 from .verify import Verdict, judge
 
 log = logging.getLogger("skyinfer.weights")
@@ -56,6 +63,14 @@ ABORTED = (
 )
 # vLLM's label for the weights an engine loaded at start-up (what a restarted engine serves).
 CHECKPOINT_VERSION = "default"
+
+
+def _partly_covered(version: str, missing: list[str]) -> str:
+    shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+    return (
+        f"its weights were not the fleet's, and the push of {version} carried only part of the checkpoint"
+        f" ({len(missing)} tensor(s) left out: {shown}): push all of them before it serves"
+    )
 
 
 class SyncError(ApiError):
@@ -72,8 +87,10 @@ class WeightSync:
         transport: FrontTransport,
         model: str,
         timeout_s: float,
-        restart: Callable[[EngineRecord, str], None],
+        supervisor: Supervisor,
+        control: ControlPlane,
         metrics: ServiceMetrics,
+        max_push_failures: int,
     ):
         self.registry = registry
         self.transport = transport
@@ -81,9 +98,14 @@ class WeightSync:
         # When the push now in progress began (its first transfer call).
         self._push_started: float | None = None
         self.timeout_s = timeout_s
-        self._restart = restart
+        self._supervisor = supervisor
+        self._control = control
+        self._max_push_failures = max_push_failures
         self._spec = CheckpointSpec.read(model)
-        self.phase = Phase.IDLE
+        self.update = UpdateMachine(metrics.set_update_phase)
+        # The rendezvous an /init_weight_transfer waits for (its trainer listening): a newer init
+        # supersedes it at once, since no engine has been asked anything yet.
+        self._awaiting_trainer: asyncio.Task | None = None
         # Engines this update paused itself (they were running): resumed when it ends.
         self._paused_for_push: list[EngineRecord] = []
         # A trainer silent this long between calls of an update has gone: the
@@ -127,66 +149,65 @@ class WeightSync:
             self._silence_timer.cancel()
             self._silence_timer = None
 
-    def _set_phase(self, phase: Phase) -> None:
-        if phase is not self.phase:
-            log.info("weight update: %s -> %s", self.phase.value, phase.value)
-        self.phase = phase
-        self.metrics.set_update_phase(phase)
-
     def await_trainer(self) -> None:
         """A trainer's call is over: during an update, its next one is due within the silence limit."""
         self.trainer_arrived()
-        if self.phase is not Phase.IDLE:
+        if self.update.phase is not Phase.IDLE:
             self._silence_timer = asyncio.get_running_loop().call_later(self._silence_limit_s, self._trainer_silent)
 
     def _trainer_silent(self) -> None:
         self._silence_timer = None
         reason = (
-            f"the trainer sent nothing for {self._silence_limit_s:.0f}s during a weight update ({self.phase.value})"
+            f"the trainer sent nothing for {self._silence_limit_s:.0f}s during a weight update"
+            f" ({self.update.phase.value})"
         )
         log.error("%s: aborting it", reason)
         # Kept: the loop holds tasks only weakly.
-        self._abandoning = asyncio.create_task(self._abandon(self.phase, reason))
+        self._abandoning = asyncio.create_task(self._abandon(self.update.phase, reason))
 
     async def _abandon(self, phase: Phase, reason: str) -> None:
-        async with self.registry.lock:
-            if self.phase is not phase or self._silence_timer is not None:
+        async with self.registry.fleet_change():
+            if self.update.phase is not phase or self._silence_timer is not None:
                 return  # the trainer came back meanwhile, or the update ended
-            if phase is Phase.RECEIVING:
-                await self._abort(reason)
-            else:
-                await self._end()  # no engine had begun it
+            await self._end_abandoned(reason)
+
+    async def _end_abandoned(self, reason: str) -> None:
+        """The server ends the update its trainer left: engines that began it abort it."""
+        if self.update.phase is Phase.RECEIVING:
+            await self._abort(reason)
+        else:
+            await self._end(abandoned_because=reason)  # no engine had begun it
 
     def _refuse_unless(self, *phases: Phase) -> None:
-        if self.phase not in phases:
-            hint = {
-                Phase.IDLE: "no weight update is in progress; POST /start_weight_update or /update_weights first",
-                Phase.STARTED: "a weight update is started; POST /update_weights next",
-                Phase.RECEIVING: "a weight update is in progress; POST /finish_weight_update first",
-            }[self.phase]
-            raise SyncError(409, f"{hint} (an update the trainer leaves for {self._silence_limit_s:.0f}s is aborted)")
+        self.update.refuse_unless(*phases, silence_limit_s=self._silence_limit_s)
 
     # -- init ------------------------------------------------------------------------------
     async def init(self, init_info: dict) -> dict:
         # Checked before waiting for the fleet: a bad body is refused at once.
         members = self.registry.members()
         plan = await self.transport.plan_init(init_info, self._workers(members))
-        async with self.registry.lock:
-            if self.phase is not Phase.IDLE:
+        # Until the trainer listens, no engine is asked anything: an init naming the wrong address,
+        # or a trainer loading its model first, costs the engines nothing, and a newer init
+        # (the trainer started over) supersedes this one at once.
+        await self._trainer_listening(plan)
+        async with self.registry.fleet_change():
+            if self.update.phase is not Phase.IDLE:
                 # A trainer that sets up a transfer is a new one: the update the old one left is
                 # abandoned rather than waited out (engines that had begun it are held out as stale).
                 log.warning(
-                    "a trainer set up a transfer during an update (%s): that update is abandoned", self.phase.value
+                    "a trainer set up a transfer during an update (%s): that update is abandoned",
+                    self.update.phase.value,
                 )
-                if self.phase is Phase.RECEIVING:
-                    await self._abort("a trainer set up a new transfer")
-                else:
-                    await self._end()
+                await self._end_abandoned("a trainer set up a new transfer")
+            self.update.start_over()
             records = self._engines()
             if records != members:  # an engine retired or rejoined meanwhile: its ranks move
                 plan = await self.transport.plan_init(init_info, self._workers(records))
-            # A group formed before is shut down first: vLLM's nccl backend would leak its communicator.
+            # A transfer engine formed before is shut down first, even one whose group broke since:
+            # vLLM's nccl backend would leak its communicator.
             await self._leave(records)
+            for record in records:
+                record.transfer_engine_open = True  # an init that fails may have built part of one
             replies = await asyncio.gather(
                 *(self._init_engine(r, info, plan.timeout_s) for r, info in zip(records, plan.engine_init_infos))
             )
@@ -197,6 +218,20 @@ class WeightSync:
             self.transport.update_ended()
         self._raise_if_failed("init_weight_transfer", replies)
         return {"status": "joined" if self.transport.transport.group else "ready", **plan.answer}
+
+    async def _trainer_listening(self, plan: InitPlan) -> None:
+        if self._awaiting_trainer is not None:
+            self._awaiting_trainer.cancel()
+        waiting = self._awaiting_trainer = asyncio.ensure_future(self.transport.trainer_listening(plan))
+        try:
+            await asyncio.wait({waiting})
+        finally:
+            if self._awaiting_trainer is waiting:
+                self._awaiting_trainer = None
+            waiting.cancel()  # this call itself was cancelled
+        if waiting.cancelled():
+            raise SyncError(409, "a newer /init_weight_transfer superseded this one before its trainer was reached")
+        waiting.result()
 
     @staticmethod
     async def _init_engine(record: EngineRecord, init_info: dict, timeout_s: float) -> EngineReply:
@@ -209,9 +244,9 @@ class WeightSync:
         )
 
     async def rejoin(self, record: EngineRecord) -> None:
-        """A new engine process takes a colocated transport's settings (there is no group to join),
-        so that the next push reaches it like the others. Called with the registry's lock held."""
-        if self._colocated_init is None:
+        """An engine process being brought up takes a colocated transport's settings (there is no
+        group to join), so that the next push reaches it like the others (bringup.py)."""
+        if self._colocated_init is None or record.in_transfer_group:
             return
         reply = await self._init_engine(record, self._colocated_init, self.timeout_s)
         if not reply.ok:
@@ -260,28 +295,33 @@ class WeightSync:
             record.in_transfer_group = False
 
     def start(self, update_info: dict | None) -> dict:
-        self._refuse_unless(Phase.IDLE)
+        if self.update.phase is not Phase.IDLE:
+            self._refuse_unless(Phase.IDLE)
         self._check_group(self._engines())
         if update_info is not None:
             self.check_metadata(update_info, carries_data=False)
         self._push_started = time.monotonic()
-        self._set_phase(Phase.STARTED)
+        self.update.open()
         return {"status": "started"}
 
-    async def update(self, update_info: dict, weight_version: str | None) -> dict:
+    async def receive(self, update_info: dict, weight_version: str | None) -> dict:
         """Check, then receive on every engine. Without an open session: start and finish too."""
         meta = self.check_metadata(update_info)
         try:
-            one_shot = self.phase is Phase.IDLE
-            async with self.registry.lock:
+            # A chunk of an update the server abandoned is no update of its own.
+            self.update.refuse_if_abandoned()
+            one_shot = self.update.phase is Phase.IDLE
+            async with self.registry.fleet_change():
+                self.update.refuse_if_abandoned()
                 self._refuse_unless(Phase.IDLE, Phase.STARTED, Phase.RECEIVING)
                 records = self._engines()
                 self._check_group(records)
                 started = time.monotonic()
                 if self._push_started is None:
                     self._push_started = started
-                if self.phase is not Phase.RECEIVING:
+                if self.update.phase is not Phase.RECEIVING:
                     await self._begin(records)
+                self.update.receive(meta.names)
                 replies = await gather_until_failure(
                     [
                         (
@@ -293,7 +333,7 @@ class WeightSync:
                         for r in records
                     ]
                 )
-                await self._settle("update_weights", replies)
+                await self._settle("update_weights", records, replies, collective=True)
                 self.last_update_s = time.monotonic() - started
         finally:
             self.transport.update_sent(meta)
@@ -317,24 +357,27 @@ class WeightSync:
         for record, reply in zip(running, paused):
             if reply.ok:
                 self.registry.record_call(record, "pause")
+            elif record.up:
+                # It may have paused all the same: asked, so that the update's end resumes it if so.
+                await self._control.reread(record, "pause")
+            if record.paused:
                 self._paused_for_push.append(record)
-        self._set_phase(Phase.RECEIVING)  # from here on, weights may be part new
-        if failed := failure("pausing engines for the push", paused):
-            await self._abort(failed[1])
-            raise SyncError(*failed, [rep.as_json() for rep in paused])
+        self.update.step(Phase.RECEIVING)  # from here on, weights may be part new
+        await self._settle("pausing engines for the push", running, paused)
         replies = await asyncio.gather(
             *(call_engine(r, "/start_weight_update", timeout_s=self.timeout_s) for r in records)
         )
         for record, reply in zip(records, replies):
             record.receiving = reply.ok or reply.status >= 500  # one that did not answer may have started
-        await self._settle("start_weight_update", replies)
+        await self._settle("start_weight_update", records, replies)
 
     async def finish(self, weight_version: str | None, verify: bool = False, expected: Checksums | None = None) -> dict:
         """Every engine finishes; with ``verify``, each is then held to ``expected`` (or to the
         others): one that differs is held out as stale and the call fails."""
         self._refuse_unless(Phase.RECEIVING)
         version = weight_version if weight_version is not None else f"update-{int(time.time())}"
-        async with self.registry.lock:
+        async with self.registry.fleet_change():
+            self._refuse_unless(Phase.RECEIVING)
             return await self._finish(self._engines(), version, verify, expected)
 
     async def _finish(
@@ -347,15 +390,23 @@ class WeightSync:
                 for r in records
             )
         )
-        await self._settle("finish_weight_update", replies)
+        await self._settle("finish_weight_update", records, replies)
         self.registry.fleet_weight_version = version
         if self._push_started is not None:
             self.metrics.push_seconds.observe(time.monotonic() - self._push_started)
             self._push_started = None
+        missing = self._spec.missing(self.update.received) if self._spec is not None else []
         for record in records:
             record.weight_version = version
             record.receiving = False
-            if record.up:
+            record.push_failures = 0
+            if not record.up or record.stale is None:
+                continue
+            if missing:
+                # Its weights were not the fleet's before (discarded by a sleep, mixed by an abort,
+                # another version): only a push of every tensor makes them so.
+                self.registry.set_stale(record, _partly_covered(version, missing))
+            else:
                 self.registry.set_stale(record, None)
         self._agreed = None
         try:
@@ -373,23 +424,48 @@ class WeightSync:
         (engines that run are paused for it; no restart): for stale engines whose trainer is not
         coming back. The fleet then serves the checkpoint under vLLM's own label for it."""
         self._refuse_unless(Phase.IDLE)
-        async with self.registry.lock:
+        async with self.registry.fleet_change():
+            self._refuse_unless(Phase.IDLE)
+            self.update.start_over()
             records = self._engines()
             self._push_started = time.monotonic()
             await self._begin(records)
+            self.update.receive(self._spec.names if self._spec is not None else ())
             replies = await asyncio.gather(
                 *(call_engine(r, "/load_checkpoint", timeout_s=self.timeout_s) for r in records)
             )
-            await self._settle("loading the checkpoint", replies)
+            await self._settle("loading the checkpoint", records, replies)
             return await self._finish(records, CHECKPOINT_VERSION, verify=False, expected=None)
 
-    async def _settle(self, step: str, replies: list[EngineReply]) -> None:
-        """Go on after a step, or abort the whole update if any engine failed it."""
+    async def _settle(
+        self, step: str, records: list[EngineRecord], replies: list[EngineReply], collective: bool = False
+    ) -> None:
+        """Go on after a step, or abort the whole update if any engine failed it; an engine that
+        fails pushes by itself ``--max-push-failures`` times in a row is retired."""
         failed = failure(step, replies)
         if failed is None:
             return
+        at_fault = self._at_fault(records, replies, collective)
+        for record in at_fault:
+            record.push_failures += 1
         await self._abort(failed[1])
+        for record in at_fault:
+            if record.push_failures >= self._max_push_failures and record.up:
+                self._supervisor.retire(
+                    record,
+                    f"it failed {record.push_failures} pushes in a row (--max-push-failures"
+                    f" {self._max_push_failures}), the last at {step}",
+                )
         raise SyncError(*failed, [rep.as_json() for rep in replies])
+
+    @staticmethod
+    def _at_fault(records: list[EngineRecord], replies: list[EngineReply], collective: bool) -> list[EngineRecord]:
+        """The engines that failed a step by themselves. A step of the engine's own (pause, start,
+        finish) is its own failure; one of a collective with the trainer is, when another engine
+        did its part (else the trainer, or the group, failed them all)."""
+        if collective and not any(reply.ok for reply in replies):
+            return []
+        return [record for record, reply in zip(records, replies) if not reply.ok and not reply.cut_short]
 
     async def _abort(self, reason: str) -> None:
         """End the update on every engine that may have begun it: each keeps its process and serves
@@ -409,7 +485,7 @@ class WeightSync:
             if not record.up:
                 continue
             if not reply.ok:
-                self._restart(
+                self._supervisor.restart_in_background(
                     record, f"a weight update was aborted ({reason}) and the engine could not end it: {reply.message}"
                 )
         if self.transport.transport.group:
@@ -417,12 +493,13 @@ class WeightSync:
             for record in self.registry.records:
                 record.in_transfer_group = False
         log.error("weight update aborted: %s; %d engine(s) held out until the next push", reason, len(began))
-        await self._end()
+        await self._end(abandoned_because=reason)
 
-    async def _end(self) -> None:
-        """An update is over, however: engines it paused run again, its segments go."""
+    async def _end(self, abandoned_because: str | None = None) -> None:
+        """An update is over, however: engines it paused run again, its segments go.
+        ``abandoned_because``: the server ended it, not its trainer (its later calls are refused)."""
         self.trainer_arrived()
-        self._set_phase(Phase.IDLE)
+        self.update.end(abandoned_because)
         paused, self._paused_for_push = self._paused_for_push, []
         resumable = [r for r in paused if r.up and r.residency.paused and not r.residency.sleeping and not r.receiving]
         if not self.registry.intent.paused:
@@ -431,9 +508,17 @@ class WeightSync:
                 if reply.ok and record.up:
                     self.registry.record_call(record, "resume")
                 elif record.up:
-                    log.warning("engine %d: resuming after the push failed: %s", record.engine_id, reply.message)
+                    await self._still_paused(record, reply.message)
         if removed := self.transport.update_ended():
             log.info("removed %d shared-memory segment(s) the trainer left", len(removed))
+
+    async def _still_paused(self, record: EngineRecord, why: str) -> None:
+        """A resume after the push failed: if vLLM still holds the engine paused, the requests routed
+        to it would wait for ever; it is restarted (they move to another engine)."""
+        log.warning("engine %d: resuming after the push failed: %s", record.engine_id, why)
+        await self._control.reread(record, "resume")
+        if record.up and record.residency.paused:
+            self._supervisor.restart_in_background(record, f"it could not be resumed after a push: {why}")
 
     def _raise_if_failed(self, step: str, replies: list[EngineReply]) -> None:
         failed = failure(step, replies)
@@ -446,7 +531,7 @@ class WeightSync:
         the fleet's, so they keep their own label (and stay stale); an engine that fails to take
         the new one is held out as stale too, so that no answer carries a label its weights lack."""
         self._refuse_unless(Phase.IDLE)
-        async with self.registry.lock:
+        async with self.registry.fleet_change():
             current = [r for r in self._engines() if r.stale is None]
             replies = await asyncio.gather(
                 *(
@@ -529,7 +614,7 @@ class WeightSync:
         from the fleet; ``compare`` only reports; ``reset`` zeroes weights, so those engines serve
         nothing until the next push."""
         self._refuse_unless(Phase.IDLE, Phase.STARTED)
-        async with self.registry.lock:
+        async with self.registry.fleet_change():
             if request.action == "reset":
                 return await self._reset_weights()
             current = [r for r in self.registry.up() if r.stale is None]
@@ -565,10 +650,14 @@ class WeightSync:
 
     # -- leaving the group -----------------------------------------------------------------
     async def _leave(self, records: list[EngineRecord]) -> list[EngineReply]:
-        members = [r for r in records if r.up and r.in_transfer_group]
+        """Every engine that holds a transfer engine shuts it down, whether its group still stands
+        or broke (an aborted push leaves the communicator in place)."""
+        members = [r for r in records if r.up and r.transfer_engine_open]
         replies = await asyncio.gather(
             *(call_engine(r, "/shutdown_weight_transfer_engine", timeout_s=self.timeout_s) for r in members)
         )
+        for record, reply in zip(members, replies):
+            record.transfer_engine_open = not reply.ok
         for record in records:
             record.in_transfer_group = False
         return replies
@@ -576,8 +665,11 @@ class WeightSync:
     async def shutdown(self) -> dict:
         """vLLM's ``/shutdown_weight_transfer_engine``: every engine leaves the trainer's group."""
         self._refuse_unless(Phase.IDLE, Phase.STARTED)
-        self._set_phase(Phase.IDLE)
-        async with self.registry.lock:
+        async with self.registry.fleet_change():
+            self._refuse_unless(Phase.IDLE, Phase.STARTED)
+            if self.update.phase is Phase.STARTED:
+                await self._end()
+            self.update.start_over()
             replies = await self._leave(self.registry.records)
             self._colocated_init = None
             self.transport.update_ended()
@@ -588,8 +680,8 @@ class WeightSync:
         return {
             "weight_version": self.registry.fleet_weight_version,
             "transport": self.transport.transport.name,
-            "update_in_progress": self.phase is not Phase.IDLE,
-            "update_phase": self.phase.value,
+            "update_in_progress": self.update.phase is not Phase.IDLE,
+            **self.update.describe(),
             "last_update_seconds": self.last_update_s,
             # LoRA adapters: name -> the version the fleet serves it at.
             "adapters": {name: adapter.version for name, adapter in self.registry.fleet_adapters.items()},
@@ -601,6 +693,7 @@ class WeightSync:
                     "stale_reason": r.stale,
                     "receiving": r.receiving,
                     "in_transfer_group": r.in_transfer_group,
+                    "push_failures": r.push_failures,
                     "adapters": dict(r.adapters),
                 }
                 for r in self.registry.records
@@ -622,14 +715,10 @@ def _sync_route(request_type: type[WireModel], handler: Callable[[WeightSync, An
 
     @takes(request_type)
     async def route(request: web.Request) -> web.Response:
-        raw = await request.read()
-        body = request_type.parse(parse_json_object(raw) if raw else {})
-        # Shielded: a trainer that dies mid-call must not cancel the
-        # bookkeeping (ending the update on engines whose transfer broke).
-        bookkeeping = asyncio.ensure_future(call(request.app[WEIGHT_SYNC], body))
-        # Its failure is logged where it happened; a trainer that is gone no longer reads it.
-        bookkeeping.add_done_callback(lambda task: task.cancelled() or task.exception())
-        return json_response(await asyncio.shield(bookkeeping))
+        body = request_type.parse(await admin_json_body(request) or {})
+        # A trainer that dies mid-call does not cut the bookkeeping short (ending the update on
+        # engines whose transfer broke): admin calls run to their end (abandoning.py).
+        return json_response(await call(request.app[WEIGHT_SYNC], body))
 
     route.__doc__ = handler.__doc__
     return route
@@ -650,7 +739,7 @@ async def _start(sync: WeightSync, body: StartRequest) -> dict:
 async def _update(sync: WeightSync, body: UpdateRequest) -> dict:
     """Every engine receives the tensors ``update_info`` names while the trainer sends them;
     without an open update, start and finish too (``weight_version`` labels it)."""
-    return await sync.update(body.update_info, body.weight_version)
+    return await sync.receive(body.update_info, body.weight_version)
 
 
 async def _finish(sync: WeightSync, body: FinishRequest) -> dict:

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import os
 import socket
+import time
 
 import attrs
 
@@ -46,6 +47,9 @@ class InitPlan:
     # How long the engines may take to be ready (the rendezvous, if any).
     timeout_s: float
     answer: dict
+    # Where the trainer hosts the group's store (a rendezvous by address), which it must listen on
+    # before any engine is asked to join.
+    trainer_address: tuple[str, int] | None = None
 
 
 def _wrong_transport(transport: Transport, given: str) -> TransferRefused:
@@ -114,7 +118,37 @@ class FrontTransport:
             "world_size": info.world_size,
             "rank_offsets": [e["rank_offset"] for e in engine_infos],
         }
-        return InitPlan(engine_infos, timeout_s, answer)
+        address = None if info.master_address is None else (info.master_address, info.master_port)
+        return InitPlan(engine_infos, timeout_s, answer, address)
+
+    async def trainer_listening(self, plan: InitPlan) -> None:
+        """Return once the trainer listens at the group's address, within the group's timeout.
+
+        Engines that join a trainer not yet listening land in c10d's connect retries, whose random
+        delays of a minute and more miss a trainer that comes a few seconds later, and keep the
+        EngineCore busy meanwhile; an address where nobody will ever listen keeps it so for the
+        whole timeout. Asked only once the trainer is there, they meet it at once."""
+        if plan.trainer_address is None:
+            return
+        host, port = plan.trainer_address
+        deadline = time.monotonic() + plan.timeout_s
+        delay = 0.05
+        while True:
+            try:
+                _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout=2.0)
+            except (OSError, asyncio.TimeoutError):
+                if time.monotonic() + delay > deadline:
+                    raise TransferRefused(
+                        f"the trainer did not join the weight-transfer group within {plan.timeout_s:.0f}s: nothing"
+                        f" listened at {host}:{port}, and no engine was asked to join",
+                        status=504,
+                        param="init_info.master_address",
+                    ) from None
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 1.0)  # a trainer that comes late is met within a second
+                continue
+            writer.close()
+            return
 
     # -- updates ----------------------------------------------------------------------
     def parse_update(self, update_info: dict, *, carries_data: bool) -> UpdateMetadata:

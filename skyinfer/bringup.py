@@ -1,0 +1,81 @@
+"""Bringing an engine process to the fleet before it serves: every step, in one place.
+
+A process that has just become ready (the first start, a crash restart, an operator's restart,
+a retired engine rejoining) holds nothing of the fleet's. Before it counts as up it is brought to:
+
+1. the fleet's residency intent (paused, or asleep at a level with the same tags awake);
+2. the fleet's LoRA adapters, at the fleet's versions;
+3. a colocated transport's settings (there is no group to join; a group transport's trainer
+   forms its group again, told so by ``transfer_group_gone``);
+4. the fleet's weights: if the fleet has had pushes since the checkpoint on disk, it is held out
+   as stale until the next one.
+
+The steps call the new engine only, and run without the fleet's lock: a bring-up that takes
+minutes (a level-1 sleep offloading a large model, adapters loading) never holds up the admin
+calls of the other engines. Under the lock it then only checks that no fleet operation completed
+meanwhile (``EngineRegistry.changes``) and counts as up; if one did, the steps run again from where
+the engine is. After ``UNLOCKED_TRIES`` such rounds the steps run under the lock, so that a fleet
+that keeps changing cannot keep an engine out for ever.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from .state import EngineRecord, EngineRegistry, Lifecycle
+
+if TYPE_CHECKING:
+    from .adapters import AdapterFleet
+    from .control import ControlPlane
+    from .weights.sync import WeightSync
+
+log = logging.getLogger("skyinfer.bringup")
+
+UNLOCKED_TRIES = 3
+
+
+class Bringup:
+    def __init__(self, registry: EngineRegistry, control: ControlPlane, adapters: AdapterFleet, sync: WeightSync):
+        self.registry = registry
+        self.control = control
+        self.adapters = adapters
+        self.sync = sync
+
+    async def bring(self, record: EngineRecord) -> None:
+        """Bring ``record``'s new process to the fleet and mark it up (unless it was stopped or
+        died meanwhile). Raises if a step fails: the supervisor then declares it dead."""
+        for _ in range(UNLOCKED_TRIES):
+            seen = self.registry.changes
+            await self._steps(record)
+            async with self.registry.lock:
+                if self.registry.changes == seen:
+                    self._join(record)
+                    return
+            log.info("engine %d: the fleet changed while it was brought to it: again", record.engine_id)
+        async with self.registry.lock:
+            await self._steps(record)
+            self._join(record)
+
+    async def _steps(self, record: EngineRecord) -> None:
+        if not _coming_up(record):
+            return
+        await self.control.bring_to_intent(record)
+        await self.adapters.restore(record)
+        await self.sync.rejoin(record)
+
+    def _join(self, record: EngineRecord) -> None:
+        """With the fleet's lock held: nothing of the fleet's can change before it serves."""
+        if not _coming_up(record):
+            return  # stopped or killed meanwhile
+        fleet = self.registry.fleet_weight_version
+        if fleet is not None and record.weight_version != fleet:
+            # It loaded the checkpoint from disk: behind a fleet that has had pushes.
+            self.registry.set_stale(
+                record, f"it restarted from the checkpoint on disk; the fleet serves {fleet}: push to bring it in"
+            )
+        self.registry.set_lifecycle(record, Lifecycle.UP)
+
+
+def _coming_up(record: EngineRecord) -> bool:
+    return record.lifecycle in (Lifecycle.STARTING, Lifecycle.RESTARTING)

@@ -1,0 +1,126 @@
+"""A weight update's phases, as one machine: where the fleet is, which step may follow which,
+and which calls fit each phase. ``skyinfer/state.py`` does the same for engines.
+
+- ``IDLE``: no update. ``STARTED``: ``/start_weight_update`` seen, its metadata checked, no engine
+  touched. ``RECEIVING``: engines are between vLLM's start and finish, their layers part new.
+- ``abandoned``: why the server itself ended the last update its trainer had opened and not
+  ended (the trainer fell silent, a new trainer set up a transfer, an engine failed it). Every
+  later chunk, finish or verify of that update is refused with ``UPDATE_ABANDONED`` until the
+  trainer starts over (``/start_weight_update``, ``/init_weight_transfer``): a chunk must never be
+  taken for a new update of its own, or rollouts run on a mix of layers.
+- ``received``: the tensors this update has carried, so that its finish knows whether it covered
+  the whole checkpoint (only such a push may bring a stale engine back).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Callable, Iterable
+
+from ..errors import UPDATE_ABANDONED, ApiError
+
+log = logging.getLogger("skyinfer.weights")
+
+
+class Phase(enum.Enum):
+    """Where the fleet is in a weight update; a transfer group may be formed or not in any of them."""
+
+    IDLE = "idle"
+    STARTED = "started"
+    RECEIVING = "receiving"
+
+
+P = Phase
+# Which step may follow which; anything else is a bug in the caller.
+_PHASE_STEPS: dict[Phase, frozenset[Phase]] = {
+    # A start opens an update; a one-call /update_weights begins receiving at once.
+    P.IDLE: frozenset({P.STARTED, P.RECEIVING}),
+    # The first chunk begins it on the engines; an update nobody began ends without touching them.
+    P.STARTED: frozenset({P.RECEIVING, P.IDLE}),
+    # Finished, or aborted on every engine.
+    P.RECEIVING: frozenset({P.IDLE}),
+}
+
+# What to call next, by phase, when a call does not fit it.
+_HINTS = {
+    P.IDLE: "no weight update is in progress; POST /start_weight_update or /update_weights first",
+    P.STARTED: "a weight update is started; POST /update_weights next",
+    P.RECEIVING: "a weight update is in progress; POST /finish_weight_update first",
+}
+
+
+class UpdateRefused(ApiError):
+    """A weight-sync call that does not fit the update's phase: 409."""
+
+    status = 409
+
+
+class UpdateMachine:
+    def __init__(self, on_step: Callable[[Phase], None]):
+        self.phase = Phase.IDLE
+        self.abandoned: str | None = None
+        self.received: set[str] = set()
+        # Opened by /start_weight_update: its trainer makes further calls that belong to it.
+        self._opened_by_trainer = False
+        self._on_step = on_step
+
+    def step(self, new: Phase) -> None:
+        old = self.phase
+        if new is old:
+            return
+        if new not in _PHASE_STEPS[old]:
+            raise RuntimeError(f"weight update: illegal step {old.value} -> {new.value}")
+        log.info("weight update: %s -> %s", old.value, new.value)
+        self.phase = new
+        if new is Phase.IDLE:
+            self.received = set()
+            self._opened_by_trainer = False
+        self._on_step(new)
+
+    def open(self) -> None:
+        """``/start_weight_update``: a new update, whatever the trainer left before."""
+        self.abandoned = None
+        self._opened_by_trainer = True
+        self.step(Phase.STARTED)
+
+    def receive(self, names: Iterable[str]) -> None:
+        self.received.update(names)
+        self.step(Phase.RECEIVING)
+
+    def end(self, abandoned_because: str | None = None) -> None:
+        """The update is over. ``abandoned_because``: the server ended it, not its trainer; if the
+        trainer had opened it, its later calls are refused until it starts over."""
+        if abandoned_because is not None and self._opened_by_trainer:
+            self.abandoned = abandoned_because
+        self.step(Phase.IDLE)
+
+    def start_over(self) -> None:
+        """The trainer set up a transfer (or left it): nothing it sent before counts any more."""
+        self.abandoned = None
+
+    def refuse_unless(self, *phases: Phase, silence_limit_s: float) -> None:
+        """409 unless the fleet is in one of ``phases``; a call that belongs to an abandoned
+        update is refused with ``UPDATE_ABANDONED``, which tells a trainer to start over."""
+        if self.phase is Phase.IDLE and self.abandoned is not None and Phase.IDLE not in phases:
+            raise self._abandoned_error()
+        if self.phase not in phases:
+            raise UpdateRefused(
+                f"{_HINTS[self.phase]} (an update the trainer leaves for {silence_limit_s:.0f}s is aborted)"
+            )
+
+    def refuse_if_abandoned(self) -> None:
+        """A chunk sent while no update is open would be taken as a whole update of its own: not
+        while the trainer's last update lies abandoned."""
+        if self.phase is Phase.IDLE and self.abandoned is not None:
+            raise self._abandoned_error()
+
+    def _abandoned_error(self) -> UpdateRefused:
+        return UpdateRefused(
+            f"the weight update this call belongs to was abandoned by the server ({self.abandoned}); nothing of it"
+            " is served: start over with POST /start_weight_update (or /init_weight_transfer)",
+            code=UPDATE_ABANDONED,
+        )
+
+    def describe(self) -> dict:
+        return {"update_phase": self.phase.value, "update_abandoned": self.abandoned}

@@ -1,0 +1,388 @@
+"""Nothing a caller abandons can wedge the fleet, over fake engines (real front, real engine
+processes, sockets and probes; scripted delays and failures): every admin call whose caller gives
+up half-way runs to its end, an update the server abandoned is never revived by its trainer's next
+chunk, a failed pause, resume or sleep is read back from the engine, only a push of the whole
+checkpoint brings a stale engine back, an engine that fails every push is retired, the probes leave
+an engine alone while it answers the front, and bringing an engine up holds no other call back.
+The real-engine case (restart, sleep, wait-pause and init abandoned, then a real trainer's push) is
+test_weight_sync's."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+from fakes import calls, fake_fleet, script, states, until
+
+from skyinfer.proxy import REGISTRY
+from skyinfer.weights.checkpoint import safetensors_shapes
+
+from lora_support import make_adapter
+
+# A fake engine's admin routes answer at once; scripted, they take this long, and their caller
+# gives up a fraction of it in.
+SLOW_S = 1.5
+GIVE_UP_S = 0.3
+
+
+async def abandon(client, method: str, path: str, **kwargs) -> None:
+    """A caller that gives up ``GIVE_UP_S`` into its call: its connection closes, as an HTTP
+    client's timeout or an operator's Ctrl-C closes it."""
+    try:
+        r = await asyncio.wait_for(client.request(method, path, **kwargs), GIVE_UP_S)
+    except asyncio.TimeoutError:
+        return
+    raise AssertionError(f"{path} answered {r.status} before its caller gave up: {await r.text()}")
+
+
+def whole_checkpoint(demo_model) -> dict:
+    """update_info naming every tensor the demo checkpoint stores."""
+    shapes = safetensors_shapes(demo_model / "model.safetensors")
+    names = sorted(shapes)
+    return {"names": names, "dtype_names": ["float32"] * len(names), "shapes": [list(shapes[n]) for n in names]}
+
+
+ONE_TENSOR = {"names": ["model.norm.weight"], "dtype_names": ["float32"], "shapes": [[128]]}
+
+
+async def weight_info(client) -> dict:
+    return await (await client.get("/weight_info")).json()
+
+
+async def serves_on_every_engine(client, demo_model, requests: int = 16) -> None:
+    """Requests with sessions of their own all answer in full, on both engines."""
+    body = {"model": str(demo_model), "prompt": "x", "max_tokens": 2}
+    answers = await asyncio.wait_for(
+        asyncio.gather(
+            *(client.post("/v1/completions", json=body, headers={"X-Session-ID": f"s{i}"}) for i in range(requests))
+        ),
+        timeout=15,
+    )
+    assert [r.status for r in answers] == [200] * requests
+    assert {r.headers["X-Skyinfer-Engine"] for r in answers} == {"0", "1"}
+
+
+async def pushes_and_serves(client, demo_model, group_init, version: str) -> None:
+    """The fleet takes a push of the whole checkpoint from a new transfer, then serves it on both engines."""
+    r = await client.post("/init_weight_transfer", json={"init_info": group_init})
+    assert r.status == 200, await r.text()
+    update = {"update_info": whole_checkpoint(demo_model), "weight_version": version}
+    r = await client.post("/update_weights", json=update)
+    assert r.status == 200, await r.text()
+    assert await states(client) == ["ready", "ready"]
+    await serves_on_every_engine(client, demo_model)
+    assert (await weight_info(client))["weight_version"] == version
+
+
+async def slow(app, path: str) -> None:
+    for engine in (0, 1):
+        await script(app, engine, {"delay_s": {path: SLOW_S}})
+
+
+async def fleet_has(predicate, client) -> None:
+    async def check():
+        return predicate(await states(client), await weight_info(client))
+
+    await until(check, timeout_s=15)
+
+
+# Each admin route: what precedes it, the engine route it waits on, what the fleet shows once the
+# abandoned call has run to its end, and what a caller does next to run again.
+ADMIN_CALLS = {
+    "pause-keep": ([], ("POST", "/pause", {"params": {"mode": "keep"}}), "/pause", lambda s, w: s == ["paused"] * 2, ["/resume"]),
+    "pause-wait": ([], ("POST", "/pause", {"params": {"mode": "wait"}}), "/pause", lambda s, w: s == ["paused"] * 2, ["/resume"]),
+    "resume": (["/pause"], ("POST", "/resume", {}), "/resume", lambda s, w: s == ["ready"] * 2, []),
+    "sleep": ([], ("POST", "/sleep", {"params": {"level": "1"}}), "/sleep", lambda s, w: s == ["sleeping"] * 2, ["/wake_up"]),
+    "wake_up": (["/sleep"], ("POST", "/wake_up", {}), "/wake_up", lambda s, w: s == ["ready"] * 2, []),
+    "reset_prefix_cache": ([], ("POST", "/reset_prefix_cache", {}), "/reset_prefix_cache", lambda s, w: True, []),
+    "abort_requests": ([], ("POST", "/abort_requests", {}), "/abort_requests", lambda s, w: True, []),
+    "init_weight_transfer": ([], ("POST", "/init_weight_transfer", "group"), "/init_weight_transfer",
+                             lambda s, w: all(e["in_transfer_group"] for e in w["engines"]), []),
+    "update_weights": (["init"], ("POST", "/update_weights", "push"), "/update_weights",
+                       lambda s, w: w["weight_version"] == "abandoned" and s == ["ready"] * 2, []),
+    "finish_weight_update": (["init", "/start_weight_update", "chunk"], ("POST", "/finish_weight_update", {"json": {"weight_version": "abandoned"}}),
+                             "/finish_weight_update", lambda s, w: w["weight_version"] == "abandoned" and w["update_phase"] == "idle", []),
+    "shutdown_weight_transfer_engine": (["init"], ("POST", "/shutdown_weight_transfer_engine", {}), "/shutdown_weight_transfer_engine",
+                                        lambda s, w: not any(e["in_transfer_group"] for e in w["engines"]), []),
+    "update_weight_version": ([], ("POST", "/update_weight_version", {"json": {"new_version": "abandoned"}}), "/update_weight_version",
+                              lambda s, w: w["weight_version"] == "abandoned", []),
+    "reload_weights": ([], ("POST", "/reload_weights", {}), "/load_checkpoint", lambda s, w: w["weight_version"] == "default" and s == ["ready"] * 2, []),
+    "restart": ([], ("POST", "/engines/1/restart", {}), None, lambda s, w: s == ["ready"] * 2, []),
+    "load_lora_adapter": ([], ("POST", "/v1/load_lora_adapter", "adapter"), "/adapters/load", lambda s, w: "abandoned" in w["adapters"], []),
+    "unload_lora_adapter": (["adapter"], ("POST", "/v1/unload_lora_adapter", {"json": {"lora_name": "abandoned"}}), "/adapters/unload",
+                            lambda s, w: "abandoned" not in w["adapters"], []),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("call", list(ADMIN_CALLS))
+async def test_an_admin_call_its_caller_abandons_runs_to_its_end_and_the_fleet_pushes_and_serves(
+    aiohttp_client, demo_model, tmp_path, group_init, call
+):
+    """Each admin route, its caller gone a fraction into the engines' work: the call still lands
+    (or rolls back) as a whole, the fleet says so, and afterwards it takes a push and serves on
+    every engine."""
+    before, (method, path, how), engine_route, landed, then = ADMIN_CALLS[call]
+    app, client = await fake_fleet(
+        aiohttp_client, demo_model, tmp_path, engine_args=("--enable-lora", "--max-lora-rank", "8")
+    )
+    pids = [r.pid for r in app[REGISTRY].records]
+    adapter = {"lora_name": "abandoned", "lora_path": str(make_adapter(demo_model, tmp_path / "adapter", seed=1))}
+    bodies = {
+        "group": {"json": {"init_info": group_init}},
+        "push": {"json": {"update_info": whole_checkpoint(demo_model), "weight_version": "abandoned"}},
+        "adapter": {"json": adapter},
+    }
+    for step in before:
+        if step == "init":
+            r = await client.post("/init_weight_transfer", json={"init_info": group_init})
+        elif step == "chunk":
+            r = await client.post("/update_weights", json={"update_info": whole_checkpoint(demo_model)})
+        elif step == "adapter":
+            r = await client.post("/v1/load_lora_adapter", json=adapter)
+        else:
+            r = await client.post(step)
+        assert r.status == 200, await r.text()
+    if engine_route is not None:
+        await slow(app, engine_route)
+    await abandon(client, method, path, **(bodies[how] if isinstance(how, str) else how))
+    await fleet_has(landed, client)
+    for engine in (0, 1):
+        await script(app, engine, {})
+    for step in then:
+        assert (await client.post(step)).status == 200
+    await pushes_and_serves(client, demo_model, group_init, "after")
+    if call != "restart":
+        assert [r.pid for r in app[REGISTRY].records] == pids  # no engine was lost to it
+
+
+async def test_a_wait_pause_its_caller_abandons_lands_and_a_resume_sent_meanwhile_follows_it(
+    aiohttp_client, demo_model, tmp_path, group_init
+):
+    """The order from the field: a wait-mode pause behind long requests, its caller gone after
+    0.5 s, a resume a second later. The resume waits for the pause and undoes it; a push after
+    it leaves the fleet serving (every request after it used to hang on engines left paused)."""
+    app, client = await fake_fleet(aiohttp_client, demo_model, tmp_path)
+    for engine in (0, 1):
+        await script(app, engine, {"delay_s": {"/pause": 3}})
+    await abandon(client, "POST", "/pause", params={"mode": "wait"})
+    await asyncio.sleep(1)
+    r = await asyncio.wait_for(client.post("/resume"), timeout=15)
+    assert r.status == 200, await r.text()
+    assert await states(client) == ["ready", "ready"]
+    await pushes_and_serves(client, demo_model, group_init, "v1")
+
+
+@pytest.mark.parametrize("receiving", [False, True], ids=["started", "receiving"])
+async def test_an_update_abandoned_for_silence_is_never_revived_by_its_next_chunk(
+    aiohttp_client, demo_model, tmp_path, group_init, receiving
+):
+    """A trainer silent past its group's timeout after /start_weight_update (or after its first
+    chunk): the server abandons the update, and every later chunk or finish of it is refused with
+    the code that tells a trainer to start over, never taken as a push of its own. Starting over works."""
+    _app, client = await fake_fleet(aiohttp_client, demo_model, tmp_path)
+    r = await client.post("/init_weight_transfer", json={"init_info": {**group_init, "timeout_s": 1}})
+    assert r.status == 200
+    assert (await client.post("/start_weight_update")).status == 200
+    if receiving:
+        assert (await client.post("/update_weights", json={"update_info": ONE_TENSOR})).status == 200
+    await fleet_has(lambda s, w: w["update_phase"] == "idle", client)
+    info = await weight_info(client)
+    assert "sent nothing" in info["update_abandoned"] and info["weight_version"] is None
+    for path, body in (
+        ("/update_weights", {"update_info": whole_checkpoint(demo_model)}),
+        ("/update_weights", {"update_info": ONE_TENSOR, "weight_version": "revived"}),
+        ("/finish_weight_update", {"weight_version": "revived"}),
+    ):
+        r = await client.post(path, json=body)
+        assert r.status == 409 and (await r.json())["error"]["code"] == "update_abandoned", await r.text()
+    assert (await weight_info(client))["weight_version"] is None
+    # Starting over: a new update (and, where the abort broke the group, a new group).
+    if receiving:
+        assert (await client.post("/init_weight_transfer", json={"init_info": group_init})).status == 200
+    assert (await client.post("/start_weight_update")).status == 200
+    assert (await client.post("/update_weights", json={"update_info": whole_checkpoint(demo_model)})).status == 200
+    r = await client.post("/finish_weight_update", json={"weight_version": "v2"})
+    assert r.status == 200, await r.text()
+    assert await states(client) == ["ready", "ready"]
+    await serves_on_every_engine(client, demo_model)
+
+
+async def test_a_pause_that_failed_around_a_push_is_read_back_and_undone(
+    aiohttp_client, demo_model, tmp_path, group_init
+):
+    """Engine 1 pauses for a push but answers an error: the push is aborted, and engine 1, which
+    vLLM holds paused, is resumed with the other (it used to stay paused while requests were
+    routed to it)."""
+    app, client = await fake_fleet(aiohttp_client, demo_model, tmp_path)
+    assert (await client.post("/init_weight_transfer", json={"init_info": group_init})).status == 200
+    await script(app, 1, {"fail_after": {"/pause": 500}})
+    r = await client.post("/update_weights", json={"update_info": whole_checkpoint(demo_model), "weight_version": "v1"})
+    assert r.status == 500
+    await script(app, 1, {})
+    for engine in (0, 1):
+        async with app[REGISTRY].records[engine].client.get("/conditions") as conditions:
+            assert (await conditions.json())["paused"] is False
+    await pushes_and_serves(client, demo_model, group_init, "v2")
+
+
+async def test_an_engine_that_cannot_be_resumed_after_a_push_is_replaced(
+    aiohttp_client, demo_model, tmp_path, group_init
+):
+    """Engine 1 refuses the resume after a push and stays paused in vLLM: it is restarted (its
+    requests would wait there for ever), and every request is answered meanwhile."""
+    app, client = await fake_fleet(aiohttp_client, demo_model, tmp_path, hold_requests_s=30)
+    records = app[REGISTRY].records
+    pid = records[1].pid
+    assert (await client.post("/init_weight_transfer", json={"init_info": group_init})).status == 200
+    await script(app, 1, {"fail": {"/resume": 500}})
+    r = await client.post("/update_weights", json={"update_info": whole_checkpoint(demo_model), "weight_version": "v1"})
+    assert r.status == 200, await r.text()
+    body = {"model": str(demo_model), "prompt": "x", "max_tokens": 2}
+    answers = await asyncio.wait_for(asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(8))), 15)
+    assert [a.status for a in answers] == [200] * 8
+    await until(lambda: asyncio.sleep(0, records[1].pid != pid and records[1].up))
+    # It came back with the checkpoint on disk, behind the fleet's push.
+    assert await states(client) == ["ready", "stale"]
+
+
+async def test_a_sleep_that_failed_counts_as_asleep_not_paused(aiohttp_client, demo_model, tmp_path):
+    """Engine 1 falls asleep but answers an error: it is recorded asleep (its memory may be
+    released), so /resume and pushes wait for a wake-up rather than run on released memory; at
+    level 2 its weights are unknown (stale) too."""
+    app, client = await fake_fleet(aiohttp_client, demo_model, tmp_path)
+    await script(app, 1, {"fail_after": {"/sleep": 500}})
+    assert (await client.post("/sleep", params={"level": "1"})).status == 500
+    engines = (await (await client.get("/engines")).json())["engines"]
+    assert [(e["state"], e["sleep_level"]) for e in engines] == [("sleeping", 1), ("sleeping", 1)]
+    r = await client.post("/resume")
+    assert r.status == 409 and "engine 1: it is sleeping" in (await r.json())["error"]["message"]
+    assert (await client.post("/wake_up")).status == 200
+    assert await states(client) == ["ready", "ready"]
+    assert (await client.post("/sleep", params={"level": "2"})).status == 500
+    assert (await client.post("/wake_up")).status == 200
+    stale = [e["stale_reason"] for e in (await (await client.get("/engines")).json())["engines"]]
+    assert all("level-2 sleep" in reason for reason in stale), stale
+
+
+async def test_only_a_push_of_the_whole_checkpoint_brings_stale_engines_back(
+    aiohttp_client, demo_model, tmp_path, group_init
+):
+    """After a level-2 sleep discarded the weights, a push of one tensor finishes but serves
+    nothing: the engines stay stale, saying what was left out; a push of every tensor brings them back."""
+    _app, client = await fake_fleet(aiohttp_client, demo_model, tmp_path)
+    assert (await client.post("/sleep", params={"level": "2"})).status == 200
+    assert (await client.post("/wake_up")).status == 200
+    assert await states(client) == ["stale", "stale"]
+    assert (await client.post("/init_weight_transfer", json={"init_info": group_init})).status == 200
+    r = await client.post("/update_weights", json={"update_info": ONE_TENSOR, "weight_version": "part"})
+    assert r.status == 200, await r.text()
+    engines = (await (await client.get("/engines")).json())["engines"]
+    assert [e["state"] for e in engines] == ["stale", "stale"]
+    assert all("carried only part of the checkpoint" in e["stale_reason"] for e in engines), engines
+    assert (await client.post("/v1/completions", json={"model": str(demo_model), "prompt": "x"})).status == 503
+    await pushes_and_serves(client, demo_model, group_init, "whole")
+
+
+async def test_an_engine_that_fails_every_push_by_itself_is_retired_and_the_fleet_trains_on(
+    aiohttp_client, demo_model, tmp_path, group_init
+):
+    """Engine 1 stays up but fails every push's start: after --max-push-failures pushes it is
+    retired (the fleet's world shrinks), the next push succeeds on engine 0, and an operator's
+    restart brings engine 1 back. Pushes that fail on every engine at once (a trainer that died
+    mid-broadcast) retire no one."""
+    app, client = await fake_fleet(aiohttp_client, demo_model, tmp_path, max_push_failures=2)
+    push = {"update_info": whole_checkpoint(demo_model), "weight_version": "v"}
+    for engine in (0, 1):
+        await script(app, engine, {"fail": {"/update_weights": 500}})
+    for _ in range(3):
+        assert (await client.post("/init_weight_transfer", json={"init_info": group_init})).status == 200
+        assert (await client.post("/update_weights", json=push)).status == 500
+    assert await states(client) == ["stale", "stale"]
+    await script(app, 0, {})
+    await script(app, 1, {"fail": {"/start_weight_update": 500}})
+    for _ in range(2):
+        assert (await client.post("/init_weight_transfer", json={"init_info": group_init})).status == 200
+        assert (await client.post("/update_weights", json=push)).status == 500
+    assert (await states(client))[1] == "retired"
+    assert (await (await client.get("/get_world_size")).json())["world_size"] == 1
+    r = await client.post("/init_weight_transfer", json={"init_info": {**group_init, "world_size": 2}})
+    assert r.status == 200, await r.text()
+    assert (await client.post("/update_weights", json=push)).status == 200
+    assert await states(client) == ["ready", "retired"]
+    r = await client.post("/engines/1/restart")
+    assert r.status == 200 and (await r.json())["engine"]["state"] == "stale"
+    await pushes_and_serves(client, demo_model, group_init, "back")
+
+
+async def test_a_new_transfer_after_an_aborted_push_shuts_the_old_transfer_engine_down(
+    aiohttp_client, demo_model, tmp_path, group_init
+):
+    """An aborted push breaks the group but leaves each engine's transfer engine (NCCL's
+    communicator) in place: the next init shuts it down first on every engine."""
+    app, client = await fake_fleet(aiohttp_client, demo_model, tmp_path)
+    assert (await client.post("/init_weight_transfer", json={"init_info": group_init})).status == 200
+    await script(app, 1, {"fail": {"/update_weights": 500}})
+    push = {"update_info": whole_checkpoint(demo_model), "weight_version": "v"}
+    assert (await client.post("/update_weights", json=push)).status == 500
+    await script(app, 1, {})
+    assert (await client.post("/init_weight_transfer", json={"init_info": group_init})).status == 200
+    for engine in (0, 1):
+        assert (await calls(app, engine)).get("/shutdown_weight_transfer_engine") == 1
+
+
+async def test_an_engine_busy_with_the_fronts_call_is_not_killed_by_its_probes(
+    aiohttp_client, demo_model, tmp_path, group_init
+):
+    """Both engines take 6 s to join the trainer's group and answer no probe meanwhile (their
+    EngineCore is in the rendezvous): the init's own deadline judges them, not three failed probes."""
+    app, client = await fake_fleet(aiohttp_client, demo_model, tmp_path)
+    pids = [r.pid for r in app[REGISTRY].records]
+    for engine in (0, 1):
+        await script(app, engine, {"delay_s": {"/init_weight_transfer": 6}, "hang": ["/health"]})
+    r = await client.post("/init_weight_transfer", json={"init_info": group_init})
+    for engine in (0, 1):
+        await script(app, engine, {})
+    assert r.status == 200, await r.text()
+    assert [(r.pid, r.restarts) for r in app[REGISTRY].records] == [(pid, 0) for pid in pids]
+
+
+async def test_an_init_whose_trainer_never_listens_asks_no_engine_and_a_newer_init_supersedes_it(
+    aiohttp_client, demo_model, tmp_path, group_init
+):
+    """An init naming an address where nobody listens (a typo, a trainer still loading its model)
+    asks the engines nothing: it ends in a 504 after the group's timeout. One whose caller gave up
+    is superseded at once by the next init (it used to hold every push for the group's timeout)."""
+    app, client = await fake_fleet(aiohttp_client, demo_model, tmp_path)
+    nobody = {**group_init, "master_port": 1, "timeout_s": 2}
+    r = await client.post("/init_weight_transfer", json={"init_info": nobody})
+    assert r.status == 504 and "did not join" in (await r.json())["error"]["message"]
+    await abandon(client, "POST", "/init_weight_transfer", json={"init_info": {**nobody, "timeout_s": 60}})
+    started = time.monotonic()
+    await pushes_and_serves(client, demo_model, group_init, "v1")
+    assert time.monotonic() - started < 30
+    for engine in (0, 1):
+        assert (await calls(app, engine)).get("/init_weight_transfer") == 1
+
+
+async def test_bringing_an_engine_up_holds_no_admin_call_of_the_others_back(
+    aiohttp_client, demo_model, tmp_path, monkeypatch
+):
+    """Engine 1 restarts into a paused fleet and takes 4 s to pause: meanwhile an admin call of the
+    fleet answers at once (engine 1 reported down), and a resume sent during its bring-up is
+    taken by it too: it comes up running like the rest."""
+    app, client = await fake_fleet(aiohttp_client, demo_model, tmp_path)
+    records = app[REGISTRY].records
+    assert (await client.post("/pause", params={"mode": "keep"})).status == 200
+    monkeypatch.setenv("FAKE_ENGINE_SCRIPT", json.dumps({"delay_s": {"/pause": 4}}))
+    restart = asyncio.ensure_future(client.post("/engines/1/restart"))
+    await until(lambda: asyncio.sleep(0, records[1].client is not None and records[1].state.value == "restarting"))
+    await asyncio.sleep(0.5)  # in its pause
+    r = await asyncio.wait_for(client.post("/reset_prefix_cache"), timeout=2)
+    assert [(e["engine"], e["status"]) for e in (await r.json())["engines"]] == [(0, 200), (1, 503)]
+    assert records[1].state.value == "restarting"
+    r = await asyncio.wait_for(client.post("/resume"), timeout=2)
+    assert [(e["engine"], e["status"]) for e in (await r.json())["engines"]] == [(0, 200), (1, 503)]
+    assert (await asyncio.wait_for(restart, timeout=30)).status == 200
+    assert await states(client) == ["ready", "ready"]
