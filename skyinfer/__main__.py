@@ -89,7 +89,8 @@ def _status_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "status",
         help="show a running server's engines: state, devices, weight version, requests in flight",
-        description="Print one row per engine of the skyinfer server at URL (GET /engines).",
+        description="Print one row per engine of the skyinfer server at URL (GET /engines). Exit code: 0 when"
+        " every engine is ready, 3 when some are not, 1 when the server cannot be reached; --json or not.",
     )
     p.add_argument(
         "url", nargs="?", default="http://127.0.0.1:8000", help="server address (default: http://127.0.0.1:8000)"
@@ -99,11 +100,18 @@ def _status_parser(sub) -> argparse.ArgumentParser:
         default=os.environ.get("SKYINFER_ADMIN_KEY"),
         help="the server's admin key, if it has one (default: $SKYINFER_ADMIN_KEY)",
     )
-    p.add_argument("--json", action="store_true", help="print the raw JSON instead of a table")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help='print the raw JSON instead of a table (with the same exit code; {"error": ..., "url": ...} when'
+        " the server cannot be reached)",
+    )
     return p
 
 
 def _status(args) -> int:
+    """0 when every engine is ready, 3 when some are not, 1 when the server cannot be reached (or
+    refuses): the same with ``--json``, which prints the view, or the error, as JSON."""
     import json
 
     from .client import Client, SkyinferError
@@ -116,13 +124,15 @@ def _status(args) -> int:
             hit_rates = read_hit_rates(client.metrics())
         except SkyinferError as exc:
             print(f"skyinfer status: {args.url}: {exc.message}", file=sys.stderr)
+            if args.json:
+                print(json.dumps({"error": exc.message, "status": exc.status, "url": args.url}, indent=2))
             return 1
     for e in engines:
         e["prefix_cache_hit_rate"] = hit_rates.get(e["id"])
     if args.json:
         print(json.dumps({"weight_version": fleet, "engines": engines}, indent=2))
-        return 0
-    print(format_engine_table(engines, fleet))
+    else:
+        print(format_engine_table(engines, fleet))
     return 0 if all(e["state"] == "ready" for e in engines) else 3
 
 

@@ -175,7 +175,9 @@ class AdapterFleet:
     # -- load, push, unload ------------------------------------------------------
     async def load(self, request: LoadAdapterRequest) -> dict:
         """Load an adapter from a directory on every engine (vLLM's body, plus ``version``), or
-        reload it in place; checked against the checkpoint first, rolled back if an engine fails."""
+        reload it in place; checked against the checkpoint first, rolled back if an engine fails.
+
+        If its caller leaves: the load still lands on every engine, or is rolled back on all."""
         async with self.registry.fleet_change():
             engines = self._targets(request.lora_name, request.load_inplace)
             config, shapes = await asyncio.to_thread(_read_adapter_dir, request.lora_path)
@@ -189,7 +191,9 @@ class AdapterFleet:
     async def push(self, request: PushAdapterRequest) -> dict:
         """Receive the adapter's tensors on every engine (a collective with the trainer's
         broadcast), then load it everywhere. A failed receive touches no model weights:
-        the fleet keeps what it served, and the trainer's group must be formed again."""
+        the fleet keeps what it served, and the trainer's group must be formed again.
+
+        If its caller leaves: as a load, it lands on every engine or on none."""
         meta = UpdateMetadata.parse(request.update_info, ("update_info",))
         async with self.registry.fleet_change():
             engines = self.sync.transfer_members()
@@ -285,7 +289,9 @@ class AdapterFleet:
         return await call_engine(record, "/adapters/unload", timeout_s=self.timeout_s, body={"lora_name": name})
 
     async def unload(self, request: UnloadAdapterRequest) -> dict:
-        """Take an adapter out of routing, then off every engine."""
+        """Take an adapter out of routing, then off every engine.
+
+        If its caller leaves: it still leaves every engine."""
         async with self.registry.fleet_change():
             # Out of routing first: no request is sent to an adapter on its way out.
             adapter = self.adapters.pop(request.lora_name, None)

@@ -64,8 +64,10 @@ class ServeConfig:
     port: int = _option(8000, "port to bind")
     front_workers: int = _option(
         1,
-        "processes that accept on the port and relay the data plane; the first process keeps routing, admin "
-        "and weight calls and the engines (more than 1: when one core cannot relay what the engines produce)",
+        "N of 2 or more: N worker processes accept on the port and relay the data plane, besides the control "
+        "process (not one of the N: N+1 processes in all), which keeps routing, admin and weight calls and the "
+        "engines and no longer accepts on the port (for engines that emit more than one core can relay); 1: no "
+        "worker, the front alone accepts on the port and serves everything",
         metavar="N",
         validator=_at_least_one,
     )

@@ -142,14 +142,19 @@ async def _params(request: web.Request, params: type[QueryParams]):
 @takes(PauseParams)
 async def _pause(request: web.Request) -> web.Response:
     """Pause every engine: ``abort`` ends the requests in flight, ``wait`` lets them finish,
-    ``keep`` freezes them until ``/resume``. Requests sent meanwhile wait."""
+    ``keep`` freezes them until ``/resume``. Requests sent meanwhile wait.
+
+    If its caller leaves: the pause still lands (a wait-mode one once the requests drain) and the
+    fleet is paused; a ``/resume`` sent meanwhile waits for it, then undoes it."""
     p = await _params(request, PauseParams)
     outcomes = await request.app[CONTROL].apply("pause", p.to_query(), mode=p.mode)
     return aggregate("pause", outcomes, {"status": "paused", "mode": p.mode})
 
 
 async def _resume(request: web.Request) -> web.Response:
-    """Resume every paused engine."""
+    """Resume every paused engine.
+
+    If its caller leaves: the engines still resume; ``GET /engines`` shows them ready."""
     outcomes = await request.app[CONTROL].apply("resume")
     return aggregate("resume", outcomes, {"status": "resumed"})
 
@@ -157,7 +162,10 @@ async def _resume(request: web.Request) -> web.Response:
 @takes(SleepParams)
 async def _sleep(request: web.Request) -> web.Response:
     """Put every engine to sleep: level 1 offloads the weights and drops the KV cache, level 2
-    drops both (a push must follow), level 0 only pauses."""
+    drops both (a push must follow), level 0 only pauses.
+
+    If its caller leaves: the sleep still lands and the fleet is asleep; ``/wake_up`` wakes it. An
+    engine whose sleep failed counts as asleep (its memory may be released) until a wake-up."""
     p = await _params(request, SleepParams)
     outcomes = await request.app[CONTROL].apply("sleep", p.to_query(), level=p.level)
     return aggregate("sleep", outcomes, {"status": "sleeping", "level": p.level})
@@ -166,7 +174,9 @@ async def _sleep(request: web.Request) -> web.Response:
 @takes(WakeUpParams)
 async def _wake_up(request: web.Request) -> web.Response:
     """Wake every engine, or only the memory ``tags`` name (``weights``, ``kv_cache``); fully
-    awake engines run again."""
+    awake engines run again.
+
+    If its caller leaves: the engines still wake; ``GET /engines`` shows what is still asleep."""
     p = await _params(request, WakeUpParams)
     control = request.app[CONTROL]
     outcomes = await control.apply("wake_up", p.to_query(), tags=p.tags)
@@ -177,7 +187,9 @@ async def _wake_up(request: web.Request) -> web.Response:
 
 @takes(ResetPrefixCacheParams)
 async def _reset_prefix_cache(request: web.Request) -> web.Response:
-    """Drop every engine's prefix cache."""
+    """Drop every engine's prefix cache.
+
+    If its caller leaves: every engine still drops it."""
     p = await _params(request, ResetPrefixCacheParams)
     outcomes = await request.app[CONTROL].apply("reset_prefix_cache", p.to_query())
     return aggregate("reset_prefix_cache", outcomes, {"status": "reset"})
@@ -186,7 +198,9 @@ async def _reset_prefix_cache(request: web.Request) -> web.Response:
 @takes(AbortParams)
 async def _abort_requests(request: web.Request) -> web.Response:
     """Abort the requests ``request_ids`` name (response ids), or every request in flight; never
-    waits behind another fleet operation."""
+    waits behind another fleet operation.
+
+    If its caller leaves: the requests are still aborted."""
     p = AbortParams.parse(await admin_json_body(request) or {})
     outcomes = await request.app[CONTROL].apply("abort_requests", body=p.to_body())
     aborted = sum(o.body.get("aborted", 0) for o in outcomes if o.ok)

@@ -20,7 +20,7 @@ from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from .proxy import ENGINE_HEADER, REGISTRY
+from .proxy import ENGINE_HEADER, REGISTRY, RELAYED_STREAM
 from .state import EngineRegistry, EngineState
 from .weights.phases import Phase
 
@@ -123,7 +123,15 @@ class RequestMetrics:
                 status = exc.status
                 raise
             except asyncio.CancelledError:
+                # The caller went away. A relayed stream's head went out before: its engine is known,
+                # and if the caller had the whole answer (the openai SDK closes its connection on
+                # reading [DONE], before the end of the chunked body) the request was answered.
                 status = CLIENT_CLOSED
+                if (relayed := request.get(RELAYED_STREAM)) is not None:
+                    response, answer = relayed
+                    engine = response.headers.get(ENGINE_HEADER, "")
+                    if answer.delivered:
+                        status = response.status
                 raise
             finally:
                 resource = request.match_info.route.resource

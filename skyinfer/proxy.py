@@ -38,6 +38,11 @@ ENGINE_HEADER = "X-Skyinfer-Engine"
 WEIGHT_VERSION_HEADER = "X-Weight-Version"
 # On an answer from a second engine: the id of the engine that died under the request first.
 RETRIED_FROM_HEADER = "X-Skyinfer-Retried-From"
+# On a relayed stream's request once its head is sent: (its response, its ``EngineAnswer``). What
+# the request metrics count when the caller closes its connection before the handler returns: the
+# openai SDK closes as soon as it reads ``data: [DONE]``, and such a request was answered all the same.
+# (``web.RequestKey`` from aiohttp 3.14, which warns about a str key; a str before it.)
+RELAYED_STREAM = web.RequestKey("relayed_stream", tuple) if hasattr(web, "RequestKey") else "skyinfer.relayed_stream"
 
 # Requests one engine answers: every data route of ``vllm serve`` (the pooling
 # ones too: an engine whose model cannot pool answers them 404, as vLLM does).
@@ -364,8 +369,11 @@ async def _relay_answer(
     headers = {**_own_headers(engine), **extra_headers, "Content-Type": head.headers["Content-Type"]}
     response = web.StreamResponse(status=head.status, headers={**headers, "Cache-Control": "no-cache"})
     await response.prepare(request)
+    request[RELAYED_STREAM] = (response, answer)
     if first is not None:
         await response.write(first)
+        if first.endswith(stream_relay.DONE_EVENT):
+            answer.delivered = True
         if request.transport is None:
             raise ConnectionResetError("the caller went away")
         try:
@@ -375,5 +383,12 @@ async def _relay_answer(
             log.warning("engine %d: stream on %s broke off: %r", engine.engine_id, request.path, exc)
             message = f"engine {engine.engine_id} failed mid-stream: {exc!r}"
             await response.write(b"data: " + orjson.dumps(error_body(503, message)) + b"\n\ndata: [DONE]\n\n")
-    await response.write_eof()
+            answer.delivered = True  # all there is: the front's own error event, and its [DONE]
+    try:
+        await response.write_eof()
+    except ConnectionResetError:
+        # The caller closed its connection before the end of the chunked body: once it has had the
+        # whole answer (its [DONE], as the openai SDK closes), that is no failure of the request.
+        if not answer.delivered:
+            raise
     return response

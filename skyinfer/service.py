@@ -39,10 +39,10 @@ async def run_service(config: ServeConfig) -> int:
             await web.UnixSite(runner, workers.control_socket).start()
             await workers.start(listening_socket(config.host, config.port))
         log.info(
-            "listening on http://%s:%d (%d front process(es)); starting %d engine(s)",
+            "listening on http://%s:%d (%s); starting %d engine(s)",
             config.host,
             config.port,
-            config.front_workers,
+            "one front process" if workers is None else f"{config.front_workers} front workers beside this one",
             config.engines,
         )
         ready = asyncio.ensure_future(app[SUPERVISOR].wait_ready())

@@ -8,6 +8,10 @@ directly, and once the answer's head and first chunk are in, the protocol's ``da
 each complete chunk straight to the caller's transport (aiohttp's client, which decodes each chunk
 and wakes the handler for it, keeps every other request). Only complete chunks are written, so a
 stream the engine breaks off can still be ended with an error event of the front's own.
+
+A caller may close its connection as soon as it has the stream's last event, before the end of the
+chunked body (the openai SDK closes on reading ``data: [DONE]``): ``EngineAnswer.delivered`` says
+whether it had the whole answer, so that such a request still counts as answered.
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ _PAUSE_AT_BYTES = 256 * 1024
 _RESUME_AT_BYTES = 64 * 1024
 _DRAIN_CHECK_S = 0.005
 CONNECT_TIMEOUT_S = 10
+# The event that ends an OpenAI stream, and the end of the chunk that carries it.
+DONE_EVENT = b"data: [DONE]\n\n"
+_DONE_CHUNK_END = DONE_EVENT + b"\r\n"
 
 
 class EngineHangUp(Exception):
@@ -105,6 +112,10 @@ class EngineAnswer(asyncio.Protocol):
         self._need = 0
         self._terminal = False
         self._lost = False
+        # Whether the caller had the whole answer: its [DONE] event written to the caller's
+        # transport, or every chunk up to the stream's end (none dropped for a caller gone).
+        self.delivered = False
+        self._dropped = False
 
     # -- asyncio.Protocol ----------------------------------------------------------------------
 
@@ -120,7 +131,7 @@ class EngineAnswer(asyncio.Protocol):
             if end:
                 self._pass_on(data if end == len(data) else data[:end])
             if self._terminal:
-                self._settle(None)
+                self._ended()
             elif end < len(data):
                 self._buffer += data[end:]
                 self._need = need - end if need else 0
@@ -216,7 +227,12 @@ class EngineAnswer(asyncio.Protocol):
             del self._buffer[:end]
             self._need = max(0, self._need - end) if self._need else 0
         if self._terminal:
-            self._settle(None)
+            self._ended()
+
+    def _ended(self) -> None:
+        """The terminal chunk is in: every chunk before it went to the caller, unless it had gone."""
+        self.delivered = self.delivered or not self._dropped
+        self._settle(None)
 
     def _progress_body(self) -> None:
         head = self._parsed
@@ -233,9 +249,12 @@ class EngineAnswer(asyncio.Protocol):
         caller = self._caller
         if caller.is_closing():
             # The caller is gone: so is this request (aiohttp cancels its handler, which closes us).
+            self._dropped = True
             self.transport.close()
             return
         caller.write(framed)
+        if framed.endswith(_DONE_CHUNK_END):
+            self.delivered = True
         if caller.get_write_buffer_size() > _PAUSE_AT_BYTES:
             self.transport.pause_reading()
             self._loop.call_later(_DRAIN_CHECK_S, self._resume_when_drained)

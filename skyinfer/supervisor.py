@@ -272,16 +272,20 @@ class Supervisor:
             client = record.client
             if not record.up or client is None:
                 continue
+            slow = False
             try:
                 async with client.get("/health", timeout=aiohttp.ClientTimeout(total=c.health_timeout_s)) as resp:
                     healthy = resp.status == 200
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+            except asyncio.TimeoutError:
+                healthy, slow = False, True
+            except aiohttp.ClientError:
                 healthy = False
-            if not healthy and record.busy_for_front():
+            if slow and record.busy_for_front():
                 # Busy on the front's behalf (a rendezvous, a transfer, a drain): that call's own
-                # deadline judges it, and its process is watched; a busy EngineCore is no fault.
+                # deadline judges it, and its process is watched. An engine that answers that it is
+                # dead (its EngineCore gone), or no longer takes connections, is dead all the same.
                 log.info(
-                    "engine %d: health probe unanswered during a call of the front's: not counted", record.engine_id
+                    "engine %d: health probe timed out during a call of the front's: not counted", record.engine_id
                 )
                 continue
             failures = 0 if healthy else failures + 1
@@ -418,7 +422,10 @@ SUPERVISOR = web.AppKey("supervisor", Supervisor)
 
 async def _restart_engine(request: web.Request) -> web.Response:
     """``POST /engines/{id}/restart``: replace one engine's process, and answer once it is up (a
-    retired engine rejoins the fleet; stale until the next push if the fleet's weights moved on)."""
+    retired engine rejoins the fleet; stale until the next push if the fleet's weights moved on).
+
+    If its caller leaves: the restart runs to its end (the engine comes up, or is declared dead
+    and revived); ``GET /engines`` shows it, and a second restart meanwhile is a 409."""
     supervisor = request.app[SUPERVISOR]
     records = supervisor.registry.records
     engine_id = request.match_info["engine_id"]

@@ -85,7 +85,9 @@ def _per_engine_view(path: str):
 
 def _cache_reset(operation: str):
     async def reset(request: web.Request) -> web.Response:
-        """vLLM's cache reset on every engine, one answer per engine."""
+        """vLLM's cache reset on every engine, one answer per engine.
+
+        If its caller leaves: every engine still resets it."""
         outcomes = await request.app[CONTROL].apply(operation)
         return aggregate(operation, outcomes, {"status": "reset"})
 
@@ -94,7 +96,9 @@ def _cache_reset(operation: str):
 
 async def _collective_rpc(request: web.Request) -> web.Response:
     """vLLM's ``collective_rpc`` on every engine, for the worker methods ``--allow-collective-rpc``
-    allows (body: ``method``, ``args``, ``kwargs``, ``timeout``); any other is a 403."""
+    allows (body: ``method``, ``args``, ``kwargs``, ``timeout``); any other is a 403.
+
+    If its caller leaves: the call still runs on every engine."""
     body = await admin_json_body(request, required=True)
     method = body.get("method")
     if not isinstance(method, str) or not method:

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import attrs
 from aiohttp import web
 
 from skyinfer.app import create_app
@@ -21,16 +22,15 @@ FAKE_ENGINE = str(Path(__file__).resolve().parent.parent / "tools" / "fake_engin
 
 
 async def fake_fleet(aiohttp_client, demo_model, tmp_path, **options):
+    """Two fake engines on CPU, with probes and restarts fast enough for a test."""
     options = {"restart_backoff_s": 0.1, "health_interval_s": 0.5, "health_timeout_s": 1.0, **options}
-    config = ServeConfig(
-        model=str(demo_model),
-        engines=2,
-        device="cpu",
-        socket_dir=str(tmp_path),
-        engine_command=(sys.executable, FAKE_ENGINE),
-        **options,
-    )
-    app = create_app(config)
+    config = ServeConfig(model=str(demo_model), engines=2, device="cpu", socket_dir=str(tmp_path), **options)
+    return await serve_fakes(aiohttp_client, config)
+
+
+async def serve_fakes(aiohttp_client, config: ServeConfig):
+    """The service ``config`` describes, its engines fake ones: the app and a client, once they are ready."""
+    app = create_app(attrs.evolve(config, engine_command=(sys.executable, FAKE_ENGINE)))
     client = await aiohttp_client(app)
     await app[SUPERVISOR].wait_ready()
     return app, client

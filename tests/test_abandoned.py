@@ -27,11 +27,11 @@ SLOW_S = 1.5
 GIVE_UP_S = 0.3
 
 
-async def abandon(client, method: str, path: str, **kwargs) -> None:
-    """A caller that gives up ``GIVE_UP_S`` into its call: its connection closes, as an HTTP
+async def abandon(client, method: str, path: str, after_s: float = GIVE_UP_S, **kwargs) -> None:
+    """A caller that gives up ``after_s`` into its call: its connection closes, as an HTTP
     client's timeout or an operator's Ctrl-C closes it."""
     try:
-        r = await asyncio.wait_for(client.request(method, path, **kwargs), GIVE_UP_S)
+        r = await asyncio.wait_for(client.request(method, path, **kwargs), after_s)
     except asyncio.TimeoutError:
         return
     raise AssertionError(f"{path} answered {r.status} before its caller gave up: {await r.text()}")
@@ -174,6 +174,46 @@ async def test_a_wait_pause_its_caller_abandons_lands_and_a_resume_sent_meanwhil
     await pushes_and_serves(client, demo_model, group_init, "v1")
 
 
+@pytest.mark.parametrize("point", ["stopping", "starting", "bringing-up"])
+async def test_a_restart_abandoned_at_any_point_brings_the_engine_up(
+    aiohttp_client, demo_model, tmp_path, group_init, monkeypatch, point
+):
+    """An operator's restart given up while the old process stops, while the new one starts, or
+    while it is brought to a paused fleet (its pause takes 2 s): the engine comes up all the same
+    (it used to stay "restarting" for ever, every push a 409)."""
+    app, client = await fake_fleet(aiohttp_client, demo_model, tmp_path)
+    record = app[REGISTRY].records[1]
+    pid = record.pid
+    if point == "bringing-up":
+        assert (await client.post("/pause", params={"mode": "keep"})).status == 200
+        monkeypatch.setenv("FAKE_ENGINE_SCRIPT", json.dumps({"delay_s": {"/pause": 2}}))
+    give_up = {"stopping": 0.02, "starting": 0.4, "bringing-up": 1.5}[point]
+    await abandon(client, "POST", "/engines/1/restart", give_up)
+    assert record.state.value == "restarting"
+    await until(lambda: asyncio.sleep(0, record.up and record.pid != pid), timeout_s=15)
+    if point == "bringing-up":
+        assert await states(client) == ["paused", "paused"]
+        assert (await client.post("/resume")).status == 200
+    await pushes_and_serves(client, demo_model, group_init, "after")
+
+
+@pytest.mark.parametrize("call", ["pause", "sleep"])
+async def test_a_pause_or_sleep_abandoned_between_the_engines_answers_lands_on_both(
+    aiohttp_client, demo_model, tmp_path, group_init, call
+):
+    """Engine 0 has answered, engine 1 has not yet, when the caller leaves: both end paused (or
+    asleep) as vLLM holds them, and the call that undoes it works on both."""
+    app, client = await fake_fleet(aiohttp_client, demo_model, tmp_path)
+    await script(app, 1, {"delay_s": {f"/{call}": SLOW_S}})
+    await abandon(client, "POST", f"/{call}", params={"mode": "keep"} if call == "pause" else {"level": "1"})
+    state = {"pause": "paused", "sleep": "sleeping"}[call]
+    await fleet_has(lambda s, w: s == [state] * 2, client)
+    await script(app, 1, {})
+    undo = await client.post({"pause": "/resume", "sleep": "/wake_up"}[call])
+    assert undo.status == 200 and [e["status"] for e in (await undo.json())["engines"]] == [200, 200]
+    await pushes_and_serves(client, demo_model, group_init, "after")
+
+
 @pytest.mark.parametrize("receiving", [False, True], ids=["started", "receiving"])
 async def test_an_update_abandoned_for_silence_is_never_revived_by_its_next_chunk(
     aiohttp_client, demo_model, tmp_path, group_init, receiving
@@ -271,7 +311,7 @@ async def test_only_a_push_of_the_whole_checkpoint_brings_stale_engines_back(
 ):
     """After a level-2 sleep discarded the weights, a push of one tensor finishes but serves
     nothing: the engines stay stale, saying what was left out; a push of every tensor brings them back."""
-    _app, client = await fake_fleet(aiohttp_client, demo_model, tmp_path)
+    _app, client = await fake_fleet(aiohttp_client, demo_model, tmp_path, hold_requests_s=0)
     assert (await client.post("/sleep", params={"level": "2"})).status == 200
     assert (await client.post("/wake_up")).status == 200
     assert await states(client) == ["stale", "stale"]

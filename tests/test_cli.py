@@ -1,22 +1,59 @@
-"""The command line as a user runs it: ``skyinfer status`` exit codes, and ``skyinfer serve``
-exiting when an engine cannot start."""
+"""The command line as a user runs it: ``skyinfer status`` exit codes (table or ``--json``, the
+same), and ``skyinfer serve`` exiting when an engine cannot start."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import re
 import subprocess
 import sys
 
 import httpx
 import psutil
+from fakes import fake_fleet
 
 from support import ServerProcess, free_port, restore_fleet
 
 
-def status(url: str) -> subprocess.CompletedProcess:
+def status(url: str, *options: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "skyinfer", "status", url], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "skyinfer", "status", url, *options], capture_output=True, text=True, timeout=120
     )
+
+
+async def status_of(url: str, *options: str) -> tuple[int, str]:
+    """``skyinfer status`` of a server in this event loop (a fake fleet's): its exit code and output."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "skyinfer", "status", url, *options, stdout=asyncio.subprocess.PIPE
+    )
+    stdout, _ = await asyncio.wait_for(process.communicate(), 120)
+    return process.returncode, stdout.decode()
+
+
+def test_status_json_of_a_server_that_cannot_be_reached_is_an_error_and_exit_1():
+    url = f"http://127.0.0.1:{free_port()}"
+    unreachable = status(url, "--json")
+    # Not 0 with nothing to show: 1, as the table says it, and JSON still on stdout for a script.
+    assert unreachable.returncode == 1, unreachable
+    answer = json.loads(unreachable.stdout)
+    assert answer["url"] == url and "cannot connect" in answer["error"], answer
+    assert "skyinfer status" in unreachable.stderr
+
+
+async def test_status_json_exits_as_the_table_does(aiohttp_client, demo_model, tmp_path):
+    _, client = await fake_fleet(aiohttp_client, demo_model, tmp_path)
+    url = str(client.make_url("")).rstrip("/")
+    for options in ((), ("--json",)):
+        code, out = await status_of(url, *options)
+        assert code == 0, out
+    assert [e["state"] for e in json.loads(out)["engines"]] == ["ready", "ready"]
+    assert (await client.post("/pause", params={"mode": "keep"})).status == 200
+    # Up, but not every engine ready: 3 either way.
+    for options in ((), ("--json",)):
+        code, out = await status_of(url, *options)
+        assert code == 3 and "paused" in out, out
+    assert {e["state"] for e in json.loads(out)["engines"]} == {"paused"}
 
 
 async def test_status_exit_codes(server):

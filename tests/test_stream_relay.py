@@ -1,13 +1,17 @@
 """The stream relay's HTTP/1.1 framing (skyinfer/stream_relay.py) against an engine socket that
 answers in arbitrary fragments: one byte at a time, chunks split mid size line, a hang-up mid-chunk.
 (The relay with real engines, streams cut by killed engines and callers that go away included, is
-exercised by the data-plane, disconnect and supervision modules.)"""
+exercised by the data-plane, disconnect and supervision modules.) Over fake engines: how a stream whose
+caller closes its connection right after ``data: [DONE]``, as the openai SDK does, is counted."""
 
 from __future__ import annotations
 
 import asyncio
 
+import fakes
 import pytest
+from fakes import FAKE_ENGINE, fake_fleet, until
+from prometheus_client.parser import text_string_to_metric_families
 
 from skyinfer import stream_relay
 
@@ -134,3 +138,77 @@ async def test_a_hang_up_before_the_head_is_an_engine_hang_up(tmp_path):
             await asyncio.wait_for(answer.head(), 10)
     finally:
         answer.close()
+
+
+# The fake engine, ending each stream's chunked body a while after its [DONE] event (vLLM's server
+# sends the two apart too): the caller's close then reaches the front before the end of the body.
+LATE_END_ENGINE = f"""
+import asyncio, runpy
+from aiohttp import web
+
+write_eof = web.StreamResponse.write_eof
+
+async def late_write_eof(self, data=b""):
+    if self.content_type == "text/event-stream":
+        await asyncio.sleep({{delay_s}})
+    await write_eof(self, data)
+
+web.StreamResponse.write_eof = late_write_eof
+runpy.run_path({FAKE_ENGINE!r}, run_name="__main__")
+"""
+
+
+async def _stream_then_hang_up(host: str, port: int, session: str) -> bytes:
+    """A streamed chat request from a raw client that closes its connection as soon as it has read
+    ``data: [DONE]``, as the openai SDK does; what it read."""
+    body = b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": true}'
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+        f"X-Session-ID: {session}\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        writer.write(head + body)
+        read = b""
+        while b"data: [DONE]\n\n" not in read:
+            more = await asyncio.wait_for(reader.read(65536), 10)
+            assert more, f"the stream ended before its [DONE]: {read!r}"
+            read += more
+        return read
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize("end_after_done_s", [0, 0.05], ids=["fake-engine", "end-of-body-late"])
+async def test_a_stream_the_caller_closes_right_after_its_done_counts_as_200(
+    aiohttp_client, demo_model, tmp_path, monkeypatch, end_after_done_s
+):
+    """The caller had every event: its request counts as a 200 from its engine, not as a 499 (client
+    closed) with no engine, whether its close reaches the front before or after the engine's end of
+    the chunked body (as it comes, a race; with the end late, every time)."""
+    if end_after_done_s:
+        late_end = tmp_path / "late_end_engine.py"
+        late_end.write_text(LATE_END_ENGINE.format(delay_s=end_after_done_s))
+        monkeypatch.setattr(fakes, "FAKE_ENGINE", str(late_end))
+    _, client = await fake_fleet(aiohttp_client, demo_model, tmp_path)
+    host, port = client.server.host, client.server.port
+    streams = 20
+    for i in range(streams):
+        read = await _stream_then_hang_up(host, port, f"hang-up-{i}")
+        assert read.startswith(b"HTTP/1.1 200") and b"X-Skyinfer-Engine: " in read
+
+    async def counted() -> dict[tuple[str, str], float] | None:
+        text = await (await client.get("/metrics")).text()
+        samples = {
+            (s.labels["engine"], s.labels["status"]): s.value
+            for family in text_string_to_metric_families(text)
+            if family.name == "skyinfer_requests"
+            for s in family.samples
+            if s.name == "skyinfer_requests_total" and s.labels["route"] == "/v1/chat/completions"
+        }
+        return samples if sum(samples.values()) >= streams else None
+
+    samples = await until(counted, 10)
+    assert {status for _, status in samples} == {"200"}, samples
+    assert {engine for engine, _ in samples} <= {"0", "1"}, samples
+    assert sum(samples.values()) == streams

@@ -44,6 +44,7 @@ class Client:
 
     @property
     def base_url(self) -> str:
+        """The server's URL (the first node's, given several)."""
         return self._async.base_url
 
     def _run(self, coro: Coroutine) -> Any:
@@ -58,6 +59,7 @@ class Client:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def close(self) -> None:
+        """Close the connections and end the client's background thread (a later call starts them again)."""
         if self._loop is not None:
             self._finalizer()
             self._loop = None

@@ -34,6 +34,7 @@ class MultiNodeClient:
 
     @property
     def base_url(self) -> str:
+        """The first node's URL."""
         return self.nodes[0].base_url
 
     def node_for(self, session_id: str | None) -> AsyncClient:
@@ -47,6 +48,7 @@ class MultiNodeClient:
         return self.nodes[int.from_bytes(digest, "big") % len(self.nodes)]
 
     async def aclose(self) -> None:
+        """Close every node's connections (and the router's)."""
         await asyncio.gather(*(c.aclose() for c in [*self.nodes, *([self.router] if self.router else [])]))
 
     async def __aenter__(self) -> MultiNodeClient:
@@ -92,59 +94,76 @@ class MultiNodeClient:
 
     # -- data plane ---------------------------------------------------------------
     async def models(self) -> list[dict]:
+        """The served models, as the first node lists them (every node serves the same model)."""
         return await self.nodes[0].models()
 
     async def model(self) -> str:
+        """The served model's name, from the first node (asked once)."""
         return await self.nodes[0].model()
 
     async def generate(self, token_ids, sampling_params=None, *, session_id=None, **fields) -> dict:
+        """``AsyncClient.generate`` on the node ``node_for(session_id)`` picks."""
         return await self.node_for(session_id).generate(token_ids, sampling_params, session_id=session_id, **fields)
 
     async def chat(self, messages, *, model=None, session_id=None, **params) -> dict:
+        """``AsyncClient.chat`` on the node ``node_for(session_id)`` picks."""
         model = model or await self.model()
         return await self.node_for(session_id).chat(messages, model=model, session_id=session_id, **params)
 
     async def complete(self, prompt, *, model=None, session_id=None, **params) -> dict:
+        """``AsyncClient.complete`` on the node ``node_for(session_id)`` picks."""
         model = model or await self.model()
         return await self.node_for(session_id).complete(prompt, model=model, session_id=session_id, **params)
 
     # Every node serves the same model: any one tokenizes.
     async def tokenize(self, prompt=None, **kwargs) -> list[int]:
+        """``AsyncClient.tokenize`` on the first node (every node serves the same model)."""
         return await self.nodes[0].tokenize(prompt, **kwargs)
 
     async def detokenize(self, tokens, **kwargs) -> str:
+        """``AsyncClient.detokenize`` on the first node (every node serves the same model)."""
         return await self.nodes[0].detokenize(tokens, **kwargs)
 
     # -- control plane: every node -------------------------------------------------
     async def pause(self, mode: str = "abort", clear_cache: bool = True) -> dict:
+        """``AsyncClient.pause`` on every node at once: one report per node."""
         return await self._fanout_report("pause", mode, clear_cache)
 
     async def resume(self) -> dict:
+        """``AsyncClient.resume`` on every node at once: one report per node."""
         return await self._fanout_report("resume")
 
     async def sleep(self, level: int = 1, mode: str = "abort") -> dict:
+        """``AsyncClient.sleep`` on every node at once: one report per node."""
         return await self._fanout_report("sleep", level, mode)
 
     async def wake_up(self, tags: list[str] | None = None) -> dict:
+        """``AsyncClient.wake_up`` on every node at once: one report per node."""
         return await self._fanout_report("wake_up", tags)
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_external: bool = False) -> dict:
+        """``AsyncClient.reset_prefix_cache`` on every node at once: one report per node."""
         return await self._fanout_report("reset_prefix_cache", reset_running_requests, reset_external)
 
     async def abort(self, request_ids: Sequence[str] | None = None, *, all_requests: bool = False) -> dict:
+        """``AsyncClient.abort`` on every node at once: one report per node."""
         return await self._fanout_report("abort", request_ids, all_requests=all_requests)
 
     async def is_paused(self) -> bool:
+        """Whether any engine of any node is paused."""
         return any(await self._fanout("is_paused"))
 
     async def is_sleeping(self) -> bool:
+        """Whether any engine of any node sleeps."""
         return any(await self._fanout("is_sleeping"))
 
     # -- weight transfer: one group over every node's workers ----------------------------
     async def node_world_sizes(self) -> list[int]:
+        """Each node's inference workers (``GET /get_world_size``), in node order."""
         return await self._fanout("get_world_size")
 
     async def get_world_size(self) -> int:
+        """The inference workers of every node together: the group's ``world_size`` less the trainer's ranks."""
         return sum(await self.node_world_sizes())
 
     async def init_weight_transfer_engine(self, init_info: dict) -> dict:
@@ -158,26 +177,34 @@ class MultiNodeClient:
         return self._report(await self._gather("init_weight_transfer", calls))
 
     async def start_weight_update(self, update_info: dict | None = None) -> dict:
+        """``AsyncClient.start_weight_update`` on every node at once: one report per node."""
         return await self._fanout_report("start_weight_update", update_info)
 
     async def update_weights(self, update_info: dict, weight_version: str | None = None) -> dict:
+        """``AsyncClient.update_weights`` on every node at once: one report per node."""
         return await self._fanout_report("update_weights", update_info, weight_version)
 
     async def finish_weight_update(
         self, weight_version: str | None = None, verify: bool = False, expected_checksums: dict[str, str] | None = None
     ) -> dict:
+        """``AsyncClient.finish_weight_update`` on every node at once: one report per node."""
         return await self._fanout_report("finish_weight_update", weight_version, verify, expected_checksums)
 
     async def weight_checker(self, action: str = "checksum", baseline: dict[str, str] | None = None) -> dict:
+        """``AsyncClient.weight_checker`` on every node at once: one report per node (each node
+        checks its own engines)."""
         return await self._fanout_report("weight_checker", action, baseline)
 
     async def update_weight_version(self, new_version: str) -> dict:
+        """``AsyncClient.update_weight_version`` on every node at once: one report per node."""
         return await self._fanout_report("update_weight_version", new_version)
 
     async def shutdown_weight_transfer_engine(self) -> dict:
+        """``AsyncClient.shutdown_weight_transfer_engine`` on every node at once: one report per node."""
         return await self._fanout_report("shutdown_weight_transfer_engine")
 
     async def weight_info(self) -> dict:
+        """Each node's ``/weight_info``, and the weight version if every node serves the same (else None)."""
         infos = await self._fanout("weight_info")
         versions = {i["weight_version"] for i in infos}
         return {
@@ -192,28 +219,35 @@ class MultiNodeClient:
         return await self._fanout_report("load_lora_adapter", lora_name, lora_path, load_inplace, version)
 
     async def unload_lora_adapter(self, lora_name: str) -> dict:
+        """``AsyncClient.unload_lora_adapter`` on every node at once: one report per node."""
         return await self._fanout_report("unload_lora_adapter", lora_name)
 
     async def update_lora_adapter(
         self, lora_name: str, peft_config: dict, update_info: dict, version: str | None = None, check_only: bool = False
     ) -> dict:
+        """``AsyncClient.update_lora_adapter`` on every node at once: one report per node."""
         return await self._fanout_report(
             "update_lora_adapter", lora_name, peft_config, update_info, version, check_only
         )
 
     # -- status ----------------------------------------------------------------------
     async def engines(self) -> list[dict]:
+        """Every node's engines, each marked with its ``node``."""
         per_node = await self._fanout("engines")
         return [{"node": n.base_url, **e} for n, engines in zip(self.nodes, per_node) for e in engines]
 
     async def health(self) -> dict:
+        """Every node's ``/health`` body, each marked with its ``node``."""
         return {"nodes": [{"node": n.base_url, **h} for n, h in zip(self.nodes, await self._fanout("health"))]}
 
     async def ready(self) -> bool:
+        """Whether every engine of every node is ready."""
         return all(await self._fanout("ready"))
 
     async def wait_ready(self, timeout_s: float = 600.0, poll_s: float = 0.5) -> None:
+        """Wait until every node is ready (``AsyncClient.wait_ready`` on each)."""
         await self._fanout("wait_ready", timeout_s, poll_s)
 
     async def metrics(self) -> dict[str, str]:
+        """Every node's Prometheus text, by node URL."""
         return {n.base_url: text for n, text in zip(self.nodes, await self._fanout("metrics"))}

@@ -16,6 +16,10 @@ KEEPALIVE_S = 30.0
 
 
 class SkyinferError(RuntimeError):
+    """A call the server refused, or that failed: ``status`` (the HTTP status; 503 when the connection
+    failed, 504 when the call timed out), ``message`` (the server's own) and ``body`` (the server's
+    JSON answer where it sent one: each engine's result, for a call that went to every engine)."""
+
     def __init__(self, status: int, message: str, body: Any = None):
         super().__init__(f"{status}: {message}")
         self.status = status
@@ -35,6 +39,11 @@ def _bool(value: bool) -> str:
 
 
 class AsyncClient:
+    """One skyinfer server, every route, async. ``api_key`` goes with data-plane calls, ``admin_key``
+    (else the API key) with control, weight and engine calls; ``timeout_s`` bounds each call. Only a
+    connection that could not be opened, and a 503 on a call that changes nothing, are tried again,
+    up to ``retries`` times, ``retry_backoff_s`` apart and doubling."""
+
     def __init__(
         self,
         base_url: str,
@@ -153,6 +162,7 @@ class AsyncClient:
 
     # -- data plane ---------------------------------------------------------------
     async def models(self) -> list[dict]:
+        """The served models, as ``GET /v1/models`` lists them (its ``data``)."""
         return (await self._read("/v1/models", admin=False))["data"]
 
     async def generate(
@@ -165,44 +175,61 @@ class AsyncClient:
     async def chat(
         self, messages: list[dict], *, model: str | None = None, session_id: str | None = None, **params
     ) -> dict:
+        """An OpenAI chat completion (``POST /v1/chat/completions``), whole (not streamed); ``params`` are
+        the request's other fields (``max_tokens``, ``logprobs``, ...). ``model``: the served model unless
+        given; ``session_id``: calls with the same id go to the same engine (``X-Session-ID``)."""
         body = {"model": model or await self.model(), "messages": messages, **params}
         return await self._data("/v1/chat/completions", body, session_id)
 
     async def complete(self, prompt: Any, *, model: str | None = None, session_id: str | None = None, **params) -> dict:
+        """An OpenAI completion (``POST /v1/completions``), whole (not streamed); ``params``, ``model`` and
+        ``session_id`` as for ``chat``."""
         body = {"model": model or await self.model(), "prompt": prompt, **params}
         return await self._data("/v1/completions", body, session_id)
 
     async def tokenize(
         self, prompt: str | None = None, *, messages: list[dict] | None = None, model: str | None = None, **params
     ) -> list[int]:
+        """vLLM's ``POST /tokenize``: the token ids of ``prompt``, or of ``messages`` in the chat template."""
         body = {"model": model or await self.model(), **params}
         body.update({"messages": messages} if messages is not None else {"prompt": prompt})
         return (await self._data("/tokenize", body, None))["tokens"]
 
     async def detokenize(self, tokens: list[int], *, model: str | None = None) -> str:
+        """vLLM's ``POST /detokenize``: the text of ``tokens``."""
         body = {"model": model or await self.model(), "tokens": list(tokens)}
         return (await self._data("/detokenize", body, None))["prompt"]
 
     # -- control plane -------------------------------------------------------------
     async def pause(self, mode: str = "abort", clear_cache: bool = True) -> dict:
+        """``POST /pause`` on every engine. ``mode``: ``abort`` the requests in flight, ``keep`` them frozen
+        until resume, or ``wait`` for them to finish; ``clear_cache=False`` keeps the KV and prefix cache."""
         return await self._admin("/pause", {"mode": mode, "clear_cache": _bool(clear_cache)})
 
     async def resume(self) -> dict:
+        """``POST /resume``: every paused engine schedules again."""
         return await self._admin("/resume")
 
     async def is_paused(self) -> bool:
+        """Whether any engine is paused (``GET /is_paused``; a sleeping engine is paused too)."""
         return (await self._read("/is_paused"))["is_paused"]
 
     async def sleep(self, level: int = 1, mode: str = "abort") -> dict:
+        """``POST /sleep`` on every engine: ``level`` 0 (the scheduler only), 1 (weights and KV cache
+        released) or 2 (weights discarded: stale until a push); ``mode`` as for ``pause``."""
         return await self._admin("/sleep", {"level": str(level), "mode": mode})
 
     async def wake_up(self, tags: list[str] | None = None) -> dict:
+        """``POST /wake_up``: wake ``tags`` (``weights``, ``kv_cache``), or everything when none are given."""
         return await self._admin("/wake_up", [("tags", t) for t in tags] if tags else None)
 
     async def is_sleeping(self) -> bool:
+        """Whether any engine sleeps, as vLLM's ``is_sleeping`` answers (``GET /is_sleeping``)."""
         return (await self._read("/is_sleeping"))["is_sleeping"]
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_external: bool = False) -> dict:
+        """``POST /reset_prefix_cache`` on every engine; ``reset_running_requests`` and ``reset_external``
+        (the connector's cache too) as vLLM's route takes them."""
         params = {"reset_running_requests": _bool(reset_running_requests), "reset_external": _bool(reset_external)}
         return await self._admin("/reset_prefix_cache", params)
 
@@ -222,17 +249,25 @@ class AsyncClient:
 
     # -- weight transfer (vLLM's VLLMWeightSyncClient names) --------------------------
     async def get_world_size(self) -> int:
+        """The fleet's inference workers (``GET /get_world_size``): a one-node group's ``world_size`` is
+        this plus ``rank_offset``."""
         return (await self._read("/get_world_size"))["world_size"]
 
     async def init_weight_transfer_engine(self, init_info: dict) -> dict:
+        """``POST /init_weight_transfer``: every engine joins the trainer's group (or takes a colocated
+        transport's settings); answers once they have. ``init_info`` as vLLM's backend takes it."""
         return await self._admin("/init_weight_transfer", json={"init_info": init_info})
 
     async def start_weight_update(self, update_info: dict | None = None) -> dict:
+        """``POST /start_weight_update``: open a weight update; ``update_info`` (names, dtypes, shapes) is
+        checked against the served checkpoint, where the front can read it, before any byte moves."""
         return await self._admin(
             "/start_weight_update", json=None if update_info is None else {"update_info": update_info}
         )
 
     async def update_weights(self, update_info: dict, weight_version: str | None = None) -> dict:
+        """``POST /update_weights``: every engine receives ``update_info``'s tensors while the trainer sends
+        them; with no update open, one call starts, receives and finishes it (``weight_version``)."""
         body = {
             "update_info": update_info,
             **({"weight_version": weight_version} if weight_version is not None else {}),
@@ -265,6 +300,7 @@ class AsyncClient:
         return await self._admin("/shutdown_weight_transfer_engine")
 
     async def weight_info(self) -> dict:
+        """``GET /weight_info``: the fleet's weight version, the update's phase, each engine's version and state."""
         return await self._read("/weight_info")
 
     # -- LoRA adapters (vLLM's routes, plus a push over the transfer group) -------------
@@ -276,6 +312,7 @@ class AsyncClient:
         return await self._admin("/v1/load_lora_adapter", json={**body, **({"version": version} if version else {})})
 
     async def unload_lora_adapter(self, lora_name: str) -> dict:
+        """``POST /v1/unload_lora_adapter``: every engine drops the adapter ``lora_name``."""
         return await self._admin("/v1/unload_lora_adapter", json={"lora_name": lora_name})
 
     async def update_lora_adapter(
@@ -293,6 +330,7 @@ class AsyncClient:
 
     # -- status ----------------------------------------------------------------------
     async def engines(self) -> list[dict]:
+        """``GET /engines``: per engine, its state, process, devices, weight version and requests in flight."""
         return (await self._read("/engines"))["engines"]
 
     async def health(self) -> dict:
@@ -305,6 +343,7 @@ class AsyncClient:
             raise
 
     async def ready(self) -> bool:
+        """Whether every engine of the fleet is ready (``GET /ready`` answers 200)."""
         try:
             await self._request("GET", "/ready")
             return True
@@ -329,6 +368,7 @@ class AsyncClient:
             await asyncio.sleep(poll_s)
 
     async def metrics(self) -> str:
+        """``GET /metrics``: the Prometheus text (the front's metrics, then every engine's)."""
         return await self._request("GET", "/metrics", raw=True)
 
 

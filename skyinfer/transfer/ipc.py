@@ -232,6 +232,7 @@ class IPCTrainer(Trainer):
         self._handles: list[dict[str, dict]] = []
 
     def init(self) -> None:
+        """Tell the engines a trainer pushes through CUDA IPC; on every rank, which all return or all raise."""
         self._ranks.agree(self._init_engines)
 
     def _init_engines(self) -> None:

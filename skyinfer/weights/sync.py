@@ -246,7 +246,7 @@ class WeightSync:
     async def rejoin(self, record: EngineRecord) -> None:
         """An engine process being brought up takes a colocated transport's settings (there is no
         group to join), so that the next push reaches it like the others (bringup.py)."""
-        if self._colocated_init is None or record.in_transfer_group:
+        if self._colocated_init is None:
             return
         reply = await self._init_engine(record, self._colocated_init, self.timeout_s)
         if not reply.ok:
@@ -726,30 +726,46 @@ def _sync_route(request_type: type[WireModel], handler: Callable[[WeightSync, An
 
 async def _init(sync: WeightSync, body: InitRequest) -> dict:
     """Set up the transfer with every engine of the fleet: the group's rendezvous (gloo, NCCL;
-    the front gives each engine its ranks), or a colocated transport's settings."""
+    the front gives each engine its ranks), or a colocated transport's settings.
+
+    If its caller leaves: until its trainer listens at ``master_address:master_port`` no engine
+    is asked anything, and the next init supersedes it at once; once the engines were asked, the
+    rendezvous runs to its end or to the group's timeout. A 504 after the timeout says the trainer
+    never listened (a wrong address costs the engines nothing)."""
     return await sync.init(body.init_info)
 
 
 async def _start(sync: WeightSync, body: StartRequest) -> dict:
     """Open an update; ``update_info``, if given, is checked against the checkpoint (nothing is
-    touched yet)."""
+    touched yet).
+
+    If its caller leaves: the update stays open; a trainer silent for the group's timeout has gone,
+    and the update is abandoned (its later calls are refused with ``update_abandoned``)."""
     return sync.start(body.update_info)
 
 
 async def _update(sync: WeightSync, body: UpdateRequest) -> dict:
     """Every engine receives the tensors ``update_info`` names while the trainer sends them;
-    without an open update, start and finish too (``weight_version`` labels it)."""
+    without an open update, start and finish too (``weight_version`` labels it).
+
+    If its caller leaves: the engines' side runs to its end (a broken transfer is aborted on every
+    engine, which serve nothing until a push of the whole checkpoint). A chunk of an update the
+    server abandoned is a 409 ``update_abandoned``, never an update of its own."""
     return await sync.receive(body.update_info, body.weight_version)
 
 
 async def _finish(sync: WeightSync, body: FinishRequest) -> dict:
     """Every engine serves the new weights under ``weight_version``; ``verify`` (or
-    ``expected_checksums``) holds each to the others' weights."""
+    ``expected_checksums``) holds each to the others' weights.
+
+    If its caller leaves: the finish still lands; ``GET /weight_info`` shows the version served."""
     return await sync.finish(body.weight_version, body.verifies, body.expected_checksums)
 
 
 async def _relabel(sync: WeightSync, body: RelabelRequest) -> dict:
-    """Give the weights the fleet serves a new label, without a transfer."""
+    """Give the weights the fleet serves a new label, without a transfer.
+
+    If its caller leaves: the label still changes."""
     return await sync.relabel(body.new_version)
 
 
@@ -760,12 +776,16 @@ async def _check_weights(sync: WeightSync, body: WeightCheckRequest) -> dict:
 
 
 async def _reload(sync: WeightSync, body: WireModel) -> dict:
-    """Every engine loads the checkpoint on disk again, in place (no restart)."""
+    """Every engine loads the checkpoint on disk again, in place (no restart).
+
+    If its caller leaves: the load still runs to its end, as a push would."""
     return await sync.reload()
 
 
 async def _shutdown(sync: WeightSync, body: WireModel) -> dict:
-    """Every engine leaves the trainer's group."""
+    """Every engine leaves the trainer's group.
+
+    If its caller leaves: every engine still leaves it."""
     return await sync.shutdown()
 
 
