@@ -258,6 +258,12 @@ def _finish(engine: FakeEngine, body: dict) -> None:
         engine.weight_version = body["weight_version"]
 
 
+async def _weight_checker(request: web.Request) -> web.Response:
+    """vLLM's weight checker, over weights the fake has none of: one digest, its label's."""
+    engine = request.app[STATE]
+    return json_response({"checksums": {"model.norm.weight": engine.weight_version}})
+
+
 async def _metrics(_request: web.Request) -> web.Response:
     return web.Response(text="", content_type="text/plain")
 
@@ -294,6 +300,10 @@ def create_fake_engine_app(script: dict, served_model_name: str, max_lora_rank: 
         "/finish_weight_update": _step("finished", _finish),
         "/abort_weight_update": _step("aborted", lambda e, b: setattr(e, "updating", False)),
         "/update_weight_version": _step("relabelled", lambda e, b: setattr(e, "weight_version", b["new_version"])),
+        "/reset_mm_cache": _step("reset"),
+        "/reset_encoder_cache": _step("reset"),
+        "/weight_checker": _weight_checker,
+        "/adapters/receive": _step("received"),
         "/adapters/load": _load_adapter,
         "/adapters/unload": _unload_adapter,
     }
