@@ -13,13 +13,10 @@ change only with the engines' answers, and a caller that comes back reads where 
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from aiohttp import web
-
-log = logging.getLogger("skyinfer.abandoning")
 
 T = TypeVar("T")
 

@@ -62,7 +62,8 @@ async def call_engine(
     method: str = "POST",
 ) -> EngineReply:
     """Call one engine; a timeout or an unreachable engine is a reply too (504, 503). While the call
-    runs the engine's probes do not count against it (the call's own deadline judges it)."""
+    runs, a probe of the engine that times out does not count against it (the call's own deadline
+    judges it)."""
     if record.client is None:
         return EngineReply(record.engine_id, 503, {"error": f"engine is {record.state.value}"})
     timeout = aiohttp.ClientTimeout(total=timeout_s)

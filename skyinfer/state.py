@@ -337,7 +337,8 @@ class EngineRecord:
     on_change: Callable[[], None] | None = attrs.field(default=None, init=False)
     _connections: asyncio.Semaphore = attrs.field(init=False)
     # When each call the front has in flight to it must end by: while one runs, the engine may be
-    # busy on the front's behalf (a rendezvous, a transfer, a drain), and its probes say nothing.
+    # busy on the front's behalf (a rendezvous, a transfer, a drain), and a probe that times out
+    # says nothing (one it answers unhealthy, or refuses, still does).
     _front_call_deadlines: list[float] = attrs.field(init=False, factory=list)
 
     def __attrs_post_init__(self) -> None:

@@ -295,8 +295,7 @@ class WeightSync:
             record.in_transfer_group = False
 
     def start(self, update_info: dict | None) -> dict:
-        if self.update.phase is not Phase.IDLE:
-            self._refuse_unless(Phase.IDLE)
+        self._refuse_unless(Phase.IDLE)
         self._check_group(self._engines())
         if update_info is not None:
             self.check_metadata(update_info, carries_data=False)
