@@ -58,8 +58,9 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-# ServeConfig's annotations, as strings (postponed evaluation), to argument types.
-_ARG_TYPES = {"int": int, "float": float, "str": str, "str | None": str}
+# ServeConfig's annotations, as strings (postponed evaluation), to argument types; a field with a
+# converter (--engine-sizes) takes the string as given, and ServeConfig says what is wrong with it.
+_ARG_TYPES = {"int": int, "float": float, "str": str, "str | None": str, "tuple[tuple[int, int], ...] | None": str}
 
 
 def _config_from_args(ns: argparse.Namespace, engine_args: list[str]):

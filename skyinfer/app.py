@@ -34,7 +34,7 @@ from .weights.transports import FrontTransport
 
 
 def build_registry(config: ServeConfig, kind: str, socket_dir: str) -> EngineRegistry:
-    plans = plan_engine_devices(kind, config.engines, config.workers_per_engine, config.cpu_kvcache_gib)
+    plans = plan_engine_devices(kind, config.workers_per_engine, config.cpu_kvcache_gib)
     records = [
         EngineRecord(
             engine_id=i,
@@ -42,8 +42,9 @@ def build_registry(config: ServeConfig, kind: str, socket_dir: str) -> EngineReg
             socket_path=os.path.join(socket_dir, f"engine-{i}.sock"),
             connection_limit=config.engine_connections,
             queue_limit=config.engine_queue_limit,
+            parallel=parallel,
         )
-        for i, plan in enumerate(plans)
+        for i, (plan, parallel) in enumerate(zip(plans, config.engine_parallel, strict=True))
     ]
     router = SessionRouter(
         config.max_sessions,
@@ -84,7 +85,7 @@ def create_app(config: ServeConfig) -> web.Application:
     app[CONTROL] = ControlPlane(registry, config.control_timeout_s)
     transport = FrontTransport(
         transport_for(kind, config.colocate),
-        (config.workers_per_engine,) * config.engines,
+        config.workers_per_engine,
         config.weight_transfer_timeout_s,
         config.allow_pickled_ipc,
     )

@@ -7,6 +7,7 @@ once. The flag is the field's name with dashes, less a ``_s`` (seconds) suffix.
 
 from __future__ import annotations
 
+import re
 import sys
 
 import attrs
@@ -34,8 +35,10 @@ class CliOption:
         return "--" + name.removesuffix("_s").replace("_", "-")
 
 
-def _option(default, help: str, *, validator=None, **cli) -> attrs.Attribute:
-    return attrs.field(default=default, validator=validator, metadata={CLI: CliOption(help, **cli)})
+def _option(default, help: str, *, validator=None, converter=None, **cli) -> attrs.Attribute:
+    return attrs.field(
+        default=default, validator=validator, converter=converter, metadata={CLI: CliOption(help, **cli)}
+    )
 
 
 _at_least_one = attrs.validators.ge(1)
@@ -44,6 +47,37 @@ _at_least_one = attrs.validators.ge(1)
 def _never_or_at_least_one(_instance, attribute: attrs.Attribute, value: float) -> None:
     if value != 0 and value < 1:
         raise ValueError(f"{attribute.name} must be 0 (never) or at least 1, not {value}")
+
+
+def parse_engine_sizes(value) -> tuple[tuple[int, int], ...] | None:
+    """``--engine-sizes``: ``"2x1,1x2,1x1"`` (or pairs already) to one (tensor, pipeline) parallel
+    size per engine; None stays None (every engine ``-tp`` x ``-pp``)."""
+    if value is None:
+        return None
+    parts = [p.strip() for p in value.split(",")] if isinstance(value, str) else list(value)
+    if not parts or parts == [""]:
+        raise ValueError("--engine-sizes names no engine: give TPxPP per engine, comma-separated (e.g. 2x1,1x2,1x1)")
+    sizes = []
+    for part in parts:
+        if isinstance(part, str):
+            match = re.fullmatch(r"(\d+)[xX](\d+)", part)
+            if match is None:
+                raise ValueError(
+                    f"--engine-sizes {value!r}: {part!r} is not TPxPP (tensor x pipeline parallel size of one"
+                    " engine, e.g. 2x1); give one per engine, comma-separated (e.g. 2x1,1x2,1x1)"
+                )
+            pair = (int(match[1]), int(match[2]))
+        else:
+            pair = tuple(part)
+            if len(pair) != 2 or not all(isinstance(n, int) and not isinstance(n, bool) for n in pair):
+                raise ValueError(f"engine_sizes {value!r}: {part!r} is not a (tensor, pipeline) pair of integers")
+        if min(pair) < 1:
+            raise ValueError(
+                f"--engine-sizes {value!r}: {part!r} has a size below 1; each engine's tensor and pipeline"
+                " parallel sizes are at least 1"
+            )
+        sizes.append(pair)
+    return tuple(sizes)
 
 
 @attrs.frozen
@@ -59,6 +93,13 @@ class ServeConfig:
     )
     pipeline_parallel_size: int = _option(
         1, "pipeline stages per engine", metavar="PP", aliases=("-pp",), validator=_at_least_one
+    )
+    engine_sizes: tuple[tuple[int, int], ...] | None = _option(
+        None,
+        "engines of their own sizes, one TPxPP each: 2x1,1x2,1x1 starts three engines (tensor parallel 2;"
+        " pipeline parallel 2; one worker), on consecutive GPUs or cores, instead of --engines of -tp x -pp each",
+        metavar="TPxPP,...",
+        converter=parse_engine_sizes,
     )
     host: str = _option("127.0.0.1", "address to bind")
     port: int = _option(8000, "port to bind")
@@ -242,6 +283,8 @@ class ServeConfig:
 
     def __attrs_post_init__(self) -> None:
         check_bind(self.host, self.admin_key, self.allow_unauthenticated_admin)
+        if self.engine_sizes is not None:
+            self._check_engine_sizes()
         if given("--data-parallel-size", self.engine_args) or given("-dp", self.engine_args):
             raise ValueError(
                 "--data-parallel-size among the engine arguments: skyinfer runs data parallelism itself, one engine"
@@ -260,8 +303,35 @@ class ServeConfig:
             )
 
     @property
-    def workers_per_engine(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size
+    def engine_parallel(self) -> tuple[tuple[int, int], ...]:
+        """Each engine's (tensor, pipeline) parallel size: ``engine_sizes``, or ``-tp`` x ``-pp`` for every one."""
+        if self.engine_sizes is not None:
+            return self.engine_sizes
+        return ((self.tensor_parallel_size, self.pipeline_parallel_size),) * self.engines
+
+    @property
+    def workers_per_engine(self) -> tuple[int, ...]:
+        """Each engine's workers (GPUs, or CPU worker ranks): tp x pp of its own."""
+        return tuple(tp * pp for tp, pp in self.engine_parallel)
+
+    def _check_engine_sizes(self) -> None:
+        """``--engine-sizes`` sets the engines and their sizes: ``--engines``, ``-tp`` and ``-pp`` may
+        only repeat what it says; ``engines`` becomes its count."""
+        sizes, count = self.engine_sizes, len(self.engine_sizes)
+        shown = ",".join(f"{tp}x{pp}" for tp, pp in sizes)
+        if self.engines not in (1, count):
+            raise ValueError(
+                f"--engines {self.engines} disagrees with --engine-sizes {shown}, which starts {count} engine(s):"
+                " leave --engines out (--engine-sizes sets the count)"
+            )
+        for name, flag, index in (("tensor_parallel_size", "-tp", 0), ("pipeline_parallel_size", "-pp", 1)):
+            value = getattr(self, name)
+            if value != 1 and any(size[index] != value for size in sizes):
+                raise ValueError(
+                    f"{flag} {value} disagrees with --engine-sizes {shown}, which gives each engine its own"
+                    f" sizes: leave {flag} out"
+                )
+        object.__setattr__(self, "engines", count)
 
     @property
     def max_request_bytes(self) -> int:

@@ -1,9 +1,10 @@
 """Which devices each engine gets, and the few ways the GPU and CPU paths differ.
 
 Every engine is an independent vLLM instance. On a GPU machine it gets its
-own group of ``tp x pp`` GPUs through ``CUDA_VISIBLE_DEVICES``; on a CPU
-machine it gets its own cores through ``VLLM_CPU_OMP_THREADS_BIND`` (vLLM's
-default would bind every engine to the same cores).
+own group of ``tp x pp`` GPUs (each its own sizes, with ``--engine-sizes``)
+through ``CUDA_VISIBLE_DEVICES``; on a CPU machine it gets its own cores through
+``VLLM_CPU_OMP_THREADS_BIND`` (vLLM's default would bind every engine to the
+same cores).
 """
 
 from __future__ import annotations
@@ -110,41 +111,48 @@ def _id_list(ids: tuple[int | str, ...]) -> str:
     return ",".join(str(i) for i in ids)
 
 
-def split_gpus(gpus: list[str], engines: int, workers_per_engine: int) -> list[EngineDevices]:
-    """One group of ``workers_per_engine`` consecutive visible GPUs per engine."""
-    if workers_per_engine > 1 and any(str(g).startswith("MIG-") for g in gpus):
+def _need(workers_per_engine: tuple[int, ...], unit: str) -> str:
+    """What the engines ask for, in words: "3 engine(s) x 2 GPU(s) each", or "3 engine(s) of 2, 2, 1 GPU(s)"."""
+    engines = len(workers_per_engine)
+    if len(set(workers_per_engine)) <= 1:
+        return f"{engines} engine(s) x {workers_per_engine[0] if engines else 0} {unit}(s) each"
+    return f"{engines} engine(s) of {', '.join(map(str, workers_per_engine))} {unit}(s)"
+
+
+def split_gpus(gpus: list[str], workers_per_engine: tuple[int, ...]) -> list[EngineDevices]:
+    """One group of consecutive visible GPUs per engine, as many as its workers (``tp x pp``)."""
+    widest = max(workers_per_engine, default=1)
+    if widest > 1 and any(str(g).startswith("MIG-") for g in gpus):
         raise LayoutError(
             "CUDA_VISIBLE_DEVICES names MIG instances: a process sees one MIG instance, so an engine cannot"
-            f" span {workers_per_engine} of them (tensor or pipeline parallelism); run one engine per instance"
+            f" span {widest} of them (tensor or pipeline parallelism); run one engine per instance"
         )
-    needed = engines * workers_per_engine
+    needed = sum(workers_per_engine)
     if needed > len(gpus):
         raise LayoutError(
-            f"{engines} engine(s) x {workers_per_engine} GPU(s) each need {needed} GPUs, "
+            f"{_need(workers_per_engine, 'GPU')} need {needed} GPUs, "
             f"but {len(gpus)} are visible ({_id_list(tuple(gpus)) or 'none'})"
         )
-    plans = []
-    for e in range(engines):
-        group = tuple(gpus[e * workers_per_engine : (e + 1) * workers_per_engine])
+    plans, first = [], 0
+    for workers in workers_per_engine:
+        group = tuple(gpus[first : first + workers])
+        first += workers
         plans.append(EngineDevices("cuda", tuple((g,) for g in group), {"CUDA_VISIBLE_DEVICES": _id_list(group)}))
     return plans
 
 
-def split_cores(cores: list[int], engines: int, workers_per_engine: int, cpu_kvcache_gib: int) -> list[EngineDevices]:
-    """An equal share of cores per worker; each engine's workers are bound to their own cores."""
-    needed = engines * workers_per_engine
+def split_cores(cores: list[int], workers_per_engine: tuple[int, ...], cpu_kvcache_gib: int) -> list[EngineDevices]:
+    """An equal share of cores per worker (of every engine's); each engine's workers are bound to their own cores."""
+    needed = sum(workers_per_engine)
     if needed > len(cores):
         raise LayoutError(
-            f"{engines} engine(s) x {workers_per_engine} worker(s) need {needed} CPU cores, "
-            f"but this process may use {len(cores)}"
+            f"{_need(workers_per_engine, 'worker')} need {needed} CPU cores, but this process may use {len(cores)}"
         )
-    per_worker = len(cores) // needed
-    plans = []
-    for e in range(engines):
-        first = e * workers_per_engine
-        workers = tuple(
-            tuple(cores[(first + w) * per_worker : (first + w + 1) * per_worker]) for w in range(workers_per_engine)
-        )
+    per_worker = len(cores) // needed if needed else 0
+    plans, first = [], 0
+    for count in workers_per_engine:
+        workers = tuple(tuple(cores[(first + w) * per_worker : (first + w + 1) * per_worker]) for w in range(count))
+        first += count
         env = {
             # One core list per worker rank, '|'-separated, as vLLM expects.
             "VLLM_CPU_OMP_THREADS_BIND": "|".join(_id_list(w) for w in workers),
@@ -155,13 +163,14 @@ def split_cores(cores: list[int], engines: int, workers_per_engine: int, cpu_kvc
 
 
 def plan_engine_devices(
-    kind: str, engines: int, workers_per_engine: int, cpu_kvcache_gib: int = 1
+    kind: str, workers_per_engine: tuple[int, ...], cpu_kvcache_gib: int = 1
 ) -> list[EngineDevices]:
-    """Split this machine's visible GPUs, or the cores this process may use, between the engines."""
+    """Split this machine's visible GPUs, or the cores this process may use, between the engines:
+    ``workers_per_engine`` holds each engine's workers (``tp x pp``), in engine order."""
     if kind == "cuda":
-        return split_gpus(_visible_gpus(), engines, workers_per_engine)
+        return split_gpus(_visible_gpus(), workers_per_engine)
     if kind == "cpu":
-        return split_cores(sorted(os.sched_getaffinity(0)), engines, workers_per_engine, cpu_kvcache_gib)
+        return split_cores(sorted(os.sched_getaffinity(0)), workers_per_engine, cpu_kvcache_gib)
     raise LayoutError(f"unknown device kind {kind!r}; expected 'cuda' or 'cpu'")
 
 

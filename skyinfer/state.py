@@ -295,6 +295,9 @@ class EngineRecord:
     connection_limit: int = 4096
     # Requests that may wait for a connection before new ones are refused; 0: no cap.
     queue_limit: int = 0
+    # Its (tensor, pipeline) parallel size: its process is started with them, and its workers
+    # (tp x pp of them) take that many ranks of a trainer's group.
+    parallel: tuple[int, int] = (1, 1)
     lifecycle: Lifecycle = attrs.field(default=Lifecycle.STARTING, on_setattr=_announce)
     # While it is up: its scheduler and memory, why its weights are not the fleet's (None:
     # they are), whether it is inside a weight update. A new process starts with none of it.
@@ -324,6 +327,9 @@ class EngineRecord:
     # Whether its workers are in the current trainer's weight-transfer group
     # (a new process never is).
     in_transfer_group: bool = False
+    # While an /init_weight_transfer runs: where its rendezvous stands for this engine ("waiting
+    # for the trainer at host:port" until the trainer listens, then "joining ..."); None otherwise.
+    rendezvous: str | None = None
     # Whether vLLM holds a weight-transfer engine (a communicator) from an init, even one whose
     # group broke since: it is shut down before the next init, or NCCL leaks it.
     transfer_engine_open: bool = False
@@ -436,8 +442,11 @@ class EngineRecord:
             "stale": self.stale is not None,
             "stale_reason": self.stale,
             "receiving": self.receiving,
+            "rendezvous": self.rendezvous,
             "pid": self.pid,
             "devices": self.devices.describe(),
+            "tensor_parallel_size": self.parallel[0],
+            "pipeline_parallel_size": self.parallel[1],
             "in_flight": self.in_flight_count,
             "queued": self.queued,
             "weight_version": self.weight_version,

@@ -47,6 +47,8 @@ class EngineProcess:
 
     def argv(self, lifeline_fd: int) -> list[str]:
         c = self.config
+        # Its own sizes: engines of a fleet may differ (--engine-sizes).
+        tensor_parallel_size, pipeline_parallel_size = self.record.parallel
         vllm_args = [
             "--model",
             c.model,
@@ -54,9 +56,9 @@ class EngineProcess:
             "--worker-extension-cls",
             EXTENSION_PATH,
             "--tensor-parallel-size",
-            str(c.tensor_parallel_size),
+            str(tensor_parallel_size),
             "--pipeline-parallel-size",
-            str(c.pipeline_parallel_size),
+            str(pipeline_parallel_size),
             *platform_engine_args(
                 self.record.devices.kind, c.engine_args, c.colocate, COLOCATED_GPU_MEMORY_UTILIZATION
             ),

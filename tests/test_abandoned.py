@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 
 import pytest
@@ -432,6 +433,40 @@ async def test_an_init_whose_trainer_never_listens_asks_no_engine_and_a_newer_in
     assert time.monotonic() - started < 30
     for engine in (0, 1):
         assert (await calls(app, engine)).get("/init_weight_transfer") == 1
+
+
+async def test_a_trainer_that_listens_late_is_met_and_the_engines_say_they_wait_for_it(
+    aiohttp_client, demo_model, tmp_path
+):
+    """A trainer that loads its model after its init was sent listens 3 s late: meanwhile
+    /engines and /weight_info say where the engines wait for it, no engine is asked to join, and
+    the init then succeeds within a second or so of the trainer listening; afterwards the engines
+    show no rendezvous."""
+    app, client = await fake_fleet(aiohttp_client, demo_model, tmp_path)
+    trainer = socket.socket()
+    trainer.bind(("127.0.0.1", 0))
+    port = trainer.getsockname()[1]
+    init_info = {"master_address": "127.0.0.1", "master_port": port, "world_size": 3, "timeout_s": 30}
+    init = asyncio.ensure_future(client.post("/init_weight_transfer", json={"init_info": init_info}))
+    waiting = f"waiting for the trainer at 127.0.0.1:{port}"
+    await until(lambda: _rendezvous(client, "/engines", "engines"), timeout_s=10)
+    await asyncio.sleep(3)
+    assert await _rendezvous(client, "/engines", "engines") == [waiting, waiting]
+    assert await _rendezvous(client, "/weight_info", "engines") == [waiting, waiting]
+    assert [(await calls(app, e)).get("/init_weight_transfer") for e in (0, 1)] == [None, None]
+    trainer.listen()
+    listening = time.monotonic()
+    r = await init
+    assert r.status == 200, await r.text()
+    assert time.monotonic() - listening < 2.5
+    trainer.close()
+    assert await _rendezvous(client, "/engines", "engines") is None
+
+
+async def _rendezvous(client, path: str, key: str) -> list[str | None] | None:
+    """Each engine's rendezvous as ``path`` shows it; None while no engine shows one."""
+    shown = [e["rendezvous"] for e in (await (await client.get(path)).json())[key]]
+    return shown if any(shown) else None
 
 
 async def test_bringing_an_engine_up_holds_no_admin_call_of_the_others_back(

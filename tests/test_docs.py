@@ -306,7 +306,7 @@ def test_the_readme_8_gpu_layouts_split_the_node_as_they_say():
     for env, argv in readme_serve_commands():
         config = readme_config(argv)
         gpus = parse_visible_devices(env.get("CUDA_VISIBLE_DEVICES"), 8, lambda _uuid: False)
-        groups = [p.env["CUDA_VISIBLE_DEVICES"] for p in split_gpus(gpus, config.engines, config.workers_per_engine)]
+        groups = [p.env["CUDA_VISIBLE_DEVICES"] for p in split_gpus(gpus, config.workers_per_engine)]
         layouts[(env.get("CUDA_VISIBLE_DEVICES"), config.colocate)] = groups
     assert layouts[("2,3,4,5,6,7", False)] == ["2,3", "4,5", "6,7"]
     assert layouts[(None, True)] == ["0,1", "2,3", "4,5", "6,7"]

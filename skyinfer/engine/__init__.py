@@ -16,5 +16,8 @@ LOAD_CHECKPOINT_RPC = "skyinfer_load_checkpoint"
 # LoRA adapters: the worker call that receives a pushed adapter's tensors, and the
 # file of PEFT's layout its config is written to.
 RECEIVE_ADAPTER_RPC = "skyinfer_receive_adapter"
+# The worker call that says how the last chunk of a weight update went (the receivers keep a
+# failure rather than raise it: worker_calls.py says why).
+RECEIVE_OUTCOME_RPC = "skyinfer_receive_outcome"
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"

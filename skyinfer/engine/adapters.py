@@ -19,6 +19,7 @@ from ..errors import json_response, parse_json_object
 from . import ADAPTER_CONFIG_FILE, RECEIVE_ADAPTER_RPC
 from .appkeys import ENGINE_CLIENT, SERVING_STATE
 from .weights import engine_call_route
+from .worker_calls import on_every_worker
 
 
 async def _load(request: web.Request) -> web.Response:
@@ -53,9 +54,7 @@ async def _receive(request: web.Request) -> web.Response:
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, ADAPTER_CONFIG_FILE), "w") as f:
         json.dump(body["peft_config"], f)
-    per_worker = await request.app[ENGINE_CLIENT].collective_rpc(
-        RECEIVE_ADAPTER_RPC, args=(body["update_info"], directory)
-    )
+    per_worker = await on_every_worker(request.app[ENGINE_CLIENT], RECEIVE_ADAPTER_RPC, body["update_info"], directory)
     return json_response({"status": "received", "tensors": per_worker[0]["tensors"]})
 
 

@@ -13,9 +13,10 @@ import time
 from aiohttp import web
 
 from ..errors import error_response, json_response, parse_json_object
-from . import END_WEIGHT_UPDATE_RPC, LOAD_CHECKPOINT_RPC
+from . import END_WEIGHT_UPDATE_RPC, LOAD_CHECKPOINT_RPC, RECEIVE_OUTCOME_RPC
 from .admin import abort
 from .appkeys import ENGINE_CLIENT
+from .worker_calls import on_every_worker
 
 log = logging.getLogger("skyinfer.engine.weights")
 
@@ -56,8 +57,10 @@ async def start_weight_update(request: web.Request) -> web.Response:
 async def update_weights(request: web.Request) -> web.Response:
     from .vllm_api import WeightTransferUpdateRequest
 
+    engine = request.app[ENGINE_CLIENT]
     update_info = parse_json_object(await request.read())["update_info"]
-    await request.app[ENGINE_CLIENT].update_weights(WeightTransferUpdateRequest(update_info=update_info))
+    await engine.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+    await on_every_worker(engine, RECEIVE_OUTCOME_RPC)
     return json_response({"status": "updated"})
 
 
@@ -73,7 +76,7 @@ async def finish_weight_update(request: web.Request) -> web.Response:
 
 async def load_checkpoint(request: web.Request) -> web.Response:
     """Inside a weight update, every worker loads the checkpoint on disk (POST /reload_weights)."""
-    loaded = await request.app[ENGINE_CLIENT].collective_rpc(LOAD_CHECKPOINT_RPC)
+    loaded = await on_every_worker(request.app[ENGINE_CLIENT], LOAD_CHECKPOINT_RPC)
     return json_response({"status": "loaded", "tensors": loaded})
 
 
@@ -84,7 +87,7 @@ async def abort_weight_update(request: web.Request) -> web.Response:
     keep their old tensors), and drop every cached prefix."""
     engine = request.app[ENGINE_CLIENT]
     aborted = await abort(engine)
-    await engine.collective_rpc(END_WEIGHT_UPDATE_RPC)
+    await on_every_worker(engine, END_WEIGHT_UPDATE_RPC)
     await engine.reset_prefix_cache(reset_running_requests=True)
     return json_response({"status": "aborted", "requests_aborted": aborted})
 

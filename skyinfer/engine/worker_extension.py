@@ -21,6 +21,7 @@ from ..transfer.ipc import IpcReceiver
 from ..transfer.shm import SharedMemoryReceiver
 from . import ADAPTER_WEIGHTS_FILE
 from .vllm_api import IPCWeightTransferEngine, WeightTransferEngine, WeightTransferEngineFactory
+from .worker_calls import answers_every_rank
 
 log = logging.getLogger("skyinfer.engine.worker_extension")
 
@@ -89,6 +90,15 @@ class SkyinferWorkerExtension:
         # need no rendezvous: by the time this call is served, there is none under way.
         return {"state": "ready"}
 
+    @answers_every_rank
+    def skyinfer_receive_outcome(self) -> None:
+        """Raise what the last chunk of a weight update raised on this worker, if anything."""
+        failure = self.weight_transfer_engine.receive_failure
+        self.weight_transfer_engine.receive_failure = None
+        if failure is not None:
+            raise failure
+
+    @answers_every_rank
     def skyinfer_end_weight_update(self) -> None:
         """End a weight update however it went, so that the engine can serve again once it holds
         weights worth serving. vLLM's finish does it for an update whose chunks all arrived; after
@@ -102,6 +112,7 @@ class SkyinferWorkerExtension:
         engine.finish_weight_update()
         engine.reset_weight_update_target()
 
+    @answers_every_rank
     def skyinfer_load_checkpoint(self) -> int:
         """Inside a weight update (started by the front), load the checkpoint on disk, as vLLM
         read it at start-up: a push whose tensors come from the model's own files. vLLM's finish
@@ -112,6 +123,7 @@ class SkyinferWorkerExtension:
         loader = get_model_loader(self.vllm_config.load_config)
         return len(model.load_weights(loader.get_all_weights(self.model_config, model)))
 
+    @answers_every_rank
     def skyinfer_receive_adapter(self, update_info: dict, directory: str) -> dict:
         """Receive a LoRA adapter's tensors over the weight-transfer group, whatever its backend,
         and write them where the engine loads the adapter from. The model's own weights are

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from ..client import Client, SkyinferError
 from .packing import DEFAULT_BUFFER_SIZE_BYTES, TensorMeta, dtype_from_name, pack, plan_chunks, unpack
-from .protocol import GroupInitInfo, GroupUpdateInfo
+from .protocol import GroupInitInfo, GroupUpdateInfo, rendezvous_delays
 from .pushing import NamedTensors, Trainer, tensor_list
 from .receiving import LayerwiseReceiver
 
@@ -221,6 +221,8 @@ class GlooReceiver(LayerwiseReceiver):
         self._join_error: BaseException | None = None
         self._join_timed_out = False
         self._attempt = 0
+        # The trainer's address while this worker waits for it to listen.
+        self._waiting_for: str | None = None
 
     # -- rendezvous ---------------------------------------------------------
     def init_transfer_engine(self, init_info: GroupInitInfo) -> None:
@@ -245,6 +247,7 @@ class GlooReceiver(LayerwiseReceiver):
 
         started = time.monotonic()
         try:
+            self._wait_for_trainer(info, started + info.timeout_s, attempt)
             group = stateless_init_torch_distributed_process_group(
                 info.master_address,
                 info.master_port,
@@ -263,11 +266,32 @@ class GlooReceiver(LayerwiseReceiver):
             self._group = group
             log.info("joined the weight-transfer group as rank %d of %d", rank, info.world_size)
 
+    def _wait_for_trainer(self, info: GroupInitInfo, deadline: float, attempt: int) -> None:
+        """Connect to the trainer's store only once it listens. A first connect that finds nobody
+        there lands in c10d's retries, whose random delays of a minute and more miss a trainer
+        that comes seconds later (measured: an engine of tp 2 timed out in 2 of 2 runs); the
+        front waits for the same before asking, so this covers a trainer that restarted since."""
+        self._waiting_for = f"{info.master_address}:{info.master_port}"
+        try:
+            for delay in rendezvous_delays():
+                if attempt != self._attempt:
+                    raise RuntimeError("superseded by a newer init")
+                try:
+                    socket.create_connection((info.master_address, info.master_port), timeout=2.0).close()
+                    return
+                except OSError:
+                    if time.monotonic() + delay > deadline:
+                        raise TimeoutError(f"nothing listened at {self._waiting_for}") from None
+                    time.sleep(delay)
+        finally:
+            self._waiting_for = None
+
     def status(self) -> dict:
         if self._joining is None:
             return {"state": "none"}
         if self._joining.is_alive():
-            return {"state": "joining"}
+            waiting_for = self._waiting_for
+            return {"state": "joining", **({"waiting_for": waiting_for} if waiting_for else {})}
         if self._join_error is not None:
             state = "timeout" if self._join_timed_out else "failed"
             return {"state": state, "error": f"{type(self._join_error).__name__}: {self._join_error}"}

@@ -14,6 +14,10 @@ class LayerwiseReceiver:
     """Start and finish an update as vLLM's own checkpoint-format backends do."""
 
     supports_draft_weight_update = False
+    # How the last update_weights went: None, or the exception it raised (kept for the engine to
+    # ask for, since raising through vLLM's executor on a worker of rank 0 leaves the others'
+    # answers queued for the engine's next call: engine/worker_calls.py).
+    receive_failure: BaseException | None = None
 
     def start_weight_update(self) -> None:
         from ..engine.vllm_api import initialize_layerwise_reload
@@ -23,7 +27,11 @@ class LayerwiseReceiver:
     def update_weights(self, update_info: dict) -> None:
         # The base class ends with torch.accelerator.synchronize(), which has
         # nothing to do (and no accelerator to ask) on CPU.
-        self.receive_weights(self.parse_update_info(update_info))
+        self.receive_failure = None
+        try:
+            self.receive_weights(self.parse_update_info(update_info))
+        except Exception as exc:
+            self.receive_failure = exc
 
     def finish_weight_update(self) -> None:
         finish_layerwise_reload(self.model, self.model_config)

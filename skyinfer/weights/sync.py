@@ -106,6 +106,8 @@ class WeightSync:
         # The rendezvous an /init_weight_transfer waits for (its trainer listening): a newer init
         # supersedes it at once, since no engine has been asked anything yet.
         self._awaiting_trainer: asyncio.Task | None = None
+        # Inits begun: the latest one's rendezvous is what the engines show.
+        self._inits = 0
         # Engines this update paused itself (they were running): resumed when it ends.
         self._paused_for_push: list[EngineRecord] = []
         # A trainer silent this long between calls of an update has gone: the
@@ -186,9 +188,20 @@ class WeightSync:
         # Checked before waiting for the fleet: a bad body is refused at once.
         members = self.registry.members()
         plan = await self.transport.plan_init(init_info, self._workers(members))
+        self._inits += 1
+        this_init = self._inits
+        try:
+            return await self._init(init_info, members, plan)
+        finally:
+            if self._inits == this_init:  # a newer init shows its own rendezvous
+                for record in self.registry.records:
+                    record.rendezvous = None
+
+    async def _init(self, init_info: dict, members: list[EngineRecord], plan: InitPlan) -> dict:
         # Until the trainer listens, no engine is asked anything: an init naming the wrong address,
         # or a trainer loading its model first, costs the engines nothing, and a newer init
         # (the trainer started over) supersedes this one at once.
+        self._show_rendezvous(members, "waiting for the trainer", plan)
         await self._trainer_listening(plan)
         async with self.registry.fleet_change():
             if self.update.phase is not Phase.IDLE:
@@ -208,6 +221,7 @@ class WeightSync:
             await self._leave(records)
             for record in records:
                 record.transfer_engine_open = True  # an init that fails may have built part of one
+            self._show_rendezvous(records, "joining the trainer's group", plan)
             replies = await asyncio.gather(
                 *(self._init_engine(r, info, plan.timeout_s) for r, info in zip(records, plan.engine_init_infos))
             )
@@ -218,6 +232,12 @@ class WeightSync:
             self.transport.update_ended()
         self._raise_if_failed("init_weight_transfer", replies)
         return {"status": "joined" if self.transport.transport.group else "ready", **plan.answer}
+
+    @staticmethod
+    def _show_rendezvous(records: list[EngineRecord], doing: str, plan: InitPlan) -> None:
+        where = "" if plan.trainer_address is None else " at {}:{}".format(*plan.trainer_address)
+        for record in records:
+            record.rendezvous = doing + where
 
     async def _trainer_listening(self, plan: InitPlan) -> None:
         if self._awaiting_trainer is not None:
@@ -692,6 +712,7 @@ class WeightSync:
                     "stale_reason": r.stale,
                     "receiving": r.receiving,
                     "in_transfer_group": r.in_transfer_group,
+                    "rendezvous": r.rendezvous,
                     "push_failures": r.push_failures,
                     "adapters": dict(r.adapters),
                 }

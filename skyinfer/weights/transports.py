@@ -25,6 +25,7 @@ from ..transfer.protocol import (
     UpdateMetadata,
     new_server_token,
     remove_segments,
+    rendezvous_delays,
     segment_path,
     segment_prefix,
 )
@@ -132,8 +133,7 @@ class FrontTransport:
             return
         host, port = plan.trainer_address
         deadline = time.monotonic() + plan.timeout_s
-        delay = 0.05
-        while True:
+        for delay in rendezvous_delays():
             try:
                 _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout=2.0)
             except (OSError, asyncio.TimeoutError):
@@ -145,7 +145,6 @@ class FrontTransport:
                         param="init_info.master_address",
                     ) from None
                 await asyncio.sleep(delay)
-                delay = min(2 * delay, 1.0)  # a trainer that comes late is met within a second
                 continue
             writer.close()
             return

