@@ -10,6 +10,7 @@ read whole, then passed on.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import zlib
@@ -20,7 +21,7 @@ import orjson
 from aiohttp import web
 
 from . import stream_relay
-from .engine import ENGINE_DIED_HEADER
+from .engine import CONTINUE_FIELD, CONTINUE_HEADER, ENGINE_DIED_HEADER
 from .errors import error_body, error_response, parse_json_object
 from .leasing import Ask, Engine, Leases, NotConnected
 from .state import EngineBusy, EngineRecord, EngineRegistry, NoEngineAvailable
@@ -38,6 +39,8 @@ ENGINE_HEADER = "X-Skyinfer-Engine"
 WEIGHT_VERSION_HEADER = "X-Weight-Version"
 # On an answer from a second engine: the id of the engine that died under the request first.
 RETRIED_FROM_HEADER = "X-Skyinfer-Retried-From"
+# On an answer that went on from what an engine that died had generated (not started over): its id.
+CONTINUED_FROM_HEADER = "X-Skyinfer-Continued-From"
 # On a relayed stream's request once its head is sent: (its response, its ``EngineAnswer``). What
 # the request metrics count when the caller closes its connection before the handler returns: the
 # openai SDK closes as soon as it reads ``data: [DONE]``, and such a request was answered all the same.
@@ -111,11 +114,41 @@ NONE_SERVING_RETRY_AFTER_S = 10
 class _EngineDied(Exception):
     """The engine died under the request before any byte of its answer reached the caller."""
 
-    def __init__(self, engine_id: int, answer: web.Response):
-        super().__init__(engine_id)
-        self.engine_id = engine_id
+    def __init__(self, engine: Engine, answer: web.Response, record: bytes | None = None):
+        super().__init__(engine.engine_id)
+        self.engine_id = engine.engine_id
         # What the caller gets if the request is not sent again.
         self.answer = answer
+        # What it generated (engine/continuation.py), to go on from on an engine with the same weights.
+        self.going_on = None if record is None else _GoingOn(engine.engine_id, engine.weight_version, record)
+
+
+class _StreamBrokeOff(Exception):
+    """The engine died mid-stream, the caller's answer begun: another engine goes on with it."""
+
+    def __init__(self, response: web.StreamResponse, going_on: _GoingOn):
+        super().__init__(going_on.engine_id)
+        self.response = response
+        self.going_on = going_on
+
+
+class _GoingOn:
+    """A request an engine died under, and what it had generated: the record the next engine goes on from."""
+
+    __slots__ = ("engine_id", "record", "weight_version")
+
+    def __init__(self, engine_id: int, weight_version: str | None, record: bytes):
+        self.engine_id = engine_id
+        self.weight_version = weight_version
+        self.record = record
+
+    def body(self, body: bytes) -> bytes:
+        """The request's body with the record added, for the engine that goes on with it."""
+        payload = parse_json_object(body)
+        record = orjson.loads(self.record)
+        record["from_engine"] = self.engine_id
+        payload[CONTINUE_FIELD] = record
+        return orjson.dumps(payload)
 
 
 # Where a request's prompt is, by route: chat, completions, the token route, Responses.
@@ -178,6 +211,8 @@ async def forward(request: web.Request) -> web.StreamResponse:
         return await _send(request, ask, body, headers, relayed)
     except _EngineDied as died:
         first_death = died
+    except _StreamBrokeOff as broke:
+        return await _go_on_streaming(request, ask, body, headers, broke)
     dead = first_death.engine_id
     if not leases.has_other_member(dead):
         return first_death.answer
@@ -186,9 +221,11 @@ async def forward(request: web.Request) -> web.StreamResponse:
     # Once, and never to the engine that died: a request that kills engines must not walk through the
     # fleet. If no other engine serves now, it waits for one like any request.
     try:
-        return await _send(request, ask, body, headers, relayed, retried_from=dead)
+        return await _send(request, ask, body, headers, relayed, retried_from=dead, going_on=first_death.going_on)
     except _EngineDied as again:
         return again.answer
+    except _StreamBrokeOff as broke:
+        return await _end_with_error(broke.response, None, f"engine {broke.going_on.engine_id} died mid-stream too")
 
 
 RESPONSES_PATH = "/v1/responses"
@@ -218,8 +255,11 @@ async def _send(
     headers: dict,
     relayed: bool,
     retried_from: int | None = None,
+    going_on: _GoingOn | None = None,
 ) -> web.StreamResponse:
-    """``relayed``: a stream, relayed chunk by chunk as the engine frames it (stream_relay.py)."""
+    """``relayed``: a stream, relayed chunk by chunk as the engine frames it (stream_relay.py).
+    ``going_on``: what the engine that died had generated, which an engine serving the same
+    weights goes on from (another starts over)."""
     leases = request.app[LEASES]
     exclude = () if retried_from is None else (retried_from,)
     retried = {} if retried_from is None else {RETRIED_FROM_HEADER: str(retried_from)}
@@ -228,9 +268,13 @@ async def _send(
             async with leases.lease(ask, exclude) as grant:
                 engine = grant.engine
                 extra_headers = {**retried, **_version_header(engine, grant.adapter)}
+                sent = body
+                if going_on is not None and engine.weight_version == going_on.weight_version:
+                    sent = going_on.body(body)
+                    extra_headers[CONTINUED_FROM_HEADER] = str(going_on.engine_id)
                 if relayed:
-                    return await _relay_stream(request, engine, body, headers, extra_headers)
-                return await _relay(request, engine, body, headers, extra_headers)
+                    return await _relay_stream(request, engine, sent, headers, extra_headers)
+                return await _relay(request, engine, sent, headers, extra_headers)
         except NoEngineAvailable as exc:
             held = f" (held {leases.hold_requests_s:g}s)" if leases.hold_requests_s else ""
             return error_response(503, f"{exc}{held}", headers={"Retry-After": str(NONE_SERVING_RETRY_AFTER_S)})
@@ -269,7 +313,7 @@ async def _relay(
     except aiohttp.ClientConnectorError as exc:
         raise NotConnected(repr(exc.os_error), engine) from None
     except aiohttp.ClientError as exc:
-        raise _EngineDied(engine.engine_id, _engine_failed(request, engine, exc)) from None
+        raise _EngineDied(engine, _engine_failed(request, engine, exc)) from None
     except asyncio.TimeoutError as exc:
         return _engine_failed(request, engine, exc)
     return _answer(request, engine, upstream.status, upstream.headers, payload, extra_headers)
@@ -287,7 +331,8 @@ def _answer(
     # Read once the engine answers: the version a kept request finished with.
     answer = _buffered(status, upstream_headers, payload, {**_own_headers(engine), **extra_headers})
     if ENGINE_DIED_HEADER in upstream_headers:
-        raise _EngineDied(engine.engine_id, answer)
+        record = _record_of(payload) if CONTINUE_HEADER in upstream_headers else None
+        raise _EngineDied(engine, answer, record)
     if status == 200:
         _remember_response(request, engine, payload)
     return answer
@@ -363,7 +408,10 @@ async def _relay_answer(
         first = await answer.first_chunk()
     except stream_relay.EngineHangUp as exc:
         # Nothing has reached the caller: the request may still go to another engine.
-        raise _EngineDied(engine.engine_id, _engine_failed(request, engine, exc)) from None
+        raise _EngineDied(engine, _engine_failed(request, engine, exc)) from None
+    if first is None and answer.continuation is not None:
+        failed = _engine_failed(request, engine, RuntimeError("its EngineCore died"))
+        raise _EngineDied(engine, failed, answer.continuation)
     if head.status == 200 and first:
         _remember_response(request, engine, first)
     headers = {**_own_headers(engine), **extra_headers, "Content-Type": head.headers["Content-Type"]}
@@ -381,9 +429,13 @@ async def _relay_answer(
         except stream_relay.EngineHangUp as exc:
             # The engine broke off mid-stream; the status line is already sent.
             log.warning("engine %d: stream on %s broke off: %r", engine.engine_id, request.path, exc)
-            message = f"engine {engine.engine_id} failed mid-stream: {exc!r}"
-            await response.write(b"data: " + orjson.dumps(error_body(503, message)) + b"\n\ndata: [DONE]\n\n")
-            answer.delivered = True  # all there is: the front's own error event, and its [DONE]
+            return await _end_with_error(response, answer, f"engine {engine.engine_id} failed mid-stream: {exc!r}")
+        if answer.continuation is not None:
+            raise _StreamBrokeOff(response, _GoingOn(engine.engine_id, engine.weight_version, answer.continuation))
+    return await _end(response, answer)
+
+
+async def _end(response: web.StreamResponse, answer: stream_relay.EngineAnswer) -> web.StreamResponse:
     try:
         await response.write_eof()
     except ConnectionResetError:
@@ -392,3 +444,68 @@ async def _relay_answer(
         if not answer.delivered:
             raise
     return response
+
+
+async def _end_with_error(
+    response: web.StreamResponse, answer: stream_relay.EngineAnswer | None, message: str
+) -> web.StreamResponse:
+    """End a stream whose status line is sent with the front's own error event, and its [DONE]."""
+    await response.write(b"data: " + orjson.dumps(error_body(503, message)) + b"\n\ndata: [DONE]\n\n")
+    if answer is not None:
+        answer.delivered = True  # all there is
+    with contextlib.suppress(ConnectionResetError):  # the caller had all there is, and left
+        await response.write_eof()
+    return response
+
+
+async def _go_on_streaming(
+    request: web.Request, ask: Ask, body: bytes, headers: dict, broke: _StreamBrokeOff
+) -> web.StreamResponse:
+    """The engine of a stream died after the caller had events: an engine serving the same weights
+    goes on with it, its events relayed on the same answer, for as long as engines remain; else
+    the caller gets the front's error event, as before."""
+    leases, response, going_on = request.app[LEASES], broke.response, broke.going_on
+    dead: tuple[int, ...] = ()
+    while True:
+        dead += (going_on.engine_id,)
+        log.warning("engine %d died mid-stream on %s: going on on another engine", going_on.engine_id, request.path)
+        leases.note_retried(going_on.engine_id)
+        message = f"engine {going_on.engine_id} died mid-stream"
+        if (len(dead) == 1 and not leases.has_other_member(dead[0])) or request.transport is None:
+            return await _end_with_error(response, None, f"{message}, and no other engine serves")
+        try:
+            async with leases.lease(ask, dead) as grant:
+                engine = grant.engine
+                if engine.weight_version != going_on.weight_version:
+                    return await _end_with_error(
+                        response, None, f"{message}; engine {engine.engine_id} serves other weights"
+                    )
+                answer = await stream_relay.send(
+                    engine.socket_path, request.method, request.raw_path, going_on.body(body), headers
+                )
+                try:
+                    head = await answer.head()
+                    first = await answer.first_chunk() if head.status == 200 and head.event_stream else None
+                    if first is not None:
+                        await response.write(first)
+                        await answer.relay_to(request.transport)
+                    if answer.continuation is not None:
+                        going_on = _GoingOn(engine.engine_id, engine.weight_version, answer.continuation)
+                        continue
+                    if first is None:
+                        return await _end_with_error(
+                            response, answer, f"{message}; engine {engine.engine_id} answered {head.status}"
+                        )
+                    return await _end(response, answer)
+                finally:
+                    answer.close()
+        except (NoEngineAvailable, EngineBusy, NotConnected, OSError, asyncio.TimeoutError) as exc:
+            return await _end_with_error(response, None, f"{message}; no engine could go on with it: {exc}")
+        except stream_relay.EngineHangUp as exc:
+            return await _end_with_error(response, None, f"{message}; the next engine broke off too: {exc!r}")
+
+
+def _record_of(payload: bytes) -> bytes | None:
+    """The record in a 503 of an engine that died (``CONTINUE_FIELD``), as JSON."""
+    record = (_json_object(payload) or {}).get(CONTINUE_FIELD)
+    return None if record is None else orjson.dumps(record)

@@ -20,6 +20,8 @@ import asyncio
 
 from multidict import CIMultiDict
 
+from .engine import CONTINUE_MARKER
+
 # Caller's transport buffer at which the engine's connection stops being read (a slow caller),
 # and at which reading goes on.
 _PAUSE_AT_BYTES = 256 * 1024
@@ -71,7 +73,9 @@ def _chunk_at(buffer: bytes | bytearray, pos: int) -> tuple[int, int] | None:
 
 def _complete_chunks(buffer: bytes | bytearray) -> tuple[int, int, bool]:
     """Where the complete chunks at the start of ``buffer`` end; the end of the next chunk when its
-    size line is in but not all of it (0: not known yet); whether the terminal chunk was reached."""
+    size line is in but not all of it (0: not known yet); whether the terminal chunk was reached.
+    A continuation record (engine/continuation.py) ends the chunks to pass on as the terminal one
+    does: it is at ``pos`` when the third value is true and a chunk of non-zero size starts there."""
     pos = 0
     while True:
         if (chunk := _chunk_at(buffer, pos)) is None:
@@ -80,9 +84,20 @@ def _complete_chunks(buffer: bytes | bytearray) -> tuple[int, int, bool]:
         if size == 0:
             return pos, 0, True
         chunk_end = start + size + 2
+        if buffer.startswith(CONTINUE_MARKER, start):
+            return pos, chunk_end, chunk_end <= len(buffer)
         if chunk_end > len(buffer):
             return pos, chunk_end, False
         pos = chunk_end
+
+
+def _continuation_at(buffer: bytes | bytearray, pos: int) -> bytes | None:
+    """The record of the continuation chunk at ``pos`` (JSON), if one is there."""
+    chunk = _chunk_at(buffer, pos)
+    if chunk is None or not chunk[1] or not buffer.startswith(CONTINUE_MARKER, chunk[0]):
+        return None
+    start, size = chunk
+    return bytes(buffer[start + len(CONTINUE_MARKER) : start + size]).strip()
 
 
 def _chunk_payloads(framed: bytes | bytearray) -> bytes:
@@ -116,6 +131,9 @@ class EngineAnswer(asyncio.Protocol):
         # transport, or every chunk up to the stream's end (none dropped for a caller gone).
         self.delivered = False
         self._dropped = False
+        # The engine died mid-stream and says how another engine can go on (engine/continuation.py):
+        # its record, in place of the stream's end.
+        self.continuation: bytes | None = None
 
     # -- asyncio.Protocol ----------------------------------------------------------------------
 
@@ -131,6 +149,7 @@ class EngineAnswer(asyncio.Protocol):
             if end:
                 self._pass_on(data if end == len(data) else data[:end])
             if self._terminal:
+                self.continuation = _continuation_at(data, end)
                 self._ended()
             elif end < len(data):
                 self._buffer += data[end:]
@@ -214,6 +233,7 @@ class EngineAnswer(asyncio.Protocol):
         end, self._need, self._terminal = _complete_chunks(self._buffer)
         if self._want == "first":
             if self._terminal and not end:
+                self.continuation = _continuation_at(self._buffer, 0)
                 self._settle(None)
             elif end:
                 start, size = _chunk_at(self._buffer, 0)
@@ -227,11 +247,12 @@ class EngineAnswer(asyncio.Protocol):
             del self._buffer[:end]
             self._need = max(0, self._need - end) if self._need else 0
         if self._terminal:
+            self.continuation = _continuation_at(self._buffer, 0)
             self._ended()
 
     def _ended(self) -> None:
         """The terminal chunk is in: every chunk before it went to the caller, unless it had gone."""
-        self.delivered = self.delivered or not self._dropped
+        self.delivered = self.delivered or (not self._dropped and self.continuation is None)
         self._settle(None)
 
     def _progress_body(self) -> None:

@@ -13,7 +13,11 @@ Its behaviour comes from the environment, or from ``POST /fake/script`` at any t
 * ``fail``: ``{path: status}`` to answer a route with an error;
 * ``fail_after``: ``{path: status}`` to do what a route does, then answer it with an error (an
   engine that paused, or slept, and failed to say so);
-* ``hang``: paths that never answer.
+* ``hang``: paths that never answer;
+* ``die_after_events``: a completion or chat request ends as one whose EngineCore died after that
+  many events: a stream with skyinfer's continuation record, any other answer with the 503 that
+  carries it (engine/continuation.py). ``GET /fake/went_on`` lists the records of the requests it
+  went on with.
 
 ``GET /fake/calls`` says how many times each route was called; ``GET /fake/bodies`` the last JSON
 body each of its weight, adapter-receive, reset and abort routes got (``{path: body}``: the
@@ -41,6 +45,7 @@ import uvloop
 from aiohttp import web
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from skyinfer.engine import CONTINUE_FIELD, CONTINUE_HEADER, CONTINUE_MARKER, ENGINE_DIED_HEADER
 from skyinfer.engine.__main__ import set_up_process
 from skyinfer.errors import error_response, json_response
 
@@ -69,6 +74,8 @@ class FakeEngine:
         self.resumed.set()
         # Calls of each route, for the tests.
         self.calls: dict[str, int] = {}
+        # The records of requests it went on with (another engine died under them).
+        self.went_on: list[dict] = []
         # The last body each weight (and reset) route got, for the tests.
         self.bodies: dict[str, dict] = {}
 
@@ -137,8 +144,23 @@ async def _openai(request: web.Request) -> web.StreamResponse:
         return error_response(404, f"The model `{model}` does not exist.")
     tokens = int(body.get("max_tokens") or 16)
     chat = request.path == "/v1/chat/completions"
+    going_on = body.pop(CONTINUE_FIELD, None)
+    if going_on is not None:
+        engine.went_on.append(going_on)
+        tokens -= going_on.get("fake_tokens", 0)
+    dies_after = request.app[SCRIPT].get("die_after_events")
     engine.unfinished += 1
     try:
+        if dies_after is not None and not body.get("stream"):
+            # As an engine whose EngineCore died mid-request: what it generated, for the next engine.
+            record = {"calls": [], "fake_tokens": dies_after}
+            body = b'{"error":{"message":"the engine died","code":503},"' + CONTINUE_FIELD.encode() + b'":'
+            return web.Response(
+                status=503,
+                body=body + orjson.dumps(record) + b"}",
+                content_type="application/json",
+                headers={ENGINE_DIED_HEADER: "1", CONTINUE_HEADER: "1"},
+            )
         if not body.get("stream"):
             await _generate(request, tokens)
             kind = "chat.completion" if chat else "text_completion"
@@ -162,6 +184,10 @@ async def _openai(request: web.Request) -> web.StreamResponse:
         for i in range(tokens):
             if rate:
                 await asyncio.sleep(1 / rate)
+            if i == dies_after:
+                await response.write(CONTINUE_MARKER + orjson.dumps({"calls": [], "fake_tokens": i}) + b"\n\n")
+                await response.write_eof()
+                return response
             await response.write(events[i == tokens - 1])
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
@@ -279,6 +305,10 @@ async def _metrics(_request: web.Request) -> web.Response:
     return web.Response(text="", content_type="text/plain")
 
 
+async def _went_on(request: web.Request) -> web.Response:
+    return json_response(request.app[STATE].went_on)
+
+
 async def _calls(request: web.Request) -> web.Response:
     return json_response(request.app[STATE].calls)
 
@@ -340,6 +370,7 @@ def create_fake_engine_app(
     app.router.add_get("/metrics", _metrics)
     app.router.add_post("/fake/script", _set_script)
     app.router.add_get("/fake/calls", _calls)
+    app.router.add_get("/fake/went_on", _went_on)
     app.router.add_get("/fake/bodies", _bodies)
     app.router.add_get("/fake/args", _args)
     return app

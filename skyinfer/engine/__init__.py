@@ -9,6 +9,13 @@ CPU_WORKER_PATH = "skyinfer.engine.cpu_worker.SkyinferCPUWorker"
 # On an answer whose request the engine could not finish because its EngineCore died:
 # the request may be re-sent to another engine (the front does, once).
 ENGINE_DIED_HEADER = "X-Skyinfer-Engine-Died"
+# A request whose engine died after it generated tokens goes on on another engine
+# (engine/continuation.py): the answer of the engine that died carries what it generated,
+# a stream as its last chunk (an SSE comment starting so), any other answer as this field of its
+# body (and the header says so); the front sends the request on with the same field added.
+CONTINUE_MARKER = b": skyinfer-continue "
+CONTINUE_FIELD = "skyinfer_continue"
+CONTINUE_HEADER = "X-Skyinfer-Continue"
 # The worker call that ends a weight update however it went (worker_extension.py).
 END_WEIGHT_UPDATE_RPC = "skyinfer_end_weight_update"
 # The worker call that loads the checkpoint on disk inside a weight update (POST /reload_weights).

@@ -25,8 +25,8 @@ import prometheus_client
 import pydantic
 from aiohttp import web
 
-from ..errors import error_response, json_response, parse_json_object
-from . import ENGINE_DIED_HEADER
+from ..errors import error_body, error_response, json_response, parse_json_object
+from . import CONTINUE_FIELD, CONTINUE_HEADER, ENGINE_DIED_HEADER, continuation
 from .adapters import add_adapter_routes
 from .admin import add_admin_routes
 from .appkeys import ENGINE_CLIENT, SERVING_STATE
@@ -74,6 +74,7 @@ def _serving_route(
     async def handler(request: web.Request) -> web.StreamResponse:
         try:
             payload = parse_json_object(await request.read())
+            track = continuation.begin(payload)
             if conflict := constraints_conflict(payload):
                 return error_response(400, conflict, "allowed_token_ids")
             parsed = adapter.validate_python(payload)
@@ -86,7 +87,9 @@ def _serving_route(
                     "created": int(time.time()),
                     "model": parsed.model,
                 }
-                result = with_finish_reasons(result, choice_count(parsed), head)
+                result = with_finish_reasons(result, choice_count(parsed), head, continuation.finished_choices(track))
+            if track.resumed is not None and isinstance(result, AsyncGenerator):
+                result = _continued(result, track)
             if request.path == TOKEN_ROUTE:
                 result = _with_token_strings(result)
         except pydantic.ValidationError as exc:
@@ -99,9 +102,21 @@ def _serving_route(
             result = create_error_response(exc)
             if result.error.code >= 500:
                 log.exception("%s failed", request.path)
-        return await _respond(request, result)
+        return await _respond(request, result, track)
 
     return handler
+
+
+async def _continued(frames: AsyncGenerator[str, None], track) -> AsyncGenerator[str, None]:
+    """A stream that goes on here from another engine, in the caller's stream's terms."""
+    first = True
+    try:
+        async for frame in frames:
+            if (frame := continuation.continued_frame(frame, track, first)) is not None:
+                first = first and not frame.startswith("data: {")
+                yield frame
+    finally:
+        await frames.aclose()
 
 
 TOKEN_ROUTE = "/inference/v1/generate"
@@ -142,10 +157,16 @@ def _with_token_strings(result: Any) -> Any:
     return _named_frames(result)
 
 
-async def _respond(request: web.Request, result: Any) -> web.StreamResponse:
+async def _respond(request: web.Request, result: Any, track=None) -> web.StreamResponse:
     if isinstance(result, ErrorResponse) and request.app[ENGINE_CLIENT].errored:
-        # The engine died under this request: a retry elsewhere will do.
+        # The engine died under this request: another engine goes on with it, from what it
+        # generated here if anything (continuation.py), else from the start.
         message = f"the engine died while serving this request: {result.error.message}"
+        if track is not None and track.calls:
+            body = b'{"error":' + orjson.dumps(error_body(503, message)["error"]) + b","
+            body += b'"' + CONTINUE_FIELD.encode() + b'":' + track.record() + b"}"
+            headers = {ENGINE_DIED_HEADER: "1", CONTINUE_HEADER: "1"}
+            return web.Response(status=503, body=body, content_type="application/json", headers=headers)
         return error_response(503, message, headers={ENGINE_DIED_HEADER: "1"})
     if isinstance(result, ErrorResponse):
         return web.Response(status=result.error.code, body=result.model_dump_json(), content_type="application/json")
@@ -153,14 +174,22 @@ async def _respond(request: web.Request, result: Any) -> web.StreamResponse:
         return web.Response(body=result.model_dump_json(), content_type="application/json")
     if isinstance(result, web.Response):
         return result
-    return await _stream_sse(request, result)
+    return await _stream_sse(request, result, track)
 
 
-async def _stream_sse(request: web.Request, frames: AsyncGenerator[str, None]) -> web.StreamResponse:
+async def _stream_sse(request: web.Request, frames: AsyncGenerator[str, None], track=None) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
+    engine = request.app[ENGINE_CLIENT]
     try:
         async for frame in frames:
+            if track is not None:
+                if frame.startswith('data: {"error"') and engine.errored:
+                    # The engine died under the stream: the front goes on with it elsewhere.
+                    await response.write(continuation.marker(track))
+                    break
+                if track.first_frame is None and frame.startswith("data: {"):
+                    track.first_frame = frame
             await response.write(frame.encode())
     finally:
         # Closing the generator on a dropped connection aborts the request in vLLM.
@@ -264,6 +293,7 @@ async def serve_engine(socket_path: str, args: Any) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        continuation.track_outputs(engine_client)
         watcher = asyncio.create_task(_watch_engine_core(stop, engine_client))
         app = create_engine_app(engine_client, vllm_app.state)
         add_vllm_app_routes(app, vllm_app)

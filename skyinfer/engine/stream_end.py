@@ -39,12 +39,13 @@ def _final_chunk(first: dict, index: int) -> str:
 
 
 async def with_finish_reasons(
-    frames: AsyncGenerator[str, None], choices: int, fallback_head: dict
+    frames: AsyncGenerator[str, None], choices: int, fallback_head: dict, finished_before: frozenset[int] = frozenset()
 ) -> AsyncGenerator[str, None]:
     """``frames`` as they come, plus an ``abort`` chunk for each choice that ended without a
-    reason. ``fallback_head`` (id, object, created, model) serves when no chunk came to copy."""
+    reason. ``fallback_head`` (id, object, created, model) serves when no chunk came to copy;
+    ``finished_before``: choices whose reason the caller had before (from an engine that died)."""
     first: str | None = None
-    finished: set[int] = set()
+    finished: set[int] = set(finished_before)
     settled = False
     try:
         async for frame in frames:

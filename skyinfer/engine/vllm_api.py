@@ -59,6 +59,13 @@ NAMES: dict[str, tuple[str, ...]] = {
     "finalize_layerwise_reload": ("vllm.model_executor.model_loader.reload",),
     # The loader that read the checkpoint at start-up: a reload from disk reads it again.
     "get_model_loader": ("vllm.model_executor.model_loader",),
+    # A request that goes on on another engine (continuation.py): what generate takes and gives.
+    "SamplingParams": ("vllm.sampling_params",),
+    "RequestOutputKind": ("vllm.sampling_params",),
+    "RequestOutput": ("vllm.outputs",),
+    "CompletionOutput": ("vllm.outputs",),
+    "Logprob": ("vllm.logprobs",),
+    "merge_async_iterators": ("vllm.utils.async_utils",),
     # LoRA: the request an adapter is loaded and served with.
     "LoRARequest": ("vllm.lora.request",),
 }

@@ -1,0 +1,310 @@
+"""A request whose engine dies goes on on another engine, from where it was: the engine's side.
+
+While a request runs, the engine keeps what it generated for it: per call of vLLM's ``generate``
+(one per prompt), the prompt's token ids and, per choice, the token ids, text, logprobs and finish
+reason so far. If the EngineCore dies, the answer carries that record instead of an error: a
+stream ends with a chunk of its own, ``: skyinfer-continue {...}`` (an SSE comment, which no client
+would act on), any other answer is the 503 of an engine that died, its body holding the record.
+The front (``skyinfer/continuing.py``) sends the request to another engine with the record added
+(``skyinfer_continue``); that engine runs each unfinished choice from the prompt's token ids plus
+those already generated (token ids, never re-tokenized text) and answers in the request's own
+framing: the same stream id, every token kept, ``usage`` counting all of them, logprobs of the
+new tokens its own, and ``skyinfer_continued`` saying where it went on.
+
+Non-streamed requests are followed too: vLLM would hand the serving layer their output only at the
+end, so here they run with per-step (delta) outputs, gathered into the one final output vLLM would
+have given. A choice with a per-request ``seed`` goes on with a different random stream: only
+greedy (or unseeded) choices are the same as without the crash.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import copy
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import attrs
+import orjson
+
+from . import CONTINUE_FIELD, CONTINUE_MARKER
+from .vllm_api import CompletionOutput, Logprob, RequestOutput, RequestOutputKind, SamplingParams
+
+# What the running request keeps (set per HTTP request by the serving routes; vLLM's calls of
+# ``generate``, in tasks of that request, see the same object).
+_TRACK: contextvars.ContextVar[RequestTrack | None] = contextvars.ContextVar("skyinfer_track", default=None)
+
+
+def _logprobs_json(positions) -> list | None:
+    """vLLM's per-position logprob dicts (a list, or FlatLogprobs) as JSON: [[id, logprob, rank, token], ...]."""
+    if positions is None:
+        return None
+    return [
+        None if at is None else [[tok, lp.logprob, lp.rank, lp.decoded_token] for tok, lp in at.items()]
+        for at in positions
+    ]
+
+
+def _logprobs_from_json(positions: list | None) -> list | None:
+    if positions is None:
+        return None
+    return [None if at is None else {tok: Logprob(lp, rank, token) for tok, lp, rank, token in at} for at in positions]
+
+
+@attrs.define
+class ChoiceTrack:
+    token_ids: list[int] = attrs.Factory(list)
+    texts: list[str] = attrs.Factory(list)
+    logprobs: list | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def add(self, output) -> None:
+        self.token_ids.extend(output.token_ids)
+        self.texts.append(output.text)
+        if output.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + list(output.logprobs)
+        self.cumulative_logprob = output.cumulative_logprob
+        self.finish_reason = output.finish_reason
+        self.stop_reason = output.stop_reason
+
+    def as_output(self, index: int):
+        return CompletionOutput(
+            index=index,
+            text="".join(self.texts),
+            token_ids=list(self.token_ids),
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=self.logprobs,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
+    def as_json(self) -> dict:
+        return {
+            "token_ids": self.token_ids,
+            "text": "".join(self.texts),
+            "logprobs": _logprobs_json(self.logprobs),
+            "cumulative_logprob": self.cumulative_logprob,
+            "finish_reason": self.finish_reason,
+            "stop_reason": self.stop_reason,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> ChoiceTrack:
+        return cls(
+            list(data["token_ids"]),
+            [data["text"]],
+            _logprobs_from_json(data["logprobs"]),
+            data["cumulative_logprob"],
+            data["finish_reason"],
+            data["stop_reason"],
+        )
+
+
+@attrs.define
+class CallTrack:
+    """One call of vLLM's ``generate``: one prompt, ``n`` choices."""
+
+    n: int
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list | None = None
+    choices: dict[int, ChoiceTrack] = attrs.Factory(dict)
+
+    def observe(self, out) -> None:
+        if self.prompt_token_ids is None and out.prompt_token_ids is not None:
+            self.prompt_token_ids = list(out.prompt_token_ids)
+            self.prompt_logprobs = None if out.prompt_logprobs is None else list(out.prompt_logprobs)
+        for output in out.outputs:
+            self.choices.setdefault(output.index, ChoiceTrack()).add(output)
+
+    def gathered(self, out):
+        """``out`` (the last output of a request run with delta outputs) as vLLM's final output would be."""
+        out.prompt_token_ids = self.prompt_token_ids
+        out.prompt_logprobs = self.prompt_logprobs
+        out.outputs = [self.choices[i].as_output(i) for i in sorted(self.choices)]
+        out.finished = True
+        return out
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices.values())
+
+    def as_json(self) -> dict:
+        return {
+            "n": self.n,
+            "prompt_token_ids": self.prompt_token_ids,
+            "prompt_logprobs": _logprobs_json(self.prompt_logprobs),
+            "choices": {str(i): c.as_json() for i, c in self.choices.items()},
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> CallTrack:
+        return cls(
+            data["n"],
+            data["prompt_token_ids"],
+            _logprobs_from_json(data["prompt_logprobs"]),
+            {int(i): ChoiceTrack.from_json(c) for i, c in data["choices"].items()},
+        )
+
+
+@attrs.define
+class RequestTrack:
+    """What one HTTP request generated so far, call by call; and, on the engine it went on on, the
+    record it goes on from."""
+
+    calls: list[CallTrack] = attrs.Factory(list)
+    # The record this request goes on from (None: a request of its own).
+    resumed: dict | None = None
+    # A stream's first event, kept to give the caller's stream id to the engine it goes on on.
+    first_frame: str | None = None
+
+    def resumed_call(self, index: int) -> CallTrack | None:
+        if self.resumed is None or index >= len(self.resumed["calls"]):
+            return None
+        return CallTrack.from_json(self.resumed["calls"][index])
+
+    def record(self) -> bytes:
+        """What another engine needs to go on with this request."""
+        head = {}
+        if self.resumed is not None:
+            head = {k: self.resumed[k] for k in ("id", "created") if k in self.resumed}
+        elif self.first_frame is not None:
+            first = orjson.loads(self.first_frame[len("data: ") :])
+            head = {"id": first.get("id"), "created": first.get("created")}
+        return orjson.dumps({**head, "calls": [call.as_json() for call in self.calls]})
+
+
+def begin(payload: dict) -> RequestTrack:
+    """Start keeping what this request generates; ``payload`` loses the record it goes on from."""
+    track = RequestTrack(resumed=payload.pop(CONTINUE_FIELD, None))
+    _TRACK.set(track)
+    return track
+
+
+def track_outputs(engine_client: Any) -> None:
+    """Route this engine's ``generate`` through the tracking below (its serving classes call it)."""
+    generate = engine_client.generate
+
+    async def tracked(prompt, sampling_params, request_id, **kwargs) -> AsyncGenerator:
+        track = _TRACK.get()
+        if track is None or not isinstance(sampling_params, SamplingParams):
+            async for out in generate(prompt, sampling_params, request_id, **kwargs):
+                yield out
+            return
+        call = CallTrack(sampling_params.n)
+        resumed = track.resumed_call(len(track.calls))
+        track.calls.append(call)
+        final_only = sampling_params.output_kind == RequestOutputKind.FINAL_ONLY
+        if final_only:
+            sampling_params = copy.copy(sampling_params)
+            sampling_params.output_kind = RequestOutputKind.DELTA
+        if resumed is None:
+            outputs = generate(prompt, sampling_params, request_id, **kwargs)
+        else:
+            call.prompt_token_ids, call.prompt_logprobs, call.choices = (
+                resumed.prompt_token_ids,
+                resumed.prompt_logprobs,
+                resumed.choices,
+            )
+            outputs = _go_on(generate, prompt, sampling_params, request_id, kwargs, resumed)
+        last = None
+        async for out in outputs:
+            call.observe(out)
+            if final_only:
+                last = out
+            else:
+                yield out
+        if final_only:
+            yield call.gathered(last if last is not None else _empty_output(request_id))
+
+    engine_client.generate = tracked
+
+
+def _empty_output(request_id: str):
+    return RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=None, prompt_logprobs=None,
+                         outputs=[], finished=True)  # fmt: skip
+
+
+async def _go_on(generate, prompt, sampling_params, request_id: str, kwargs: dict, resumed: CallTrack):
+    """Each unfinished choice of ``resumed`` run from its prompt and tokens so far, its outputs as
+    the choice's own (the prompt's logprobs were given already)."""
+    from .vllm_api import merge_async_iterators
+
+    runs, indexes = [], []
+    for index in range(resumed.n):
+        kept = resumed.choices.get(index)
+        if kept is not None and kept.finish_reason is not None:
+            continue
+        done = [] if kept is None else kept.token_ids
+        params = copy.copy(sampling_params)
+        params.n = 1
+        params.prompt_logprobs = None
+        if params.max_tokens is not None:
+            params.max_tokens = max(1, params.max_tokens - len(done))
+        params.min_tokens = max(0, params.min_tokens - len(done))
+        extended = {k: v for k, v in dict(prompt).items() if k != "prompt"}
+        extended["prompt_token_ids"] = list(resumed.prompt_token_ids) + list(done)
+        runs.append(generate(extended, params, f"{request_id}-continued-{index}", **kwargs))
+        indexes.append(index)
+    async for run, out in merge_async_iterators(*runs):
+        for output in out.outputs:
+            output.index = indexes[run]
+        out.prompt_token_ids = resumed.prompt_token_ids
+        out.prompt_logprobs = None
+        yield out
+
+
+def continued_frame(frame: str, track: RequestTrack, first: bool) -> str | None:
+    """An event of a stream that goes on here, as the caller's stream has it: its id and creation
+    time, usage counting the tokens generated before, and (``first``: the first event sent) where
+    it went on. None: an event the caller had already (a chat stream's opening role)."""
+    if not frame.startswith("data: {"):
+        return frame
+    event = orjson.loads(frame[len("data: ") :])
+    choices = event.get("choices") or []
+    if first and choices and all(_opening(choice.get("delta")) for choice in choices):
+        return None
+    for key in ("id", "created"):
+        if track.resumed.get(key) is not None:
+            event[key] = track.resumed[key]
+    usage = event.get("usage")
+    if usage:
+        before = kept_tokens(track)
+        usage["completion_tokens"] += before
+        usage["total_tokens"] += before
+    if first:
+        event["skyinfer_continued"] = continued_note(track)
+    return "data: " + orjson.dumps(event).decode() + "\n\n"
+
+
+def _opening(delta: dict | None) -> bool:
+    return isinstance(delta, dict) and "role" in delta and not delta.get("content")
+
+
+def finished_choices(track: RequestTrack) -> frozenset[int]:
+    """The choices (numbered across prompts, as the stream numbers them) that ended before the
+    request went on here: none for a request of its own."""
+    if track.resumed is None:
+        return frozenset()
+    return frozenset(
+        index + number * call["n"]
+        for number, call in enumerate(track.resumed["calls"])
+        for index, choice in ((int(i), c) for i, c in call["choices"].items())
+        if choice["finish_reason"] is not None
+    )
+
+
+def kept_tokens(track: RequestTrack) -> int:
+    """The tokens the request had generated before it went on here."""
+    return sum(CallTrack.from_json(call).tokens for call in track.resumed["calls"])
+
+
+def continued_note(track: RequestTrack) -> dict:
+    """Where the request went on: the engine that died, and how many of its tokens were kept."""
+    return {"from_engine": track.resumed.get("from_engine"), "tokens_kept": kept_tokens(track)}
+
+
+def marker(track: RequestTrack) -> bytes:
+    """The last chunk of a stream whose engine died: the record, for the front."""
+    return CONTINUE_MARKER + track.record() + b"\n\n"
