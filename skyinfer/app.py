@@ -29,6 +29,7 @@ from .state import EngineRecord, EngineRegistry
 from .supervisor import SUPERVISOR, Supervisor, add_supervisor_routes
 from .transfer import transport_for
 from .vllm_routes import add_vllm_routes
+from .weights.catchup import CATCH_UP, CatchUp, add_catch_up_routes
 from .weights.sync import WEIGHT_SYNC, WeightSync, add_weight_routes
 from .weights.transports import FrontTransport
 
@@ -108,12 +109,14 @@ def create_app(config: ServeConfig) -> web.Application:
         config.weight_transfer_timeout_s,
         supervisor.restart_in_background,
     )
-    supervisor.bring_up = Bringup(registry, app[CONTROL], app[ADAPTERS], app[WEIGHT_SYNC]).bring
+    app[CATCH_UP] = CatchUp(registry, app[WEIGHT_SYNC], config.weight_transfer_timeout_s)
+    supervisor.bring_up = Bringup(registry, app[CONTROL], app[ADAPTERS], app[WEIGHT_SYNC], app[CATCH_UP]).bring
 
     async def engines_ctx(_app: web.Application):
         supervisor.start()
         yield
         await supervisor.stop(config.shutdown_budget_s[1])
+        app[CATCH_UP].close()  # a catch-up the stop cut short leaves no file behind
         if config.socket_dir is None:
             shutil.rmtree(socket_dir, ignore_errors=True)
         if config.adapter_dir is None:
@@ -147,5 +150,6 @@ def create_app(config: ServeConfig) -> web.Application:
     app.router.add_get("/ready", ready)
     app.router.add_get("/engines", engines_view(config.engine_probe_timeout_s))
     add_supervisor_routes(app)
+    add_catch_up_routes(app)
     app.router.add_get("/metrics", metrics_view(config.engine_probe_timeout_s))
     return app

@@ -8,7 +8,8 @@ a retired engine rejoining) holds nothing of the fleet's. Before it counts as up
 3. a colocated transport's settings (there is no group to join; a group transport's trainer
    forms its group again, told so by ``transfer_group_gone``);
 4. the fleet's weights: if the fleet has had pushes since the checkpoint on disk, it is held out
-   as stale until the next one.
+   as stale, and once it counts as up it copies them from a healthy peer engine
+   (``weights/catchup.py``), or waits for the next push if no peer holds them.
 
 The steps call the new engine only, and run without the fleet's lock: a bring-up that takes
 minutes (a level-1 sleep offloading a large model, adapters loading) never holds up the admin
@@ -24,10 +25,12 @@ import logging
 from typing import TYPE_CHECKING
 
 from .state import EngineRecord, EngineRegistry, Lifecycle
+from .weights.catchup import restarted_reason
 
 if TYPE_CHECKING:
     from .adapters import AdapterFleet
     from .control import ControlPlane
+    from .weights.catchup import CatchUp
     from .weights.sync import WeightSync
 
 log = logging.getLogger("skyinfer.bringup")
@@ -36,11 +39,19 @@ UNLOCKED_TRIES = 3
 
 
 class Bringup:
-    def __init__(self, registry: EngineRegistry, control: ControlPlane, adapters: AdapterFleet, sync: WeightSync):
+    def __init__(
+        self,
+        registry: EngineRegistry,
+        control: ControlPlane,
+        adapters: AdapterFleet,
+        sync: WeightSync,
+        catch_up: CatchUp | None = None,
+    ):
         self.registry = registry
         self.control = control
         self.adapters = adapters
         self.sync = sync
+        self.catch_up = catch_up
 
     async def bring(self, record: EngineRecord) -> None:
         """Bring ``record``'s new process to the fleet and mark it up (unless it was stopped or
@@ -69,12 +80,14 @@ class Bringup:
         if not _coming_up(record):
             return  # stopped or killed meanwhile
         fleet = self.registry.fleet_weight_version
-        if fleet is not None and record.weight_version != fleet:
+        behind = fleet is not None and record.weight_version != fleet
+        if behind:
             # It loaded the checkpoint from disk: behind a fleet that has had pushes.
-            self.registry.set_stale(
-                record, f"it restarted from the checkpoint on disk; the fleet serves {fleet}: push to bring it in"
-            )
+            self.registry.set_stale(record, restarted_reason(fleet))
         self.registry.set_lifecycle(record, Lifecycle.UP)
+        if behind and self.catch_up is not None:
+            # Beside bring-up, off the fleet's lock: the engine is up (stale) whatever the copy does.
+            self.catch_up.after_restart(record)
 
 
 def _coming_up(record: EngineRecord) -> bool:

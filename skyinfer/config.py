@@ -148,6 +148,15 @@ class ServeConfig:
         metavar="N",
         validator=attrs.validators.ge(0),
     )
+    warm_spares: int = _option(
+        1,
+        "1: once the fleet is ready, each engine gets a spare process that has imported torch and vLLM and waits; "
+        "when the engine's process dies or is restarted, its spare takes its place, which saves the imports' "
+        "seconds of the restart, and a new spare starts once the engine is up (each spare holds its imports' "
+        "memory, about 0.6 GiB); 0: no spares, every restart starts a cold process",
+        metavar="N",
+        validator=attrs.validators.in_((0, 1)),
+    )
     max_push_failures: int = _option(
         3,
         "an engine that stays up but fails N weight pushes in a row by itself (the other engines did their "

@@ -147,6 +147,7 @@ class _GoingOn:
         payload = parse_json_object(body)
         record = orjson.loads(self.record)
         record["from_engine"] = self.engine_id
+        record["weight_version"] = self.weight_version
         payload[CONTINUE_FIELD] = record
         return orjson.dumps(payload)
 

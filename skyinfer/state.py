@@ -335,6 +335,8 @@ class EngineRecord:
     transfer_engine_open: bool = False
     # Process replacements since the service started (crashes, failed transfers).
     restarts: int = 0
+    # Its warm spare (spares.py): None (none, or --warm-spares 0), "starting" or "waiting".
+    spare: str | None = None
     # Pushes in a row that this engine failed itself (the others did their part): at
     # ``--max-push-failures`` it is retired. A push it completes, or a new process, starts afresh.
     push_failures: int = 0
@@ -453,6 +455,7 @@ class EngineRecord:
             "model_dtype": self.model_dtype,
             "adapters": dict(self.adapters),
             "restarts": self.restarts,
+            "spare": self.spare,
         }
 
 

@@ -20,6 +20,7 @@ from .engine import EXTENSION_PATH
 from .engine.output import read_tail
 from .engine_calls import unix_client
 from .errors import ApiError, json_response
+from .spares import Spare, Spares
 from .state import EngineRecord, EngineRegistry, Lifecycle, OrderingError
 
 log = logging.getLogger("skyinfer.supervisor")
@@ -45,7 +46,8 @@ class EngineProcess:
         self.crashes = 0
         self.ready_since = 0.0
 
-    def argv(self, lifeline_fd: int) -> list[str]:
+    def argv(self, lifeline_fd: int, report_fd: int | None = None) -> list[str]:
+        """Its command line; with ``report_fd``, a spare's (spares.py), which reports there."""
         c = self.config
         # Its own sizes: engines of a fleet may differ (--engine-sizes).
         tensor_parallel_size, pipeline_parallel_size = self.record.parallel
@@ -64,7 +66,8 @@ class EngineProcess:
             ),
             *c.engine_args,
         ]
-        own = [
+        own = [] if report_fd is None else ["--standby", "--report-fd", str(report_fd)]
+        own += [
             "--socket",
             self.record.socket_path,
             "--lifeline-fd",
@@ -78,15 +81,36 @@ class EngineProcess:
             own += ["--cpus", ",".join(str(core) for core in self.record.devices.ids)]
         return [*c.engine_command, *own, "--", *vllm_args]
 
-    async def spawn(self, lifeline_fd: int) -> None:
-        """Start the engine; it dies with whoever holds the write end of ``lifeline_fd``'s pipe."""
-        for stale in (self.record.socket_path, self.output_tail, self.output_tail + ".1"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(stale)
+    def env(self) -> dict[str, str]:
+        """The environment it starts with (a spare's start order carries it too)."""
         env = {**os.environ, **self.record.devices.env, "PYTHONUNBUFFERED": "1"}
         if self.config.allow_pickled_ipc:
             # vLLM's ipc backend unpickles ipc_handles_pickled only with it (the operator's opt-in).
             env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        return env
+
+    async def spawn(self, lifeline_fd: int, spare: Spare | None = None) -> None:
+        """Start the engine; it dies with whoever holds the write end of ``lifeline_fd``'s pipe.
+        With ``spare`` (the slot's, alive): the spare becomes the engine's process, unless it
+        cannot (it died meanwhile), when a cold one starts."""
+        for stale in (self.record.socket_path, self.output_tail, self.output_tail + ".1"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(stale)
+        env = self.env()
+        if spare is not None and not spare.take_over(env):
+            spare.kill()  # it could not take the order: dead, or as good as
+            spare = None
+        if spare is not None:
+            self.proc = spare.proc
+            self.record.pid = self.proc.pid
+            log.info(
+                "engine %d: its warm spare, pid %d, takes over on %s%s",
+                self.record.engine_id,
+                self.proc.pid,
+                self.record.devices.describe(),
+                "" if spare.waiting else " (still importing)",
+            )
+            return
         self.proc = await asyncio.create_subprocess_exec(
             *self.argv(lifeline_fd),
             env=env,
@@ -179,6 +203,8 @@ class Supervisor:
         self.registry = registry
         self.config = config
         self.processes = {r.engine_id: EngineProcess(r, config) for r in registry.records}
+        # Warm spares: a restart takes the slot's, if alive, instead of starting a cold process.
+        self.spares = Spares(registry, self.processes, config.warm_spares > 0, config.engine_start_timeout_s)
         # Engines hold the read end; only this process holds the write end, so
         # when it dies, however it dies, they die with it (engine/lifeline.py).
         self._lifeline: tuple[int, int] | None = None
@@ -226,6 +252,7 @@ class Supervisor:
     def start(self) -> None:
         """Start every engine in parallel; ``wait_ready`` reports the outcome."""
         self._lifeline = os.pipe()
+        self.spares.start(self._lifeline[0])
         self._start_task = asyncio.create_task(self._start_all())
 
     async def wait_ready(self) -> None:
@@ -236,10 +263,13 @@ class Supervisor:
         started = time.monotonic()
         await asyncio.gather(*(self._launch(p) for p in self.processes.values()))
         log.info("all %d engine(s) ready in %.1fs", len(self.processes), time.monotonic() - started)
+        for record in self.registry.records:
+            if record.up:
+                self.spares.want(record.engine_id)
 
     async def _launch(self, process: EngineProcess) -> None:
         assert self._lifeline is not None
-        await process.spawn(self._lifeline[0])
+        await process.spawn(self._lifeline[0], self.spares.take(process.record.engine_id))
         self._in_background(self._watch_exit(process), process)
         await self._become_ready(process)
 
@@ -313,6 +343,10 @@ class Supervisor:
         except Exception:  # whatever went wrong, the engine must not stay "restarting"
             log.exception("engine %d: restart failed", record.engine_id)
             self._declare_dead(process, "its restart failed")
+            return
+        if record.up:
+            # Up again: its next restart is warm too, once the fleet is steady.
+            self.spares.want(record.engine_id)
 
     def retire(self, record: EngineRecord, reason: str) -> None:
         """Take an engine that stays up but keeps failing out of the fleet, as a restart-looping one
@@ -400,6 +434,8 @@ class Supervisor:
                 # A failure was reported where it happened; none may stop the shutdown.
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
+        # Spares hold no engine: killed at once, before anything could start another.
+        await self.spares.stop()
         # Not under the registry's lock: a push may hold it for as long as its
         # transfer times out, and the shutdown must end within its grace. What
         # the push does next fails on stopping engines, and restarts none.

@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
+from pushes import greedy_completion
 from support import engine_of
 
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -62,22 +63,7 @@ def reference_logprobs(
 
 
 def complete(server, model: str, prompt: str, session: str, max_tokens: int = 12) -> httpx.Response:
-    r = httpx.post(
-        f"{server.url}/v1/completions",
-        json={
-            "model": model,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "logprobs": 1,
-            "return_token_ids": True,
-            "ignore_eos": True,
-        },
-        headers={"X-Session-ID": session},
-        timeout=120,
-    )
-    assert r.status_code == 200, r.text
-    return r
+    return greedy_completion(server, model, prompt, session, max_tokens)
 
 
 def served_vs_reference(

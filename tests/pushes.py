@@ -92,27 +92,33 @@ def sessions_per_engine(server, model_name) -> dict[int, str]:
     return found
 
 
+def greedy_completion(server, model_name: str, prompt: str, session: str, max_tokens: int = 16) -> httpx.Response:
+    """A greedy completion of ``prompt`` with its token ids and logprobs, on ``session``'s engine."""
+    r = httpx.post(
+        f"{server.url}/v1/completions",
+        json={
+            "model": model_name,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "logprobs": 1,
+            "return_token_ids": True,
+            "ignore_eos": True,
+        },
+        headers={"X-Session-ID": session},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    return r
+
+
 def assert_engines_match(server, model_name, demo_model, weights, version):
     for engine, session in sessions_per_engine(server, model_name).items():
         for prompt in PROMPTS:
             prompt_ids = httpx.post(
                 f"{server.url}/tokenize", json={"model": model_name, "prompt": prompt}, timeout=30
             ).json()["tokens"]
-            r = httpx.post(
-                f"{server.url}/v1/completions",
-                json={
-                    "model": model_name,
-                    "prompt": prompt,
-                    "max_tokens": 16,
-                    "temperature": 0,
-                    "logprobs": 1,
-                    "return_token_ids": True,
-                    "ignore_eos": True,
-                },
-                headers={"X-Session-ID": session},
-                timeout=60,
-            )
-            assert r.status_code == 200, r.text
+            r = greedy_completion(server, model_name, prompt, session)
             assert engine_of(r) == engine
             assert r.headers["X-Weight-Version"] == version
             choice = r.json()["choices"][0]

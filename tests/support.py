@@ -121,6 +121,9 @@ class ServerProcess(ChildProcess):
 
 # TRL's get_sequence_logprobs asks for the top 100 of every prompt token (vLLM's default cap: 20).
 MAX_LOGPROBS = 100
+# The session's servers live as long as it: a warm spare per engine would hold 0.6 GiB throughout
+# (test_warm_restarts' and the fault modules' own servers have theirs, the default).
+NO_SPARES = ("--warm-spares", "0")
 
 
 def two_float32_engines(model: Path, log_path: Path, *more_args: str) -> ServerProcess:
@@ -146,6 +149,7 @@ def two_float32_engines(model: Path, log_path: Path, *more_args: str) -> ServerP
             "hermes",
             "--max-logprobs",
             str(MAX_LOGPROBS),
+            *NO_SPARES,
         ),
         # vLLM keeps Responses API answers (for GET /v1/responses/{id}) only when told to.
         env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"},
@@ -172,7 +176,7 @@ def keyed_one_engine(model: Path, log_path: Path, *more_args: str) -> ServerProc
         engines=1,
         log_path=log_path,
         admin_key=ADMIN_KEY,
-        extra_args=("--api-key", API_KEY, "--admin-key", ADMIN_KEY, "--max-request-mb", "1", *more_args),
+        extra_args=("--api-key", API_KEY, "--admin-key", ADMIN_KEY, "--max-request-mb", "1", *NO_SPARES, *more_args),
     )
 
 

@@ -178,6 +178,7 @@ CONTROL_SEEDS: dict[tuple[str, str], list[Any]] = {
     ("POST", "/reload_weights"): [{}],
     # An engine that does not exist (support.concrete): nothing restarts.
     ("POST", "/engines/{engine_id}/restart"): [{}],
+    ("POST", "/engines/{engine_id}/catch_up"): [{}],
 }
 FEW_BODIES = {("POST", "/reload_weights"): 5, ("POST", "/engines/{engine_id}/restart"): 20}
 POOLING_PATHS = (

@@ -40,7 +40,7 @@ ADMIN_ROUTES = [
     ("POST", "/v1/load_lora_adapter"), ("POST", "/v1/unload_lora_adapter"), ("POST", "/update_lora_adapter"),
     ("GET", "/server_info"), ("GET", "/kv_event_sources"), ("POST", "/reset_mm_cache"),
     ("POST", "/reset_encoder_cache"), ("POST", "/collective_rpc"), ("POST", "/inference/v1/abort_requests"),
-    ("POST", "/reload_weights"), ("POST", "/engines/{engine_id}/restart"),
+    ("POST", "/reload_weights"), ("POST", "/engines/{engine_id}/restart"), ("POST", "/engines/{engine_id}/catch_up"),
 ]  # fmt: skip
 PUBLIC_ROUTES = [
     ("GET", "/health"), ("GET", "/ready"), ("GET", "/metrics"), ("GET", "/ping"), ("POST", "/ping"), ("GET", "/load"),

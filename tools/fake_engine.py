@@ -301,6 +301,44 @@ async def _weight_checker(request: web.Request) -> web.Response:
     return json_response({"checksums": {"model.norm.weight": engine.weight_version}})
 
 
+def _catch_up_file(body: dict) -> str:
+    """The one file of a peer catch-up's (weights/catchup.py) a fake engine, one worker, writes or reads."""
+    prefix = body["prefix"]
+    if "/" in prefix or not prefix.startswith("skyinfer-"):
+        raise ValueError(f"not a catch-up prefix: {prefix!r}")
+    return os.path.join("/dev/shm", f"{prefix}rank0")
+
+
+async def _export_weights(request: web.Request) -> web.Response:
+    """A peer catch-up's export: the fake's "weights" are its label, written to its file."""
+    body = await _body(request)
+    engine = request.app[STATE]
+    engine.bodies[request.path] = body
+    with open(_catch_up_file(body), "xb") as f:
+        f.write(orjson.dumps({"weights": engine.weight_version}))
+    checksums = {"model.norm.weight": engine.weight_version}
+    return json_response(
+        {
+            "status": "exported",
+            "weight_version": engine.weight_version,
+            "workers": 1,
+            "tensors": 1,
+            "bytes": 64,
+            "checksums": checksums,
+        }
+    )
+
+
+async def _import_weights(request: web.Request) -> web.Response:
+    """A peer catch-up's import: the peer's "weights" (its label) become the fake's, as its checksum says."""
+    body = await _body(request)
+    engine = request.app[STATE]
+    engine.bodies[request.path] = body
+    with open(_catch_up_file(body), "rb") as f:
+        engine.weight_version = orjson.loads(f.read())["weights"]
+    return json_response({"status": "imported", "workers": 1, "tensors": 1})
+
+
 async def _metrics(_request: web.Request) -> web.Response:
     return web.Response(text="", content_type="text/plain")
 
@@ -351,6 +389,8 @@ def create_fake_engine_app(
         "/finish_weight_update": _step("finished", _finish),
         "/abort_weight_update": _step("aborted", lambda e, b: setattr(e, "updating", False)),
         "/update_weight_version": _step("relabelled", lambda e, b: setattr(e, "weight_version", b["new_version"])),
+        "/export_weights": _export_weights,
+        "/import_weights": _import_weights,
         "/reset_mm_cache": _step("reset"),
         "/reset_encoder_cache": _step("reset"),
         "/weight_checker": _weight_checker,

@@ -51,6 +51,7 @@ SECTIONS = {
     "skyinfer.health": "Operations",
     "skyinfer.metrics": "Operations",
     "skyinfer.supervisor": "Operations",
+    "skyinfer.weights.catchup": "Operations",
 }
 
 

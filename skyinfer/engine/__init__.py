@@ -28,3 +28,5 @@ RECEIVE_ADAPTER_RPC = "skyinfer_receive_adapter"
 RECEIVE_OUTCOME_RPC = "skyinfer_receive_outcome"
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+# Peer catch-up (weights/catchup.py): the worker calls that write and read one shared-memory file per worker.
+EXPORT_WEIGHTS_RPC, IMPORT_WEIGHTS_RPC = "skyinfer_export_weights", "skyinfer_import_weights"

@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import os
 import sys
+from collections.abc import Callable
 
 
 def parse_engine_args(vllm_argv: list[str]):
@@ -24,10 +25,13 @@ def parse_engine_args(vllm_argv: list[str]):
     return args
 
 
-def set_up_process(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+def set_up_process(argv: list[str], warm_up: Callable[[], None] | None = None) -> tuple[argparse.Namespace, list[str]]:
     """Take the engine's own arguments (those before ``--``) and set its process up by them: its
     output relayed, its life tied to the front's, its cores pinned. Returns them and vLLM's
-    arguments. The front's fake engine (tools/fake_engine.py) starts the same way."""
+    arguments. The front's fake engine (tools/fake_engine.py) starts the same way.
+
+    With ``--standby`` the process is a spare (standby.py): it runs ``warm_up`` (the imports an
+    engine needs), waits for the front's start order, and then sets itself up as above."""
     own = argparse.ArgumentParser(prog="python -m skyinfer.engine")
     own.add_argument("--socket", required=True, help="Unix socket to serve on once the engine is ready")
     own.add_argument("--cpus", help="comma-separated cores this engine (and every process it starts) may run on")
@@ -36,15 +40,27 @@ def set_up_process(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     )
     own.add_argument("--output-tail", help="relay the engine's output to its stderr, keeping its end in this file")
     own.add_argument("--log-prefix", default="", help="with --output-tail: written before every line of the output")
+    own.add_argument(
+        "--standby",
+        action="store_true",
+        help="start as a spare: import what an engine needs, then wait for the start order on stdin",
+    )
+    own.add_argument("--report-fd", type=int, help="with --standby: where the spare says that it stands by")
     split = argv.index("--") if "--" in argv else len(argv)
     own_argv, vllm_argv = argv[:split], argv[split + 1 :]
     ns = own.parse_args(own_argv)
+    if ns.standby:
+        # Its lifeline is watched from the start; its relay and cores are set up below, as a cold engine's.
+        from .standby import stand_by
+
+        stand_by(ns, warm_up or (lambda: None))
     if ns.output_tail is not None:
-        # First, while this process has no thread: the relay is a fork of it.
+        # First, while this process has no thread: the relay is a fork of it. (A spare has two by
+        # now, its lifeline's and torch's, blocked in calls that hold nothing the relay uses.)
         from .output import relay_output
 
         relay_output(ns.log_prefix, ns.output_tail)
-    if ns.lifeline_fd is not None:
+    if ns.lifeline_fd is not None and not ns.standby:
         # Before vLLM: the front may die during its long start-up too.
         from .lifeline import die_with_front
 
@@ -52,17 +68,59 @@ def set_up_process(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if ns.cpus:
         # Inherited by vLLM's EngineCore and workers: a busy engine cannot
         # starve another engine's control path of CPU.
-        os.sched_setaffinity(0, {int(c) for c in ns.cpus.split(",")})
+        cores = {int(c) for c in ns.cpus.split(",")}
+        os.sched_setaffinity(0, cores)
+        # Threads already running too (a spare's: its lifeline's, torch's), as if started after.
+        for thread_id in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(int(thread_id), cores)
     return ns, vllm_argv
 
 
-def main(argv: list[str] | None = None) -> None:
-    ns, vllm_argv = set_up_process(sys.argv[1:] if argv is None else argv)
+# What the engine's start-up takes from vllm_api: main's, parse_engine_args', serve_engine's and
+# the serving routes' (create_engine_app). A spare imports them all before it waits.
+_START_UP_NAMES = (
+    "cli_env_setup",
+    "configure_logging_from_args",
+    "FlexibleArgumentParser",
+    "make_arg_parser",
+    "validate_parsed_serve_args",
+    "build_async_engine_client",
+    "build_app",
+    "init_app_state",
+    "ChatCompletionRequest",
+    "CompletionRequest",
+    "GenerateRequest",
+    "TokenizeRequest",
+    "DetokenizeRequest",
+)
 
+
+def _dev_mode() -> None:
     # vLLM's app behind the engine registers its dev routes (/server_info,
     # /collective_rpc, ...) only in dev mode; the engine's socket is the
     # front's alone, and the front decides which of them users may call.
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"
+
+
+def import_engine() -> None:
+    """A spare's warm-up (standby.py): torch, vLLM, its engine client and OpenAI serving modules,
+    and this package's engine modules, as a cold engine imports them on its way to the socket;
+    nothing is built, no device touched (neither torch's nor vLLM's import initialises CUDA)."""
+    _dev_mode()
+    from . import vllm_api
+
+    for name in _START_UP_NAMES:
+        getattr(vllm_api, name)
+    import uvloop  # noqa: F401
+
+    from . import server  # noqa: F401
+
+
+def main(argv: list[str] | None = None) -> None:
+    ns, vllm_argv = set_up_process(sys.argv[1:] if argv is None else argv, warm_up=import_engine)
+
+    _dev_mode()
     from .vllm_api import cli_env_setup, configure_logging_from_args
 
     cli_env_setup()

@@ -59,6 +59,8 @@ class ChoiceTrack:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # Which weights sampled which tokens: vLLM gives the spans with a choice's last output.
+    weight_versions: list | None = None
 
     def add(self, output) -> None:
         self.token_ids.extend(output.token_ids)
@@ -68,6 +70,8 @@ class ChoiceTrack:
         self.cumulative_logprob = output.cumulative_logprob
         self.finish_reason = output.finish_reason
         self.stop_reason = output.stop_reason
+        if output.weight_versions is not None:
+            self.weight_versions = output.weight_versions
 
     def as_output(self, index: int):
         return CompletionOutput(
@@ -78,6 +82,7 @@ class ChoiceTrack:
             logprobs=self.logprobs,
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
+            weight_versions=self.weight_versions,
         )
 
     def as_json(self) -> dict:
@@ -194,6 +199,8 @@ def track_outputs(engine_client: Any) -> None:
             return
         call = CallTrack(sampling_params.n)
         resumed = track.resumed_call(len(track.calls))
+        if resumed is not None and resumed.prompt_token_ids is None:
+            resumed = None  # the engine that died had not begun it: it starts here
         track.calls.append(call)
         final_only = sampling_params.output_kind == RequestOutputKind.FINAL_ONLY
         if final_only:
@@ -207,7 +214,8 @@ def track_outputs(engine_client: Any) -> None:
                 resumed.prompt_logprobs,
                 resumed.choices,
             )
-            outputs = _go_on(generate, prompt, sampling_params, request_id, kwargs, resumed)
+            version = track.resumed.get("weight_version")
+            outputs = _go_on(generate, prompt, sampling_params, request_id, kwargs, resumed, version)
         last = None
         async for out in outputs:
             call.observe(out)
@@ -226,9 +234,12 @@ def _empty_output(request_id: str):
                          outputs=[], finished=True)  # fmt: skip
 
 
-async def _go_on(generate, prompt, sampling_params, request_id: str, kwargs: dict, resumed: CallTrack):
+async def _go_on(
+    generate, prompt, sampling_params, request_id: str, kwargs: dict, resumed: CallTrack, version: str | None
+):
     """Each unfinished choice of ``resumed`` run from its prompt and tokens so far, its outputs as
-    the choice's own (the prompt's logprobs were given already)."""
+    the choice's own (the prompt's logprobs were given already; the weight spans count the tokens
+    kept, sampled by ``version``: the front goes on only on an engine with the same weights)."""
     from .vllm_api import merge_async_iterators
 
     runs, indexes = [], []
@@ -250,6 +261,8 @@ async def _go_on(generate, prompt, sampling_params, request_id: str, kwargs: dic
     async for run, out in merge_async_iterators(*runs):
         for output in out.outputs:
             output.index = indexes[run]
+            kept = resumed.choices.get(output.index)
+            output.weight_versions = _after(output.weight_versions, len(kept.token_ids) if kept else 0, version)
         out.prompt_token_ids = resumed.prompt_token_ids
         out.prompt_logprobs = None
         yield out
@@ -280,6 +293,21 @@ def continued_frame(frame: str, track: RequestTrack, first: bool) -> str | None:
 
 def _opening(delta: dict | None) -> bool:
     return isinstance(delta, dict) and "role" in delta and not delta.get("content")
+
+
+def _after(spans: list | None, kept: int, version: str | None) -> list | None:
+    """Weight spans over a choice's tokens here, counted after the ``kept`` ones sampled by ``version``."""
+    from .vllm_api import WeightVersionSpan
+
+    if spans is None:
+        return None
+    moved = [WeightVersionSpan(span.version, span.start + kept, span.end + kept) for span in spans]
+    if kept and version is not None:
+        if moved and moved[0].version == version:
+            moved[0] = WeightVersionSpan(version, 0, moved[0].end)
+        else:
+            moved.insert(0, WeightVersionSpan(version, 0, kept))
+    return moved
 
 
 def finished_choices(track: RequestTrack) -> frozenset[int]:

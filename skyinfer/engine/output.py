@@ -22,12 +22,14 @@ TAIL_LINES = 40
 _CHUNK = 64 * 1024
 
 
-def relay_output(prefix: str, tail_path: str) -> None:
-    """Send this process's stdout and stderr, and its children's, through a relay (forked here).
+def relay_output(prefix: str, tail_path: str) -> int:
+    """Send this process's stdout and stderr, and its children's, through a relay (forked here);
+    returns the relay's pid.
 
     Call it first, while the process has no other thread: the relay is a fork of it."""
     read_fd, write_fd = os.pipe()
-    if os.fork() == 0:
+    pid = os.fork()
+    if pid == 0:
         try:
             os.close(write_fd)
             os.setsid()
@@ -39,6 +41,7 @@ def relay_output(prefix: str, tail_path: str) -> None:
     os.dup2(write_fd, 1)
     os.dup2(write_fd, 2)
     os.close(write_fd)
+    return pid
 
 
 def _name_process(title: str) -> None:

@@ -55,6 +55,8 @@ NAMES: dict[str, tuple[str, ...]] = {
     "stateless_destroy_torch_distributed_process_group": ("vllm.distributed.utils",),
     # The CPU worker skyinfer's own CPU worker class extends (cpu_worker.py).
     "CPUWorker": ("vllm.v1.worker.cpu_worker",),
+    # How a CPU linear layer packs its weight for its kernel (worker_extension.py keeps the weight too).
+    "dispatch_cpu_unquantized_gemm": ("vllm.model_executor.layers.utils",),
     "initialize_layerwise_reload": ("vllm.model_executor.model_loader.reload",),
     "finalize_layerwise_reload": ("vllm.model_executor.model_loader.reload",),
     # The loader that read the checkpoint at start-up: a reload from disk reads it again.
@@ -64,6 +66,7 @@ NAMES: dict[str, tuple[str, ...]] = {
     "RequestOutputKind": ("vllm.sampling_params",),
     "RequestOutput": ("vllm.outputs",),
     "CompletionOutput": ("vllm.outputs",),
+    "WeightVersionSpan": ("vllm.outputs",),
     "Logprob": ("vllm.logprobs",),
     "merge_async_iterators": ("vllm.utils.async_utils",),
     # LoRA: the request an adapter is loaded and served with.

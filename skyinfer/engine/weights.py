@@ -13,7 +13,7 @@ import time
 from aiohttp import web
 
 from ..errors import error_response, json_response, parse_json_object
-from . import END_WEIGHT_UPDATE_RPC, LOAD_CHECKPOINT_RPC, RECEIVE_OUTCOME_RPC
+from . import END_WEIGHT_UPDATE_RPC, EXPORT_WEIGHTS_RPC, IMPORT_WEIGHTS_RPC, LOAD_CHECKPOINT_RPC, RECEIVE_OUTCOME_RPC
 from .admin import abort
 from .appkeys import ENGINE_CLIENT
 from .worker_calls import on_every_worker
@@ -98,6 +98,41 @@ async def update_weight_version(request: web.Request) -> web.Response:
     return json_response({"status": "relabelled", "weight_version": await engine.get_weight_version()})
 
 
+async def export_weights(request: web.Request) -> web.Response:
+    """A peer catch-up's first half (weights/catchup.py): every worker writes what it serves with
+    into its shared-memory file, ``prefix`` and its rank, and answers vLLM's checksums of it."""
+    engine = request.app[ENGINE_CLIENT]
+    prefix = parse_json_object(await request.read())["prefix"]
+    answers = await on_every_worker(engine, EXPORT_WEIGHTS_RPC, prefix)
+    checksums: dict[str, str] = {}
+    for answer in answers:
+        checksums.update(answer["checksums"])  # keys carry the worker's ranks
+    return json_response(
+        {
+            "status": "exported",
+            "weight_version": await engine.get_weight_version(),
+            "workers": len(answers),
+            "tensors": sum(answer["tensors"] for answer in answers),
+            "bytes": sum(answer["bytes"] for answer in answers),
+            "checksums": checksums,
+        }
+    )
+
+
+async def import_weights(request: web.Request) -> web.Response:
+    """A peer catch-up's second half: every worker copies the file its peer of the same rank wrote
+    into its own tensors, in place (each refuses, touching nothing, unless every tensor matches).
+    The front relabels the engine once its checksums are the peer's."""
+    engine = request.app[ENGINE_CLIENT]
+    prefix = parse_json_object(await request.read())["prefix"]
+    answers = await on_every_worker(engine, IMPORT_WEIGHTS_RPC, prefix)
+    # KV computed with the weights replaced must never be served again.
+    await engine.reset_prefix_cache(reset_running_requests=True)
+    return json_response(
+        {"status": "imported", "workers": len(answers), "tensors": sum(answer["tensors"] for answer in answers)}
+    )
+
+
 async def shutdown_weight_transfer_engine(request: web.Request) -> web.Response:
     await request.app[ENGINE_CLIENT].shutdown_weight_transfer_engine()
     return json_response({"status": "left"})
@@ -125,3 +160,5 @@ def add_weight_routes(app: web.Application) -> None:
     app.router.add_post("/abort_weight_update", engine_call_route(abort_weight_update))
     app.router.add_post("/shutdown_weight_transfer_engine", engine_call_route(shutdown_weight_transfer_engine))
     app.router.add_post("/update_weight_version", engine_call_route(update_weight_version))
+    app.router.add_post("/export_weights", engine_call_route(export_weights))
+    app.router.add_post("/import_weights", engine_call_route(import_weights))

@@ -121,6 +121,9 @@ class WeightSync:
         self._agreed: tuple[str, Checksums] | None = None
         # An update the silence timer is ending.
         self._abandoning: asyncio.Task | None = None
+        # Updates that began touching engines (or a reload): a peer catch-up that sees this move
+        # while it copies gives way to the push (catchup.py).
+        self.updates_begun = 0
 
     @property
     def worker_count(self) -> int:
@@ -363,6 +366,7 @@ class WeightSync:
     async def _begin(self, records: list[EngineRecord]) -> None:
         """Open the update on every engine: engines that are running are paused for it first;
         one whose weights are asleep refuses it (nothing is touched)."""
+        self.updates_begun += 1
         verdicts = [(r, push_verdict(r)) for r in records]
         refused = [(r, v) for r, v in verdicts if v not in (APPLY, PAUSE_FOR_PUSH)]
         if refused:
@@ -602,6 +606,10 @@ class WeightSync:
         if verdict.reference is not None and len(verdict.disagreeing) < len(verdict.differing):
             self._agreed = (self.registry.fleet_weight_version, verdict.reference)
         return verdict, checked
+
+    def agreed_checksums(self) -> Checksums | None:
+        """The checksums the engines were seen to agree on under the fleet's label, if any."""
+        return self._known()
 
     def _known(self) -> Checksums | None:
         if self._agreed is not None and self._agreed[0] == self.registry.fleet_weight_version:

@@ -1,0 +1,308 @@
+"""Warm restarts (``--warm-spares``, on by default): once the fleet is ready each engine has a spare
+process that has imported torch and vLLM and waits; a restart, after a crash or on request, makes the
+spare the engine's process instead of starting a cold one, and a new spare starts once the engine is
+up. Real engines: a one-engine server with spares and one without, started together, each on a core
+of its own. Then the supervisor's side over fake engines (tools/fake_engine.py stands by as the real
+engine does): which spare takes over, a spare that dies, spares waiting for a steady fleet, and no
+spare outliving the front however it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import sys
+import time
+
+import httpx
+import psutil
+import pytest
+from fakes import FAKE_ENGINE, fake_fleet, kill, until
+
+from skyinfer.config import ServeConfig
+from skyinfer.proxy import REGISTRY
+from skyinfer.supervisor import SUPERVISOR
+
+from support import ChildProcess, ServerProcess, engine_socket, free_port, running, vllm_process
+
+# A spare imports torch and vLLM on one busy core: it may take a while.
+SPARE_TIMEOUT_S = 300
+
+
+@pytest.fixture(scope="module")
+def servers(demo_model, tmp_path_factory):
+    """One-engine servers, started together, each on a core of its own: spares on (the default)
+    and off. Health probes fast enough for a test."""
+    logs = tmp_path_factory.mktemp("warm-restarts")
+    probes = ("--health-interval", "1", "--health-timeout", "4")
+    pair = (
+        ServerProcess(demo_model, engines=1, log_path=logs / "warm.log", extra_args=probes, cpus={0}),
+        ServerProcess(
+            demo_model, engines=1, log_path=logs / "cold.log", extra_args=(*probes, "--warm-spares", "0"), cpus={1}
+        ),
+    )
+    with running(*pair):
+        yield dict(zip(("warm", "cold"), pair))
+
+
+def spares_of(srv: ServerProcess) -> list[psutil.Process]:
+    """The front's spare processes: started with --standby, and not the engine (an engine that was
+    a spare keeps --standby in its command line)."""
+    engine_pid = srv.engines()[0]["pid"]
+    children = psutil.Process(srv.proc.pid).children()
+    return [p for p in children if p.pid != engine_pid and _cmdline(p) and "--standby" in _cmdline(p)]
+
+
+def _cmdline(p: psutil.Process) -> list[str]:
+    try:
+        return p.cmdline()
+    except psutil.Error:  # gone, or a zombie
+        return []
+
+
+def waiting_spare(srv: ServerProcess) -> psutil.Process:
+    """The engine's spare, once ``GET /engines`` says it stands by."""
+    deadline = time.monotonic() + SPARE_TIMEOUT_S
+    while srv.engines()[0]["spare"] != "waiting":
+        assert time.monotonic() < deadline, f"no spare stands by:\n{srv.log_tail()}"
+        time.sleep(0.5)
+    (spare,) = spares_of(srv)
+    return spare
+
+
+def back_up(srv: ServerProcess, old_pid: int, timeout_s: float = 300) -> dict:
+    """The engine, once a process other than ``old_pid`` serves."""
+    deadline = time.monotonic() + timeout_s
+    while (engine := srv.engines()[0])["state"] != "ready" or engine["pid"] == old_pid:
+        assert time.monotonic() < deadline, f"{engine}\n{srv.log_tail()}"
+        time.sleep(0.2)
+    return engine
+
+
+def completes(srv: ServerProcess) -> None:
+    r = httpx.post(
+        f"{srv.url}/v1/completions", json={"model": srv.model, "prompt": "back?", "max_tokens": 4}, timeout=120
+    )
+    assert r.status_code == 200 and r.headers["X-Skyinfer-Engine"] == "0", r.text
+
+
+def test_a_spare_stands_by_once_the_fleet_is_ready(servers):
+    """The spare: a child of the front beside the engine, with the engine's own command line
+    (socket, log prefix, cores) and --standby, holding torch (and vLLM) but no EngineCore, on its
+    engine's cores. The server without spares has none."""
+    warm = servers["warm"]
+    spare = waiting_spare(warm)
+    engine = psutil.Process(warm.engines()[0]["pid"])
+    argv = spare.cmdline()
+    assert argv[argv.index("--socket") + 1] == engine_socket(warm, 0)
+    assert argv[argv.index("--log-prefix") + 1] == "[engine 0] "
+    assert "--standby" not in engine.cmdline() and spare.ppid() == warm.proc.pid
+    libraries = {os.path.basename(m.path) for m in spare.memory_maps()}
+    assert any(name.startswith("libtorch_cpu") for name in libraries), sorted(libraries)
+    # Imported, not started: no vLLM process beneath it (its output relay only).
+    assert not [p for p in spare.children(recursive=True) if "VLLM" in " ".join(_cmdline(p))]
+    assert spare.cpu_affinity() == engine.cpu_affinity() == [0]
+    cpu = spare.cpu_times()
+    print(
+        f"\na spare standing by: {cpu.user + cpu.system:.1f} CPU-s to start, "
+        f"{spare.memory_info().rss / 2**20:.0f} MiB resident"
+    )
+    cold = servers["cold"]
+    assert cold.engines()[0]["spare"] is None and spares_of(cold) == []
+
+
+def test_an_enginecore_killed_is_replaced_by_the_spare(servers):
+    """SIGKILL of the EngineCore: the engine process exits, and the new engine process is the spare
+    (its pid), whose output goes on under the engine's prefix; it serves, and a new spare stands by
+    once it is up."""
+    warm = servers["warm"]
+    spare = waiting_spare(warm)
+    engine_pid = warm.engines()[0]["pid"]
+    vllm_process(engine_pid, "EngineCore").send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    engine = back_up(warm, engine_pid)
+    print(f"\nWARM EngineCore SIGKILL: ready again {time.monotonic() - killed_at:.1f}s after")
+    assert engine["pid"] == spare.pid and engine["restarts"] == 1, engine
+    completes(warm)
+    # vLLM's lines name their process: the spare's, under the engine's prefix (not the spare's).
+    log = warm.log_path.read_text(errors="replace")
+    assert re.search(rf"^\[engine 0\] \(\w+ pid={spare.pid}\)", log, re.M), warm.log_tail()
+    assert not re.search(rf"^\[engine 0\] \(spare\) \(\w+ pid={spare.pid}\)", log, re.M)
+    following = waiting_spare(warm)
+    assert following.pid not in (spare.pid, engine_pid)
+    assert not psutil.pid_exists(engine_pid) or psutil.Process(engine_pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_an_operator_restart_is_taken_by_the_spare(servers):
+    """``POST /engines/0/restart``: answered once the spare, now the engine, serves; a new spare follows."""
+    warm = servers["warm"]
+    spare = waiting_spare(warm)
+    before = warm.engines()[0]
+    started = time.monotonic()
+    r = httpx.post(f"{warm.url}/engines/0/restart", timeout=300)
+    assert r.status_code == 200, r.text
+    print(f"\nWARM operator restart: answered {time.monotonic() - started:.1f}s after")
+    assert r.json()["engine"]["pid"] == spare.pid != before["pid"]
+    completes(warm)
+    assert waiting_spare(warm).pid != spare.pid
+
+
+def test_without_spares_a_restart_starts_cold(servers):
+    """``--warm-spares 0``: a restart starts a new process (no --standby), which serves; no spare follows."""
+    cold = servers["cold"]
+    before = cold.engines()[0]
+    started = time.monotonic()
+    r = httpx.post(f"{cold.url}/engines/0/restart", timeout=300)
+    assert r.status_code == 200, r.text
+    print(f"\nCOLD operator restart: answered {time.monotonic() - started:.1f}s after")
+    engine = cold.engines()[0]
+    assert engine["pid"] != before["pid"] and "--standby" not in psutil.Process(engine["pid"]).cmdline()
+    completes(cold)
+    time.sleep(2)
+    assert cold.engines()[0]["spare"] is None and spares_of(cold) == []
+
+
+# Last: it stops the module's servers.
+def test_stopping_the_service_stops_its_spares(servers):
+    """SIGTERM: the front exits 0, and nothing it started, spares included, is left."""
+    warm = servers["warm"]
+    waiting_spare(warm)
+    tree = psutil.Process(warm.proc.pid).children(recursive=True)
+    assert any("--standby" in _cmdline(p) for p in tree)
+    assert warm.stop() == 0
+    _, alive = psutil.wait_procs(tree, timeout=10)
+    assert not alive, [(p.pid, _cmdline(p)) for p in alive]
+
+
+# -- the supervisor's side, over fake engines ----------------------------------------------------
+
+
+async def spares_waiting(app) -> list[int]:
+    """Each engine's spare's pid, once every engine has one standing by."""
+    records = app[REGISTRY].records
+    await until(lambda: asyncio.sleep(0, all(r.spare == "waiting" for r in records)))
+    spares = app[SUPERVISOR].spares._spares
+    return [spares[r.engine_id].proc.pid for r in records]
+
+
+async def test_a_restart_takes_its_own_engines_spare(aiohttp_client, demo_model, tmp_path):
+    """Engine 0's process is killed: engine 0's spare becomes it (engine 1's stays engine 1's), and
+    engine 0 gets a new spare once it is up. The spare takes the environment a cold start would get
+    now, not the one it was started with."""
+    app, client = await fake_fleet(aiohttp_client, demo_model, tmp_path)
+    records = app[REGISTRY].records
+    spare_0, spare_1 = await spares_waiting(app)
+    # A fake engine reads its script from the environment once it is set up: the spare's, at its start order.
+    os.environ["FAKE_ENGINE_SCRIPT"] = json.dumps({"fail": {"/reset_mm_cache": 418}})
+    try:
+        old = kill(app, 0)
+        await until(lambda: asyncio.sleep(0, records[0].up and records[0].pid != old))
+    finally:
+        del os.environ["FAKE_ENGINE_SCRIPT"]
+    assert records[0].pid == spare_0 and records[0].restarts == 1
+    async with records[0].client.post("/reset_mm_cache") as answer:
+        assert answer.status == 418
+    async with records[1].client.post("/reset_mm_cache") as answer:
+        assert answer.status == 200
+    r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    assert r.status == 200
+    new_0, still_1 = await spares_waiting(app)
+    assert new_0 not in (spare_0, old) and still_1 == spare_1
+
+
+async def test_a_spare_that_dies_leaves_a_cold_restart_then_comes_back(aiohttp_client, demo_model, tmp_path):
+    """A spare killed while it waits: its slot shows none, the engine's next restart starts cold
+    (not a spare's pid), and once it is up the slot has a spare again."""
+    app, _client = await fake_fleet(aiohttp_client, demo_model, tmp_path)
+    records = app[REGISTRY].records
+    spare_0, _ = await spares_waiting(app)
+    os.killpg(spare_0, signal.SIGKILL)
+    await until(lambda: asyncio.sleep(0, records[0].spare is None))
+    old = kill(app, 0)
+    await until(lambda: asyncio.sleep(0, records[0].up and records[0].pid != old))
+    assert records[0].pid != spare_0
+    assert "--standby" not in psutil.Process(records[0].pid).cmdline()
+    new_0, _ = await spares_waiting(app)
+    assert new_0 not in (spare_0, records[0].pid)
+
+
+async def test_spares_start_only_while_the_fleet_is_steady(aiohttp_client, demo_model, tmp_path):
+    """Engine 1 restarts into a paused fleet and takes 4 s to pause; engine 0, restarted meanwhile,
+    is up at once, but gets its new spare only once engine 1 is up too."""
+    app, client = await fake_fleet(aiohttp_client, demo_model, tmp_path)
+    records = app[REGISTRY].records
+    await spares_waiting(app)
+    assert (await client.post("/pause", params={"mode": "keep"})).status == 200
+    os.environ["FAKE_ENGINE_SCRIPT"] = json.dumps({"delay_s": {"/pause": 4}})
+    try:
+        old_1 = kill(app, 1)
+        await until(lambda: asyncio.sleep(0, records[1].pid != old_1))
+    finally:
+        del os.environ["FAKE_ENGINE_SCRIPT"]
+    old_0 = kill(app, 0)
+    await until(lambda: asyncio.sleep(0, records[0].up and records[0].pid != old_0))
+    assert not records[1].up
+    while not records[1].up:
+        assert records[0].spare is None and records[1].spare is None
+        await asyncio.sleep(0.05)
+    await spares_waiting(app)
+    assert (await client.post("/resume")).status == 200
+
+
+async def test_with_spares_off_no_spare_starts(aiohttp_client, demo_model, tmp_path):
+    app, _client = await fake_fleet(aiohttp_client, demo_model, tmp_path, warm_spares=0)
+    records = app[REGISTRY].records
+    old = kill(app, 0)
+    await until(lambda: asyncio.sleep(0, records[0].up and records[0].pid != old))
+    await asyncio.sleep(1)
+    assert [r.spare for r in records] == [None, None] and app[SUPERVISOR].spares._spares == {}
+    assert not [p for p in psutil.Process().children() if "--standby" in _cmdline(p)]
+
+
+async def test_the_app_stopping_kills_its_spares(aiohttp_client, demo_model, tmp_path):
+    app, client = await fake_fleet(aiohttp_client, demo_model, tmp_path)
+    pids = await spares_waiting(app)
+    spares = [psutil.Process(pid) for pid in pids]
+    await client.close()
+    _, alive = psutil.wait_procs(spares, timeout=10)
+    assert not alive
+
+
+_FAKE_FRONT = """
+import asyncio, sys
+from skyinfer.config import ServeConfig
+from skyinfer.service import run_service
+config = ServeConfig(model=sys.argv[1], port=int(sys.argv[2]), engines=2, device="cpu",
+                     engine_command=(sys.executable, sys.argv[3]))
+sys.exit(asyncio.run(run_service(config)))
+"""
+
+
+def test_a_sigkilled_front_takes_its_spares_with_it(demo_model, tmp_path):
+    """However the front dies, its spares' lifeline ends: they go with it, their relays too."""
+    port = free_port()
+    argv = [sys.executable, "-c", _FAKE_FRONT, str(demo_model), str(port), FAKE_ENGINE]
+    front = ChildProcess(argv, tmp_path / "front.log", port)
+    try:
+        front.wait_ready(timeout_s=60)
+        deadline = time.monotonic() + 60
+        while [e["spare"] for e in httpx.get(f"{front.url}/engines", timeout=10).json()["engines"]] != ["waiting"] * 2:
+            assert time.monotonic() < deadline, front.log_tail()
+            time.sleep(0.1)
+        tree = psutil.Process(front.proc.pid).children(recursive=True)
+        assert len([p for p in tree if "--standby" in _cmdline(p)]) == 2
+        front.proc.kill()
+        _, alive = psutil.wait_procs(tree, timeout=10)
+        assert not alive, [(p.pid, _cmdline(p)) for p in alive]
+    finally:
+        front.stop()
+
+
+def test_warm_spares_is_zero_or_one():
+    assert ServeConfig(model="m").warm_spares == 1
+    assert ServeConfig(model="m", warm_spares=0).warm_spares == 0
+    with pytest.raises(ValueError):
+        ServeConfig(model="m", warm_spares=2)
