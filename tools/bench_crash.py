@@ -176,7 +176,9 @@ def main() -> int:
     url = f"http://127.0.0.1:{port}"
     extra = [a for a in args.serve_args if a != "--"]
     proc = start_skyinfer(str(model), port, ["--dtype", "float32", "--health-interval", "1",
-                          "--session-rebalance-factor", "0", *extra], dict(os.environ), engines=2,
+                          "--session-rebalance-factor", "0",
+                          # Every round kills engine 1 again: no restart limit may retire it.
+                          "--max-restarts", "100", *extra], dict(os.environ), engines=2,
                           log_name="bench-crash-skyinfer.log")  # fmt: skip
     try:
         asyncio.run(wait_servers([(url, proc)], path="/ready"))
