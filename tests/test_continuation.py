@@ -166,6 +166,18 @@ def test_every_request_whose_engine_core_dies_goes_on_elsewhere_token_for_token(
             assert have.usage["prompt_tokens"] == want.usage["prompt_tokens"], (kind, have.usage)
 
 
+def test_a_record_a_caller_forged_is_a_400(pair, model_name):
+    """``skyinfer_continue`` is for the front to send; one a caller sends malformed is refused."""
+    for record in ({"calls": 5}, {"calls": [{"n": 1}]}, "x"):
+        body = {"model": model_name, "prompt": "x", "max_tokens": 2, "skyinfer_continue": record}
+        r = httpx.post(f"{pair.url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 400 and "skyinfer_continue" in r.json()["error"]["message"], r.text
+    assert (
+        httpx.post(f"{pair.url}/v1/completions", json={**body, "skyinfer_continue": None}, timeout=60).status_code
+        == 200
+    )
+
+
 # -- the front's side, over fake engines (tools/fake_engine.py: die_after_events) -------------
 
 

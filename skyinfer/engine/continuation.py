@@ -181,8 +181,16 @@ class RequestTrack:
 
 
 def begin(payload: dict) -> RequestTrack:
-    """Start keeping what this request generates; ``payload`` loses the record it goes on from."""
-    track = RequestTrack(resumed=payload.pop(CONTINUE_FIELD, None))
+    """Start keeping what this request generates; ``payload`` loses the record it goes on from
+    (checked whole here: a malformed one, which only a caller could send, is a ValueError, a 400)."""
+    resumed = payload.pop(CONTINUE_FIELD, None)
+    if resumed is not None:
+        try:
+            for call in resumed["calls"]:
+                CallTrack.from_json(call)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ValueError(f"{CONTINUE_FIELD} is skyinfer's own, and this one is malformed: {exc!r}") from None
+    track = RequestTrack(resumed=resumed)
     _TRACK.set(track)
     return track
 

@@ -72,6 +72,7 @@ def _serving_route(
     ``chunk_object``: the route streams OpenAI chunks of that type, each choice ending with a reason."""
 
     async def handler(request: web.Request) -> web.StreamResponse:
+        track = None  # a body that is not JSON starts nothing to keep
         try:
             payload = parse_json_object(await request.read())
             track = continuation.begin(payload)
