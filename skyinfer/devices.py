@@ -9,6 +9,7 @@ same cores).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 from collections.abc import Callable
@@ -137,8 +138,17 @@ def split_gpus(gpus: list[str], workers_per_engine: tuple[int, ...]) -> list[Eng
     for workers in workers_per_engine:
         group = tuple(gpus[first : first + workers])
         first += workers
-        plans.append(EngineDevices("cuda", tuple((g,) for g in group), {"CUDA_VISIBLE_DEVICES": _id_list(group)}))
+        env = {"CUDA_VISIBLE_DEVICES": _id_list(group), **gpu_sampler_env()}
+        plans.append(EngineDevices("cuda", tuple((g,) for g in group), env))
     return plans
+
+
+def gpu_sampler_env() -> dict[str, str]:
+    """vLLM's GPU sampler imports FlashInfer unless told not to, and its EngineCore dies at start-up
+    where FlashInfer is not installed (seen with vLLM 0.33 on an H200): fall back to vLLM's own sampler."""
+    if "VLLM_USE_FLASHINFER_SAMPLER" in os.environ or importlib.util.find_spec("flashinfer") is not None:
+        return {}
+    return {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
 
 
 def split_cores(cores: list[int], workers_per_engine: tuple[int, ...], cpu_kvcache_gib: int) -> list[EngineDevices]:

@@ -211,6 +211,21 @@ def test_gpu_layout_gives_each_engine_its_own_group():
         split_gpus([0, 1, 2, 3], workers_per_engine=(2, 2, 2))
 
 
+def test_gpu_engines_use_vllms_own_sampler_where_flashinfer_is_missing(monkeypatch):
+    """vLLM 0.33's EngineCore died at start-up on an H200 without FlashInfer (docs/gpu-runs/2026-11-26-h200)."""
+    import importlib.util
+
+    monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER", raising=False)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert split_gpus([0], (1,))[0].env == {"CUDA_VISIBLE_DEVICES": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
+    assert split_gpus([0], (1,))[0].env == {"CUDA_VISIBLE_DEVICES": "0"}
+    # The operator's own setting is inherited as it is.
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setenv("VLLM_USE_FLASHINFER_SAMPLER", "1")
+    assert "VLLM_USE_FLASHINFER_SAMPLER" not in split_gpus([0], (1,))[0].env
+
+
 def test_cpu_layout_splits_cores_between_engines_and_ranks():
     plans = split_cores(list(range(8)), workers_per_engine=(2, 2), cpu_kvcache_gib=1)
     assert [p.env["VLLM_CPU_OMP_THREADS_BIND"] for p in plans] == ["0,1|2,3", "4,5|6,7"]

@@ -101,7 +101,7 @@ def start_vllm_router(
 ) -> tuple[subprocess.Popen, str]:
     """``vllm-router`` over ``worker_urls``, its URL; by default ``--policy consistent_hash`` (session
     affinity on X-Session-ID)."""
-    router_bin = shutil.which("vllm-router", path=str(Path(sys.executable).parent))
+    router_bin = shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or shutil.which("vllm-router")
     if router_bin is None:
         raise SystemExit("vllm-router is not installed: pip install -e .[multinode]")
     port = free_port()
