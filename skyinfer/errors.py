@@ -82,6 +82,8 @@ class ApiError(Exception):
 # The engines are not (or no longer) in the trainer's weight-transfer group: form it again
 # (POST /init_weight_transfer) and retry. skyinfer's trainer helpers do so by themselves.
 TRANSFER_GROUP_GONE = "transfer_group_gone"
+# A staged push's staging copies would not fit in the memory the host has: push without staged.
+STAGING_DOES_NOT_FIT = "staging_does_not_fit"
 # The weight update a chunk, finish or verify belongs to was abandoned by the server (its trainer
 # fell silent, a new trainer set up a transfer, an engine failed it): start the push over
 # (POST /start_weight_update, or /init_weight_transfer). skyinfer's trainer helpers do so by themselves.

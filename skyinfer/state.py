@@ -330,6 +330,9 @@ class EngineRecord:
     # While an /init_weight_transfer runs: where its rendezvous stands for this engine ("waiting
     # for the trainer at host:port" until the trainer listens, then "joining ..."); None otherwise.
     rendezvous: str | None = None
+    # While a staged push runs (weights/sync.py): what its staging copy holds or will ("receiving"
+    # and the bytes expected, then "staged", the bytes, and where: cpu, cuda, cpu pinned).
+    staging: dict | None = None
     # Whether vLLM holds a weight-transfer engine (a communicator) from an init, even one whose
     # group broke since: it is shut down before the next init, or NCCL leaks it.
     transfer_engine_open: bool = False
@@ -445,6 +448,7 @@ class EngineRecord:
             "stale_reason": self.stale,
             "receiving": self.receiving,
             "rendezvous": self.rendezvous,
+            "staging": self.staging,
             "pid": self.pid,
             "devices": self.devices.describe(),
             "tensor_parallel_size": self.parallel[0],

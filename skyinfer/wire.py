@@ -217,9 +217,19 @@ class StartRequest(WireModel):
         return self
 
 
+# After a push, requests that were running go on with their KV recomputed by the new weights
+# ("recompute", exact), or over the KV they have ("keep": the off-policy trade-off some async
+# trainers make; the response's weight spans say where the new weights began).
+KvRule = Literal["recompute", "keep"]
+
+
 class UpdateRequest(WireModel):
     update_info: dict
     weight_version: VersionLabel | None = None
+    # Received into staging copies while the engines generate, swapped in between two steps
+    # (a one-call push only).
+    staged: bool = False
+    kv: KvRule = "recompute"
 
 
 # Per-tensor digests as vLLM's ``/weight_checker`` computes them (sha256 of each
@@ -232,6 +242,7 @@ class FinishRequest(WireModel):
     # Check after the push that every engine holds the same weights (or these).
     verify: bool = False
     expected_checksums: Checksums | None = None
+    kv: KvRule = "recompute"
 
     @property
     def verifies(self) -> bool:

@@ -2,6 +2,7 @@
 
     python tests/trainer_process.py URL WEIGHTS.safetensors VERSION [--one-call] [--transport gloo|shm]
         [--die-after N | --hang-after N | --die-at init|start|segment|update|finish] [--verify]
+        [--staged] [--kv recompute|keep]
         [--expect CHECKSUMS.json] [--client skyinfer|vllm|trl] [--pause-keep] [--colocated-step LEVEL]
         [--listen-late S]
     python tests/trainer_process.py URL ADAPTER_DIR VERSION --adapter NAME [--die-after N]
@@ -79,6 +80,8 @@ def main() -> int:
     p.add_argument("weights")
     p.add_argument("version")
     p.add_argument("--one-call", action="store_true")
+    p.add_argument("--staged", action="store_true", help="a staged push: received while the engines generate")
+    p.add_argument("--kv", choices=["recompute", "keep"], default="recompute")
     p.add_argument("--die-after", type=int)
     p.add_argument("--hang-after", type=int)
     p.add_argument("--die-at", choices=["init", "start", "segment", "update", "finish"])
@@ -175,7 +178,7 @@ def main() -> int:
     elif args.expect:
         with open(args.expect) as f:
             expected = json.load(f)
-        client.finish_weight_update = lambda version, verify: finishing(version, verify, expected)
+        client.finish_weight_update = lambda version, verify, kv: finishing(version, verify, expected, kv)
     if stop_after is not None:
         sent = 0
         real_send = trainer._send_one
@@ -195,7 +198,14 @@ def main() -> int:
         if args.adapter:
             trainer.push_adapter(args.adapter, tensors.items(), peft_config, version=args.version)
         else:
-            trainer.push(tensors.items(), version=args.version, one_call=args.one_call, verify=args.verify)
+            trainer.push(
+                tensors.items(),
+                version=args.version,
+                one_call=args.one_call,
+                verify=args.verify,
+                staged=args.staged,
+                kv=args.kv,
+            )
     except SkyinferError as exc:
         print(f"refused {exc.status}: {exc.message}", flush=True)
         return 3

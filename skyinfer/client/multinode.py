@@ -180,9 +180,11 @@ class MultiNodeClient:
         """``AsyncClient.start_weight_update`` on every node at once: one report per node."""
         return await self._fanout_report("start_weight_update", update_info)
 
-    async def update_weights(self, update_info: dict, weight_version: str | None = None) -> dict:
+    async def update_weights(
+        self, update_info: dict, weight_version: str | None = None, *, staged: bool = False, kv: str = "recompute"
+    ) -> dict:
         """``AsyncClient.update_weights`` on every node at once: one report per node."""
-        return await self._fanout_report("update_weights", update_info, weight_version)
+        return await self._fanout_report("update_weights", update_info, weight_version, staged=staged, kv=kv)
 
     async def finish_weight_update(
         self, weight_version: str | None = None, verify: bool = False, expected_checksums: dict[str, str] | None = None

@@ -265,21 +265,32 @@ class AsyncClient:
             "/start_weight_update", json=None if update_info is None else {"update_info": update_info}
         )
 
-    async def update_weights(self, update_info: dict, weight_version: str | None = None) -> dict:
+    async def update_weights(
+        self, update_info: dict, weight_version: str | None = None, *, staged: bool = False, kv: str = "recompute"
+    ) -> dict:
         """``POST /update_weights``: every engine receives ``update_info``'s tensors while the trainer sends
-        them; with no update open, one call starts, receives and finishes it (``weight_version``)."""
+        them; with no update open, one call starts, receives and finishes it (``weight_version``).
+        ``staged``: received while the engines generate, swapped in between two steps; ``kv``: "keep"
+        lets running requests go on over the KV they have."""
         body = {
             "update_info": update_info,
             **({"weight_version": weight_version} if weight_version is not None else {}),
+            **({"staged": True} if staged else {}),
+            **({"kv": kv} if kv != "recompute" else {}),
         }
         return await self._admin("/update_weights", json=body)
 
     async def finish_weight_update(
-        self, weight_version: str | None = None, verify: bool = False, expected_checksums: dict[str, str] | None = None
+        self,
+        weight_version: str | None = None,
+        verify: bool = False,
+        expected_checksums: dict[str, str] | None = None,
+        kv: str = "recompute",
     ) -> dict:
         """``verify``: afterwards every engine must hold the same weights (or ``expected_checksums``);
-        one that differs is held out and the call raises."""
-        body = {"weight_version": weight_version, "verify": verify}
+        one that differs is held out and the call raises. ``kv``: "keep" lets the requests running
+        go on over the KV they have."""
+        body = {"weight_version": weight_version, "verify": verify, **({"kv": kv} if kv != "recompute" else {})}
         if expected_checksums is not None:
             body["expected_checksums"] = expected_checksums
         return await self._admin("/finish_weight_update", json=body)

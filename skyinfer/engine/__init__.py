@@ -30,3 +30,6 @@ ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 # Peer catch-up (weights/catchup.py): the worker calls that write and read one shared-memory file per worker.
 EXPORT_WEIGHTS_RPC, IMPORT_WEIGHTS_RPC = "skyinfer_export_weights", "skyinfer_import_weights"
+# Staged pushes (engine/staging.py): receive into a staging copy while generating, then swap it in or drop it.
+STAGE_WEIGHTS_RPC, STAGING_STATUS_RPC = "skyinfer_stage_weights", "skyinfer_staging_status"
+SWAP_STAGED_RPC, DROP_STAGED_RPC = "skyinfer_swap_staged", "skyinfer_drop_staged"

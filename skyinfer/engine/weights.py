@@ -13,7 +13,17 @@ import time
 from aiohttp import web
 
 from ..errors import error_response, json_response, parse_json_object
-from . import END_WEIGHT_UPDATE_RPC, EXPORT_WEIGHTS_RPC, IMPORT_WEIGHTS_RPC, LOAD_CHECKPOINT_RPC, RECEIVE_OUTCOME_RPC
+from . import (
+    DROP_STAGED_RPC,
+    END_WEIGHT_UPDATE_RPC,
+    EXPORT_WEIGHTS_RPC,
+    IMPORT_WEIGHTS_RPC,
+    LOAD_CHECKPOINT_RPC,
+    RECEIVE_OUTCOME_RPC,
+    STAGE_WEIGHTS_RPC,
+    STAGING_STATUS_RPC,
+    SWAP_STAGED_RPC,
+)
 from .admin import abort
 from .appkeys import ENGINE_CLIENT
 from .worker_calls import on_every_worker
@@ -21,6 +31,8 @@ from .worker_calls import on_every_worker
 log = logging.getLogger("skyinfer.engine.weights")
 
 STATUS_RPC = "skyinfer_transfer_status"
+# How often a staged push's progress is asked for: each ask waits for the EngineCore's next step boundary.
+_STAGING_POLL_S = 0.05
 
 
 async def _wait_for_rendezvous(engine, timeout_s: float) -> web.Response:
@@ -66,12 +78,53 @@ async def update_weights(request: web.Request) -> web.Response:
 
 async def finish_weight_update(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_CLIENT]
-    version = parse_json_object(await request.read()).get("weight_version")
-    await engine.finish_weight_update(version)
-    # vLLM keeps the prefix cache across an update: KV computed with the old
-    # weights must never be served again.
-    await engine.reset_prefix_cache(reset_running_requests=True)
+    body = parse_json_object(await request.read())
+    await engine.finish_weight_update(body.get("weight_version"))
+    # vLLM keeps the prefix cache across an update: KV computed with the old weights must never be
+    # served again. With "keep", the requests running now go on over the KV they have (the caller's
+    # off-policy choice); only the cache no request holds is dropped.
+    keep_kv = body.get("kv") == "keep"
+    await engine.reset_prefix_cache(reset_running_requests=not keep_kv)
     return json_response({"status": "finished", "weight_version": await engine.get_weight_version()})
+
+
+async def stage_weights(request: web.Request) -> web.Response:
+    """A staged push's first half: every worker receives the push into a staging copy on a thread
+    while the engine generates; the call answers once all have staged it (or one failed)."""
+    engine = request.app[ENGINE_CLIENT]
+    body = parse_json_object(await request.read())
+    timeout_s = float(request.query["timeout_s"])
+    await on_every_worker(engine, STAGE_WEIGHTS_RPC, body["update_info"], int(body["update_nbytes"]))
+    deadline = time.monotonic() + timeout_s
+    while True:
+        statuses = await on_every_worker(engine, STAGING_STATUS_RPC)
+        failed = [s["error"] for s in statuses if s["state"] == "failed"]
+        if failed:
+            return error_response(502, f"staging the push failed: {failed[0]}")
+        if all(s["state"] == "staged" for s in statuses):
+            return json_response(
+                {
+                    "status": "staged",
+                    "bytes": sum(s["bytes"] for s in statuses),
+                    "seconds": max(s["seconds"] for s in statuses),
+                    "place": statuses[0]["place"],
+                }
+            )
+        if time.monotonic() > deadline:
+            return error_response(504, f"the push was not staged within {timeout_s:.0f}s")
+        await asyncio.sleep(_STAGING_POLL_S)
+
+
+async def swap_staged(request: web.Request) -> web.Response:
+    """Inside a weight update (the engine paused): every worker loads its staged copy."""
+    swapped = await on_every_worker(request.app[ENGINE_CLIENT], SWAP_STAGED_RPC)
+    return json_response({"status": "swapped", "tensors": sum(answer["tensors"] for answer in swapped)})
+
+
+async def drop_staged(request: web.Request) -> web.Response:
+    """Throw every worker's staging copy away; the live weights are untouched."""
+    dropped = await on_every_worker(request.app[ENGINE_CLIENT], DROP_STAGED_RPC)
+    return json_response({"status": "dropped", "workers": sum(answer["dropped"] for answer in dropped)})
 
 
 async def load_checkpoint(request: web.Request) -> web.Response:
@@ -156,6 +209,9 @@ def add_weight_routes(app: web.Application) -> None:
     app.router.add_post("/start_weight_update", engine_call_route(start_weight_update))
     app.router.add_post("/update_weights", engine_call_route(update_weights))
     app.router.add_post("/finish_weight_update", engine_call_route(finish_weight_update))
+    app.router.add_post("/stage_weights", engine_call_route(stage_weights))
+    app.router.add_post("/swap_staged", engine_call_route(swap_staged))
+    app.router.add_post("/drop_staged", engine_call_route(drop_staged))
     app.router.add_post("/load_checkpoint", engine_call_route(load_checkpoint))
     app.router.add_post("/abort_weight_update", engine_call_route(abort_weight_update))
     app.router.add_post("/shutdown_weight_transfer_engine", engine_call_route(shutdown_weight_transfer_engine))

@@ -26,6 +26,7 @@ from ..transfer.packing import dtype_name
 from ..transfer.protocol import SEGMENT_ALIGNMENT, segment_path
 from ..transfer.shm import SharedMemoryReceiver, map_segment
 from . import ADAPTER_WEIGHTS_FILE
+from .staging import StagedPush
 from .vllm_api import (
     IPCWeightTransferEngine,
     WeightTransferEngine,
@@ -294,6 +295,46 @@ class SkyinferWorkerExtension:
         if self.rank == 0:
             save_file(collector.received, os.path.join(directory, ADAPTER_WEIGHTS_FILE))
         return {"tensors": len(collector.received)}
+
+    # -- staged pushes (staging.py) -----------------------------------------------------
+    @answers_every_rank
+    def skyinfer_stage_weights(self, update_info: dict, update_nbytes: int) -> dict:
+        """Begin receiving a push into a staging copy, on a thread: returns at once."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        if engine is None:
+            raise RuntimeError("no weight-transfer group: POST /init_weight_transfer first")
+        current = getattr(self, "_skyinfer_staged", None)
+        if current is not None and current.receiving:
+            raise RuntimeError("a staged receive this worker dropped is still blocked in the transfer")
+        self._skyinfer_staged = StagedPush(engine, update_info, update_nbytes)
+        return self._skyinfer_staged.status()
+
+    @answers_every_rank
+    def skyinfer_staging_status(self) -> dict:
+        staged = getattr(self, "_skyinfer_staged", None)
+        return {"state": "none"} if staged is None else staged.status()
+
+    @answers_every_rank
+    def skyinfer_swap_staged(self) -> dict:
+        """Inside a weight update the front opened (the engine paused between two steps): load the
+        staged copy into the live weights, then drop it."""
+        staged = getattr(self, "_skyinfer_staged", None)
+        if staged is None:
+            raise RuntimeError("no staged push on this worker")
+        # vLLM's update target is the live model, its layerwise reload opened by start_weight_update.
+        swapped = staged.swap_into(self.weight_transfer_engine.model, self.device)
+        self._skyinfer_staged = None
+        return {"tensors": swapped}
+
+    @answers_every_rank
+    def skyinfer_drop_staged(self) -> dict:
+        staged = getattr(self, "_skyinfer_staged", None)
+        if staged is None:
+            return {"dropped": False}
+        staged.drop()
+        if not staged.receiving:
+            self._skyinfer_staged = None
+        return {"dropped": True}
 
     @answers_every_rank
     def skyinfer_export_weights(self, prefix: str) -> dict:

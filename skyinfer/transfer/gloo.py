@@ -35,7 +35,7 @@ import torch.distributed as dist
 from ..client import Client, SkyinferError
 from .packing import DEFAULT_BUFFER_SIZE_BYTES, TensorMeta, dtype_from_name, pack, plan_chunks, unpack
 from .protocol import GroupInitInfo, GroupUpdateInfo, rendezvous_delays
-from .pushing import NamedTensors, Trainer, tensor_list
+from .pushing import NamedTensors, OneCall, Trainer, tensor_list, update_weights_call
 from .receiving import LayerwiseReceiver
 
 log = logging.getLogger("skyinfer.transfer.gloo")
@@ -154,10 +154,10 @@ class GlooTrainer(Trainer):
             raise RuntimeError("call init() first")
         return [(name, t.detach().contiguous().cpu()) for name, t in named_tensors]
 
-    def _send(self, tensors: list[tuple[str, torch.Tensor]], metadata: dict, one_call_version: str | None) -> None:
+    def _send(self, tensors: list[tuple[str, torch.Tensor]], metadata: dict, one_call: OneCall | None) -> None:
         with ThreadPoolExecutor(1) as pool:
-            receiving = pool.submit(self._calls.update_weights, {**metadata, "packed": self.packed}, one_call_version)
-            if one_call_version is not None:
+            receiving = pool.submit(update_weights_call, self._calls, {**metadata, "packed": self.packed}, one_call)
+            if one_call is not None:
                 _raise_if_refused(receiving)
             self._broadcast(tensors)
             receiving.result()

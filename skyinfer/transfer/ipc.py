@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from ..client import Client, SkyinferError
 from .protocol import IpcHandle, IpcInitInfo, IpcUpdateInfo
-from .pushing import NamedTensors, Trainer
+from .pushing import NamedTensors, OneCall, Trainer, update_weights_call
 
 # -- the JSON form of torch's rebuild_cuda_tensor arguments ----------------------------------
 
@@ -263,9 +263,9 @@ class IPCTrainer(Trainer):
         # the other ranks learn only the outcome.
         self._ranks.agree(functools.partial(super()._in_group, send))
 
-    def _send(self, tensors: list[tuple[str, torch.Tensor]], metadata: dict, one_call_version: str | None) -> None:
+    def _send(self, tensors: list[tuple[str, torch.Tensor]], metadata: dict, one_call: OneCall | None) -> None:
         # Gathered when the tensors were prepared, so that a push sent again carries the same ones.
-        self._calls.update_weights({**metadata, "ipc_handles": self._handles}, one_call_version)
+        update_weights_call(self._calls, {**metadata, "ipc_handles": self._handles}, one_call)
 
     # The CUDA steps, apart from the ranks' choreography (a test runs that on CPU with stand-ins).
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Sequence
 
+import attrs
 import torch
 
 from ..client import Client, SkyinferError
@@ -54,17 +55,32 @@ class Trainer:
         """Close the HTTP connections."""
         self.client.close()
 
-    def push(self, named_tensors: NamedTensors, version: str, one_call: bool = False, verify: bool = False) -> None:
+    def push(
+        self,
+        named_tensors: NamedTensors,
+        version: str,
+        one_call: bool = False,
+        verify: bool = False,
+        staged: bool = False,
+        kv: str = "recompute",
+    ) -> None:
         """Send the tensors to every engine; afterwards they serve ``version``.
 
         ``one_call`` uses a single ``/update_weights`` (skyinfer starts and finishes the update
         itself). ``verify`` has the engines' weights checked against each other at the finish:
-        one that differs is held out and the push raises.
+        one that differs is held out and the push raises. ``staged`` (one call): the engines
+        receive while they generate and pause only to swap the weights in. ``kv``: after the
+        push, requests that were running recompute their KV with the new weights ("recompute",
+        exact) or go on over the KV they have ("keep").
         """
-        if one_call and verify:
-            raise ValueError("verify needs the finish call: push with one_call=False")
+        if (one_call or staged) and verify:
+            raise ValueError("verify needs the finish call: push with one_call=False and staged=False")
         tensors = self._prepare(named_tensors)
-        self._in_group(lambda: self._push(tensors, version, one_call, verify))
+        if one_call or staged:
+            send = OneCall(version, staged, kv)
+            self._in_group(lambda: self._send(tensors, tensor_list(tensors), send))
+        else:
+            self._in_group(lambda: self._push(tensors, version, verify, kv))
 
     def _in_group(self, send: Callable[[], None]) -> None:
         """``send``, and if the server refuses it (before any byte moved) because its engines left
@@ -84,21 +100,40 @@ class Trainer:
         """Set up the transfer with every engine of the server."""
         raise NotImplementedError
 
-    def _push(self, tensors: list[tuple[str, torch.Tensor]], version: str, one_call: bool, verify: bool) -> None:
+    def _push(self, tensors: list[tuple[str, torch.Tensor]], version: str, verify: bool, kv: str) -> None:
         metadata = tensor_list(tensors)
-        if not one_call:
-            self._calls.start_weight_update(metadata)  # a refusal here: nothing moved
-        self._send(tensors, metadata, version if one_call else None)
-        if not one_call:
-            self._calls.finish_weight_update(version, verify)
+        self._calls.start_weight_update(metadata)  # a refusal here: nothing moved
+        self._send(tensors, metadata, None)
+        self._calls.finish_weight_update(version, verify, kv)
 
     def _prepare(self, named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
         """The tensors as the transport sends them."""
         raise NotImplementedError
 
-    def _send(self, tensors: list[tuple[str, torch.Tensor]], metadata: dict, one_call_version: str | None) -> None:
-        """Move the bytes, making the ``/update_weights`` call(s) they travel with."""
+    def _send(self, tensors: list[tuple[str, torch.Tensor]], metadata: dict, one_call: OneCall | None) -> None:
+        """Move the bytes, making the ``/update_weights`` call(s) they travel with (``one_call``: the
+        one call that starts, receives and finishes a push)."""
         raise NotImplementedError
+
+
+@attrs.frozen
+class OneCall:
+    """A push made by one ``/update_weights``: what the call carries beside the tensors."""
+
+    version: str
+    staged: bool = False
+    kv: str = "recompute"
+
+    def fields(self) -> dict:
+        return {"weight_version": self.version, "staged": self.staged, "kv": self.kv}
+
+
+def update_weights_call(calls, update_info: dict, one_call: OneCall | None) -> None:
+    """``calls.update_weights`` for one chunk, or for a whole push made in one call."""
+    if one_call is None:
+        calls.update_weights(update_info)
+    else:
+        calls.update_weights(update_info, **one_call.fields())
 
 
 class ProtocolCalls:
@@ -114,12 +149,16 @@ class ProtocolCalls:
     def start_weight_update(self, _update_info: dict) -> None:
         self._client.start_weight_update()
 
-    def update_weights(self, update_info: dict, weight_version: str | None = None) -> None:
+    def update_weights(self, update_info: dict, weight_version: str | None = None, **one_call) -> None:
         if weight_version is not None:
-            raise ValueError("a one-call push needs skyinfer's client: vLLM's update_weights takes no version")
+            raise ValueError(
+                "a one-call or staged push needs skyinfer's client: vLLM's update_weights takes no version"
+            )
         self._client.update_weights(update_info)
 
-    def finish_weight_update(self, weight_version: str, verify: bool) -> None:
-        if verify:
-            raise ValueError("a verified push needs skyinfer's client: vLLM's protocol has no verify")
+    def finish_weight_update(self, weight_version: str, verify: bool, kv: str = "recompute") -> None:
+        if verify or kv != "recompute":
+            raise ValueError(
+                "a verified push, or one that keeps KV, needs skyinfer's client: vLLM's protocol has neither"
+            )
         self._client.finish_weight_update(weight_version)

@@ -31,7 +31,7 @@ from .protocol import (
     SharedMemoryUpdateInfo,
     segment_path,
 )
-from .pushing import NamedTensors, Trainer
+from .pushing import NamedTensors, OneCall, Trainer, update_weights_call
 from .receiving import LayerwiseReceiver
 
 # -- the trainer's side ---------------------------------------------------------------
@@ -88,11 +88,11 @@ class SharedMemoryTrainer(Trainer):
             raise RuntimeError("call init() first")
         return [(name, t.detach().cpu().contiguous()) for name, t in named_tensors]
 
-    def _send(self, tensors: list[tuple[str, torch.Tensor]], metadata: dict, one_call_version: str | None) -> None:
+    def _send(self, tensors: list[tuple[str, torch.Tensor]], metadata: dict, one_call: OneCall | None) -> None:
         offsets, size = layout(tensors)
         name = f"{self._prefix}{uuid.uuid4().hex}"
         with written_segment(name, tensors, offsets, size):
-            self._calls.update_weights({**metadata, "segment": name, "offsets": offsets}, one_call_version)
+            update_weights_call(self._calls, {**metadata, "segment": name, "offsets": offsets}, one_call)
 
 
 # -- the engines' side ----------------------------------------------------------------

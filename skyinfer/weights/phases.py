@@ -2,7 +2,9 @@
 and which calls fit each phase. ``skyinfer/state.py`` does the same for engines.
 
 - ``IDLE``: no update. ``STARTED``: ``/start_weight_update`` seen, its metadata checked, no engine
-  touched. ``RECEIVING``: engines are between vLLM's start and finish, their layers part new.
+  touched. ``STAGING``: a staged push is received into staging copies while the engines serve on,
+  their live weights untouched (an end here costs nothing). ``RECEIVING``: engines are between
+  vLLM's start and finish, their layers part new.
 - ``abandoned``: why the server itself ended the last update its trainer had opened and not
   ended (the trainer fell silent, a new trainer set up a transfer, an engine failed it). Every
   later chunk, finish or verify of that update is refused with ``UPDATE_ABANDONED`` until the
@@ -28,14 +30,17 @@ class Phase(enum.Enum):
 
     IDLE = "idle"
     STARTED = "started"
+    STAGING = "staging"
     RECEIVING = "receiving"
 
 
 P = Phase
 # Which step may follow which; anything else is a bug in the caller.
 _PHASE_STEPS: dict[Phase, frozenset[Phase]] = {
-    # A start opens an update; a one-call /update_weights begins receiving at once.
-    P.IDLE: frozenset({P.STARTED, P.RECEIVING}),
+    # A start opens an update; a one-call /update_weights begins receiving at once, or staging.
+    P.IDLE: frozenset({P.STARTED, P.RECEIVING, P.STAGING}),
+    # Every engine staged it: the swap begins; else every copy is dropped.
+    P.STAGING: frozenset({P.RECEIVING, P.IDLE}),
     # The first chunk begins it on the engines; an update nobody began ends without touching them.
     P.STARTED: frozenset({P.RECEIVING, P.IDLE}),
     # Finished, or aborted on every engine.
@@ -46,6 +51,7 @@ _PHASE_STEPS: dict[Phase, frozenset[Phase]] = {
 _HINTS = {
     P.IDLE: "no weight update is in progress; POST /start_weight_update or /update_weights first",
     P.STARTED: "a weight update is started; POST /update_weights next",
+    P.STAGING: "a staged push is being received; its /update_weights call answers once it is served",
     P.RECEIVING: "a weight update is in progress; POST /finish_weight_update first",
 }
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from ..engine_calls import EngineReply, call_engine, failure, gather_until_failure
-from ..errors import TRANSFER_GROUP_GONE, ApiError, admin_json_body, json_response
+from ..errors import STAGING_DOES_NOT_FIT, TRANSFER_GROUP_GONE, ApiError, admin_json_body, json_response
 from ..metrics import ServiceMetrics
 from ..state import APPLY, PAUSE_FOR_PUSH, EngineRecord, EngineRegistry, push_verdict
 from ..transfer.protocol import UpdateMetadata
@@ -36,6 +36,7 @@ from ..wire import (
     Checksums,
     FinishRequest,
     InitRequest,
+    KvRule,
     PauseParams,
     RelabelRequest,
     StartRequest,
@@ -63,6 +64,26 @@ ABORTED = (
 )
 # vLLM's label for the weights an engine loaded at start-up (what a restarted engine serves).
 CHECKPOINT_VERSION = "default"
+# Host memory a staged push leaves free beside its staging copies.
+_STAGING_HEADROOM_BYTES = 1 << 30
+
+
+def _version(weight_version: str | None) -> str:
+    return weight_version if weight_version is not None else f"update-{int(time.time())}"
+
+
+def _staged_copy(reply: EngineReply) -> dict:
+    """What one engine's staging copy holds: bytes (all its workers), seconds, where."""
+    return {key: reply.body[key] for key in ("bytes", "seconds", "place")}
+
+
+def host_memory_available() -> int:
+    """The kernel's estimate of the memory new allocations can take without swapping (MemAvailable)."""
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/meminfo has no MemAvailable")
 
 
 def _partly_covered(version: str, missing: list[str]) -> str:
@@ -326,13 +347,113 @@ class WeightSync:
         self.update.open()
         return {"status": "started"}
 
-    async def receive(self, update_info: dict, weight_version: str | None) -> dict:
+    async def receive_staged(self, update_info: dict, weight_version: str | None, kv: KvRule) -> dict:
+        """A staged push, in one call: every engine receives it into a staging copy while it
+        generates; once every engine holds it, each is paused for the swap alone (the copy loaded
+        into the live weights between two steps) and finishes at the new version, all engines at
+        the same boundary. If staging fails anywhere, every copy is dropped: the live weights are
+        untouched and nothing is stale (a group transport's group is gone, as after any broken
+        transfer). A failure from the swap on is today's abort."""
+        meta = self.check_metadata(update_info)
+        try:
+            self.update.refuse_if_abandoned()
+            async with self.registry.fleet_change():
+                self.update.refuse_if_abandoned()
+                self._refuse_unless(Phase.IDLE)
+                records = self._engines()
+                self._check_group(records)
+                nbytes = sum(meta.nbytes(i) for i in range(len(meta.names)))
+                self._refuse_unless_staging_fits(records, nbytes)
+                self._push_started = time.monotonic()
+                self.update.step(Phase.STAGING)
+                try:
+                    staged = await self._stage(records, update_info, nbytes)
+                    swap_started = time.monotonic()
+                    await self._begin(records)
+                    self.update.receive(meta.names)
+                    replies = await asyncio.gather(
+                        *(call_engine(r, "/swap_staged", timeout_s=self.timeout_s) for r in records)
+                    )
+                    await self._settle("swapping in the staged push", records, replies)
+                    answer = await self._finish(records, _version(weight_version), False, None, kv)
+                finally:
+                    # Whatever happened, no staging copy outlives the push (after a swap there is none).
+                    await self._drop_staged(records)
+                self.last_update_s = time.monotonic() - swap_started
+                return {**answer, "staged": {**staged, "swap_seconds": round(self.last_update_s, 4)}}
+        finally:
+            self.transport.update_sent(meta)
+
+    def _refuse_unless_staging_fits(self, records: list[EngineRecord], nbytes: int) -> None:
+        """On CPU every worker keeps a whole copy of the push in host memory until the swap."""
+        if self.registry.records[0].devices.kind != "cpu":
+            return  # a GPU worker stages in device memory, or in pinned host memory if it has no room
+        workers = sum(self._workers(records))
+        needed = nbytes * workers
+        available = host_memory_available()
+        if needed > available - _STAGING_HEADROOM_BYTES:
+            raise SyncError(
+                409,
+                f"a staged push of {nbytes / 2**30:.2f} GiB needs a staging copy per worker ({workers} workers:"
+                f" {needed / 2**30:.2f} GiB), but the host has {available / 2**30:.2f} GiB available"
+                f" (less {_STAGING_HEADROOM_BYTES >> 30} GiB kept free): push without staged",
+                code=STAGING_DOES_NOT_FIT,
+            )
+
+    async def _stage(self, records: list[EngineRecord], update_info: dict, nbytes: int) -> dict:
+        """Every engine receives the push into its staging copy, while it serves on."""
+        for record in records:
+            expected = nbytes * self.transport.workers_per_engine[record.engine_id]
+            record.staging = {"state": "receiving", "bytes_expected": expected}
+        body = {"update_info": update_info, "update_nbytes": nbytes}
+        query = {"timeout_s": self.timeout_s}
+        replies = await gather_until_failure(
+            [
+                (r, call_engine(r, "/stage_weights", timeout_s=self.timeout_s + 30, query=query, body=body))
+                for r in records
+            ]
+        )
+        for record, reply in zip(records, replies):
+            record.staging = {"state": "staged", **_staged_copy(reply)} if reply.ok else None
+        failed = failure("staging the push", replies)
+        if failed is not None:
+            reason = failed[1]
+            await self._drop_staged(records)
+            if self.transport.transport.group:
+                self.group_broken(reason)
+            else:
+                self.metrics.push_failures.inc()
+            self._push_started = None
+            log.error("staged push dropped: %s; the engines serve their weights as before", reason)
+            await self._end(abandoned_because=reason)
+            raise SyncError(*failed, [rep.as_json() for rep in replies])
+        copies = [_staged_copy(reply) for reply in replies]
+        return {
+            "bytes": sum(c["bytes"] for c in copies),
+            "seconds": max(c["seconds"] for c in copies),
+            "place": copies[0]["place"],
+        }
+
+    async def _drop_staged(self, records: list[EngineRecord]) -> None:
+        """Every engine throws its staging copy away; one that cannot is restarted (a copy left
+        behind holds a push's bytes for ever)."""
+        replies = await asyncio.gather(*(call_engine(r, "/drop_staged", timeout_s=self.timeout_s) for r in records))
+        for record, reply in zip(records, replies):
+            record.staging = None
+            if not reply.ok and record.up:
+                self._supervisor.restart_in_background(
+                    record, f"it could not drop a staged push's copy: {reply.message}"
+                )
+
+    async def receive(self, update_info: dict, weight_version: str | None, kv: KvRule = "recompute") -> dict:
         """Check, then receive on every engine. Without an open session: start and finish too."""
         meta = self.check_metadata(update_info)
         try:
             # A chunk of an update the server abandoned is no update of its own.
             self.update.refuse_if_abandoned()
             one_shot = self.update.phase is Phase.IDLE
+            if kv != "recompute" and not one_shot:
+                raise SyncError(400, "kv belongs to an update's finish: give it to /finish_weight_update")
             async with self.registry.fleet_change():
                 self.update.refuse_if_abandoned()
                 self._refuse_unless(Phase.IDLE, Phase.STARTED, Phase.RECEIVING)
@@ -360,7 +481,7 @@ class WeightSync:
         finally:
             self.transport.update_sent(meta)
         if one_shot:
-            return await self.finish(weight_version)
+            return await self.finish(weight_version, kv=kv)
         return {"status": "updated", "engines": [rep.as_json() for rep in replies]}
 
     async def _begin(self, records: list[EngineRecord]) -> None:
@@ -394,24 +515,32 @@ class WeightSync:
             record.receiving = reply.ok or reply.status >= 500  # one that did not answer may have started
         await self._settle("start_weight_update", records, replies)
 
-    async def finish(self, weight_version: str | None, verify: bool = False, expected: Checksums | None = None) -> dict:
+    async def finish(
+        self,
+        weight_version: str | None,
+        verify: bool = False,
+        expected: Checksums | None = None,
+        kv: KvRule = "recompute",
+    ) -> dict:
         """Every engine finishes; with ``verify``, each is then held to ``expected`` (or to the
         others): one that differs is held out as stale and the call fails."""
         self._refuse_unless(Phase.RECEIVING)
-        version = weight_version if weight_version is not None else f"update-{int(time.time())}"
         async with self.registry.fleet_change():
             self._refuse_unless(Phase.RECEIVING)
-            return await self._finish(self._engines(), version, verify, expected)
+            return await self._finish(self._engines(), _version(weight_version), verify, expected, kv)
 
     async def _finish(
-        self, records: list[EngineRecord], version: str, verify: bool, expected: Checksums | None
+        self,
+        records: list[EngineRecord],
+        version: str,
+        verify: bool,
+        expected: Checksums | None,
+        kv: KvRule = "recompute",
     ) -> dict:
         """Finish the update on every engine. Called with the registry's lock held."""
+        body = {"weight_version": version, "kv": kv}
         replies = await asyncio.gather(
-            *(
-                call_engine(r, "/finish_weight_update", timeout_s=self.timeout_s, body={"weight_version": version})
-                for r in records
-            )
+            *(call_engine(r, "/finish_weight_update", timeout_s=self.timeout_s, body=body) for r in records)
         )
         await self._settle("finish_weight_update", records, replies)
         self.registry.fleet_weight_version = version
@@ -439,7 +568,12 @@ class WeightSync:
         finally:
             await self._end()
         log.info("weight version %s on %d engine(s)%s", version, len(records), ", verified" if verify else "")
-        answer = {"status": "finished", "weight_version": version, "engines": [rep.as_json() for rep in replies]}
+        answer = {
+            "status": "finished",
+            "weight_version": version,
+            "kv": kv,
+            "engines": [rep.as_json() for rep in replies],
+        }
         return {**answer, "verified": True} if verify else answer
 
     async def reload(self) -> dict:
@@ -774,12 +908,16 @@ async def _start(sync: WeightSync, body: StartRequest) -> dict:
 
 async def _update(sync: WeightSync, body: UpdateRequest) -> dict:
     """Every engine receives the tensors ``update_info`` names while the trainer sends them;
-    without an open update, start and finish too (``weight_version`` labels it).
+    without an open update, start and finish too (``weight_version`` labels it). With ``staged``
+    (one call only), the engines receive into staging copies while they generate and pause only
+    for the swap; ``kv`` says whether running requests recompute their KV (exact) or keep it.
 
     If its caller leaves: the engines' side runs to its end (a broken transfer is aborted on every
     engine, which serve nothing until a push of the whole checkpoint). A chunk of an update the
     server abandoned is a 409 ``update_abandoned``, never an update of its own."""
-    return await sync.receive(body.update_info, body.weight_version)
+    if body.staged:
+        return await sync.receive_staged(body.update_info, body.weight_version, body.kv)
+    return await sync.receive(body.update_info, body.weight_version, body.kv)
 
 
 async def _finish(sync: WeightSync, body: FinishRequest) -> dict:
@@ -787,7 +925,7 @@ async def _finish(sync: WeightSync, body: FinishRequest) -> dict:
     ``expected_checksums``) holds each to the others' weights.
 
     If its caller leaves: the finish still lands; ``GET /weight_info`` shows the version served."""
-    return await sync.finish(body.weight_version, body.verifies, body.expected_checksums)
+    return await sync.finish(body.weight_version, body.verifies, body.expected_checksums, body.kv)
 
 
 async def _relabel(sync: WeightSync, body: RelabelRequest) -> dict:

@@ -1,0 +1,226 @@
+"""Staged pushes on real engines: the engines receive a push into staging copies while they
+generate, and pause only for the swap; a fault while staging costs the live weights nothing.
+
+Two float32 engines of the demo model, a trainer in its own process (tests/trainer_process.py)
+pushing with ``GlooTrainer.push(..., staged=True)``. The colocated (shared-memory) case is in
+test_colocated.py, with that module's server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from pushes import assert_engines_match, modified_weights, run_trainer, save, start_trainer
+from support import running, two_float32_engines, vllm_process
+
+# Tokens each request in flight generates: enough to be running across the push.
+TOKENS = 1200
+
+
+@pytest.fixture(scope="module")
+def staged_server(demo_model, tmp_path_factory):
+    # A trainer that hangs holds the collective this long before the group's own timeout ends it.
+    srv = two_float32_engines(
+        demo_model, tmp_path_factory.mktemp("staged") / "server.log", "--weight-transfer-timeout", "60"
+    )
+    with running(srv):
+        yield srv
+
+
+def engines(server) -> list[dict]:
+    return server.engines()
+
+
+def wait_engines(server, predicate, what: str, timeout_s: float = 240) -> list[dict]:
+    deadline = time.monotonic() + timeout_s
+    while not predicate(found := engines(server)):
+        assert time.monotonic() < deadline, f"{what}: {found}"
+        time.sleep(0.2)
+    return found
+
+
+def wait_update_idle(server, timeout_s: float = 120) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while (info := weight_info(server))["update_phase"] != "idle":
+        assert time.monotonic() < deadline, info
+        time.sleep(0.2)
+    return info
+
+
+@pytest.fixture(scope="module")
+def fleet(demo_model) -> dict:
+    """The weights the module's server serves, as the tests push them: version and tensors."""
+    return {"version": "default", "weights": demo_weights(demo_model)}
+
+
+async def hanging_staged_push(server, path, version: str):
+    """A trainer process that sends 3 tensors of a staged push and hangs, holding the transfer open."""
+    trainer = start_trainer(server, path, version, "--staged", "--hang-after", "3")
+    line = await asyncio.wait_for(asyncio.to_thread(trainer.stdout.readline), 120)
+    assert line.strip() == "hanging", line + trainer.stderr.read()
+    return trainer
+
+
+def weight_info(server) -> dict:
+    return httpx.get(f"{server.url}/weight_info", timeout=10).json()
+
+
+def demo_weights(demo_model) -> dict[str, torch.Tensor]:
+    model = AutoModelForCausalLM.from_pretrained(demo_model, dtype=torch.float32)
+    weights = {name: t.clone() for name, t in model.state_dict().items()}
+    weights.pop("lm_head.weight", None)
+    return weights
+
+
+def forward_logprobs(demo_model, weights: dict[str, torch.Tensor], ids: list[int]) -> torch.Tensor:
+    """Next-token logprobs at every position of ``ids``: a transformers float32 forward over the whole prefix."""
+    model = AutoModelForCausalLM.from_pretrained(demo_model, dtype=torch.float32)
+    model.load_state_dict(weights, strict=False)
+    model.tie_weights()
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+
+
+async def generate(http: httpx.AsyncClient, i: int) -> dict:
+    body = {
+        "token_ids": [11 + i, 12, 13, 14],
+        "sampling_params": {"max_tokens": TOKENS, "ignore_eos": True, "temperature": 0, "logprobs": 0},
+    }
+    r = await http.post("/inference/v1/generate", json=body)
+    assert r.status_code == 200, r.text
+    return {"prompt": body["token_ids"], **r.json()["choices"][0]}
+
+
+async def stream_to_its_end(http: httpx.AsyncClient, model: str, i: int) -> list[str]:
+    """A streamed completion's finish reasons."""
+    body = {"model": model, "prompt": f"stream {i}", "max_tokens": TOKENS, "ignore_eos": True, "stream": True}
+    reasons = []
+    async with http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                reasons += [c["finish_reason"] for c in chunk["choices"] if c.get("finish_reason")]
+    return reasons
+
+
+async def test_a_staged_push_under_32_requests_serves_the_new_weights_from_one_step_boundary_on(
+    staged_server, demo_model, fleet, tmp_path
+):
+    """16 streams and 16 token-route requests run while a trainer process pushes staged. Every
+    request goes on to its end; its spans say where the new weights began; every token from
+    there on has the logprob a transformers float32 forward of the new weights over the whole
+    prefix gives (the KV recomputed), every token before it the old weights'."""
+    before = [(e["pid"], e["restarts"]) for e in engines(staged_server)]
+    old_version, old = fleet["version"], fleet["weights"]
+    assert {e["weight_version"] for e in weight_info(staged_server)["engines"]} == {old_version}
+    new = modified_weights(demo_model, seed=5)
+    path = save(new, tmp_path / "staged.safetensors")
+    async with httpx.AsyncClient(base_url=staged_server.url, timeout=300) as http:
+        streams = [asyncio.create_task(stream_to_its_end(http, staged_server.model, i)) for i in range(16)]
+        requests = [asyncio.create_task(generate(http, i)) for i in range(16)]
+        await asyncio.sleep(0.5)
+        trainer = await asyncio.to_thread(run_trainer, staged_server, path, "staged-1", "--staged")
+        assert trainer.returncode == 0, trainer.stdout + trainer.stderr
+        results = await asyncio.wait_for(asyncio.gather(*requests), 240)
+        ended = await asyncio.wait_for(asyncio.gather(*streams), 240)
+    assert [(e["pid"], e["restarts"]) for e in engines(staged_server)] == before
+    assert ended == [["length"]] * 16
+    crossed = 0
+    for choice in results:
+        assert len(choice["token_ids"]) == TOKENS
+        spans = choice["weight_versions"]
+        assert [s["version"] for s in spans] in ([old_version, "staged-1"], ["staged-1"], [old_version]), spans
+        boundary = spans[-1]["start"] if spans[-1]["version"] == "staged-1" else TOKENS
+        crossed += 0 < boundary < TOKENS
+        ids = choice["prompt"] + choice["token_ids"]
+        got = [entry["logprob"] for entry in choice["logprobs"]["content"]]
+        prompt = len(choice["prompt"])
+        before_push = forward_logprobs(demo_model, old, ids)
+        after_push = forward_logprobs(demo_model, new, ids)
+        for k, token in enumerate(choice["token_ids"]):
+            reference = (after_push if k >= boundary else before_push)[prompt - 1 + k, token].item()
+            assert abs(got[k] - reference) < 0.05, f"token {k} (boundary {boundary}): {got[k]} vs {reference}"
+    assert crossed, "no request ran across the push"
+    assert_engines_match(staged_server, staged_server.model, demo_model, new, "staged-1")
+    fleet.update(version="staged-1", weights=new)
+
+
+async def test_a_trainer_killed_mid_staging_costs_the_live_weights_nothing_and_the_next_push_lands(
+    staged_server, demo_model, fleet, tmp_path
+):
+    """A trainer hangs after 3 tensors of a staged push. Meanwhile the engines serve on, at the old
+    version, and /engines shows each one's staging copy being received. It is SIGKILLed: every copy
+    is dropped, no engine restarted or stale, the live weights are the old ones exactly; a new
+    trainer's staged push lands at its first try."""
+    before = [(e["pid"], e["restarts"]) for e in engines(staged_server)]
+    doomed = save(modified_weights(demo_model, seed=6), tmp_path / "doomed.safetensors")
+    trainer = await hanging_staged_push(staged_server, doomed, "never-served")
+    try:
+        staging = wait_engines(staged_server, lambda es: all(e["staging"] for e in es), "staging shown")
+        assert [e["staging"]["state"] for e in staging] == ["receiving", "receiving"]
+        assert all(e["staging"]["bytes_expected"] > 0 for e in staging)
+        assert weight_info(staged_server)["update_phase"] == "staging"
+        r = httpx.post(
+            f"{staged_server.url}/v1/completions",
+            json={"model": staged_server.model, "prompt": "still serving?", "max_tokens": 8},
+            timeout=60,
+        )
+        assert r.status_code == 200 and r.headers["X-Weight-Version"] == fleet["version"], r.text
+    finally:
+        trainer.kill()
+        trainer.wait()
+    info = wait_update_idle(staged_server)
+    assert [(e["engine"], e["stale_reason"], e["weight_version"]) for e in info["engines"]] == [
+        (0, None, fleet["version"]),
+        (1, None, fleet["version"]),
+    ]
+    assert [(e["pid"], e["restarts"], e["staging"]) for e in engines(staged_server)] == [(*b, None) for b in before]
+    assert_engines_match(staged_server, staged_server.model, demo_model, fleet["weights"], fleet["version"])
+
+    new = modified_weights(demo_model, seed=7)
+    pushed = run_trainer(staged_server, save(new, tmp_path / "next.safetensors"), "staged-2", "--staged")
+    assert pushed.returncode == 0 and "pushed staged-2" in pushed.stdout, pushed.stdout + pushed.stderr
+    assert_engines_match(staged_server, staged_server.model, demo_model, new, "staged-2")
+    fleet.update(version="staged-2", weights=new)
+
+
+async def test_an_engine_core_killed_mid_staging_costs_only_that_engine(staged_server, demo_model, fleet, tmp_path):
+    """Engine 1's EngineCore is SIGKILLed while a staged push is being received. The push is
+    dropped: engine 0 keeps its process and its live weights, serving the old version throughout;
+    engine 1 restarts and takes the fleet's weights from engine 0; the next staged push lands."""
+    before = engines(staged_server)
+    doomed = save(modified_weights(demo_model, seed=8), tmp_path / "doomed.safetensors")
+    trainer = await hanging_staged_push(staged_server, doomed, "never-served")
+    try:
+        wait_engines(staged_server, lambda es: all(e["staging"] for e in es), "staging shown")
+        vllm_process(before[1]["pid"], "EngineCore").send_signal(signal.SIGKILL)
+        info = wait_update_idle(staged_server)
+        assert info["engines"][0]["stale_reason"] is None
+        assert info["engines"][0]["weight_version"] == fleet["version"]
+    finally:
+        trainer.kill()
+        trainer.wait()
+    back = wait_engines(
+        staged_server,
+        lambda es: [e["state"] for e in es] == ["ready", "ready"] and es[1]["restarts"] == before[1]["restarts"] + 1,
+        "engine 1 back, caught up",
+    )
+    assert (back[0]["pid"], back[0]["restarts"]) == (before[0]["pid"], before[0]["restarts"])
+    assert [e["weight_version"] for e in weight_info(staged_server)["engines"]] == [fleet["version"]] * 2
+    assert_engines_match(staged_server, staged_server.model, demo_model, fleet["weights"], fleet["version"])
+
+    new = modified_weights(demo_model, seed=9)
+    pushed = run_trainer(staged_server, save(new, tmp_path / "next.safetensors"), "staged-3", "--staged")
+    assert pushed.returncode == 0 and "pushed staged-3" in pushed.stdout, pushed.stdout + pushed.stderr
+    assert_engines_match(staged_server, staged_server.model, demo_model, new, "staged-3")
+    fleet.update(version="staged-3", weights=new)
