@@ -21,7 +21,7 @@ from .front_workers.pool import FRONT_WORKERS, FrontWorkers
 from .health import engines_view, health, ready
 from .leasing import LocalLeases
 from .metrics import METRICS, WORKER_METRICS, ServiceMetrics, metrics_view
-from .proxy import DATA_PLANE_GET, DATA_PLANE_POST, GROUP_PREFIX_CHARS, LEASES, REGISTRY, forward
+from .proxy import GROUP_PREFIX_CHARS, LEASES, REGISTRY, add_data_plane_routes
 from .routing import SessionRouter
 from .security import DATA_PLANE_PATHS, AccessPolicy
 from .sessions import FINISH_SESSION_PATH, finish_session
@@ -137,10 +137,7 @@ def create_app(config: ServeConfig) -> web.Application:
             await hub.close()
 
         app.cleanup_ctx.append(leases_ctx)
-    for path in DATA_PLANE_POST:
-        app.router.add_post(path, forward)
-    for path in DATA_PLANE_GET:
-        app.router.add_get(path, forward)
+    add_data_plane_routes(app)
     app.router.add_post(FINISH_SESSION_PATH, finish_session)
     add_control_routes(app)
     add_weight_routes(app)

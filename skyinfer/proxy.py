@@ -2,9 +2,11 @@
 
 Bodies pass through untouched unless they carry a ``session_id`` field, which
 is moved to the ``X-Session-ID`` header (the engine validates bodies strictly
-and reads the session from that header). A streamed request's chunks go to
-the client as the engine frames them (``stream_relay``); every other answer is
-read whole, then passed on.
+and reads the session from that header). What routing needs of a body (its
+``model``, its prompt's start) is read off its bytes: a body is parsed only
+when it carries a session field, or names its model in a way the bytes alone
+do not settle. A stream's chunks go to the client as the engine frames them
+(``stream_relay``); every other answer is read whole, then passed on.
 """
 
 from __future__ import annotations
@@ -30,11 +32,14 @@ from .wire import checked_session_id
 log = logging.getLogger("skyinfer.proxy")
 
 REGISTRY = web.AppKey("registry", EngineRegistry)
+# This process's kept connections to the engines, for answers read whole.
+ENGINE_CONNECTIONS = web.AppKey("engine_connections", stream_relay.EngineConnections)
 # Where the data plane gets its engine from: the registry in this process, or the control process.
 LEASES = web.AppKey("leases", Leases)
 GROUP_PREFIX_CHARS = web.AppKey("group_prefix_chars", int)
 
 SESSION_HEADER = "X-Session-ID"
+RESPONSES_PATH = "/v1/responses"
 ENGINE_HEADER = "X-Skyinfer-Engine"
 WEIGHT_VERSION_HEADER = "X-Weight-Version"
 # On an answer from a second engine: the id of the engine that died under the request first.
@@ -152,10 +157,6 @@ class _GoingOn:
         return orjson.dumps(payload)
 
 
-# Where a request's prompt is, by route: chat, completions, the token route, Responses.
-_PROMPT_FIELDS = ("messages", "prompt", "token_ids", "input")
-
-
 def _json_object(body: bytes) -> dict | None:
     """The body as a JSON object, or None (its engine answers a body that is not one)."""
     try:
@@ -165,18 +166,94 @@ def _json_object(body: bytes) -> dict | None:
     return payload if isinstance(payload, dict) else None
 
 
-def _streamed(body: bytes, payload: dict | None) -> bool:
-    """Whether the request asks for a stream (an answer that is not one is read whole all the same)."""
-    if b'"stream"' not in body:
-        return False
-    return bool((payload if payload is not None else _json_object(body) or {}).get("stream"))
+# What may come right before a member's name (a quote after anything else is the escaped one of a
+# name ending alike), what between its name and its value, and a string value with no escapes.
+_BEFORE_NAME = frozenset(b"{, \t\r\n")
+_NAME_SEPARATOR = re.compile(rb"\s*:\s*")
+_PLAIN_STRING = re.compile(rb'"([^"\\]*)"')
 
 
-def _group_key(payload: dict, prefix_chars: int) -> int | None:
-    """A hash of the first ``prefix_chars`` characters of the prompt's JSON text; None where there is none.
-    CRC-32, not ``hash()``: front workers must agree on it, and each process salts ``hash()`` its own way."""
-    prompt = next((payload[f] for f in _PROMPT_FIELDS if f in payload), None)
-    return None if prompt is None else zlib.crc32(orjson.dumps(prompt)[:prefix_chars])
+def _first_member_value(body: bytes, quoted_name: bytes) -> int:
+    """Where the value of the first member named ``quoted_name`` starts, at any depth; -1: none."""
+    at = body.find(quoted_name)
+    while at > 0:
+        if body[at - 1] in _BEFORE_NAME and (separator := _NAME_SEPARATOR.match(body, at + len(quoted_name))):
+            return separator.end()
+        at = body.find(quoted_name, at + 1)
+    return -1
+
+
+def requested_model(body: bytes) -> str | None:
+    """The body's ``model``, read off its bytes: the first member of that name, where its value is a
+    plain string (a request's own ``model`` comes before any nested one); else the body is parsed."""
+    start = _first_member_value(body, b'"model"')
+    if start < 0:
+        return None
+    if plain := _PLAIN_STRING.match(body, start):
+        try:
+            return plain[1].decode()
+        except UnicodeDecodeError:
+            return None  # the engine refuses the body
+    model = (_json_object(body) or {}).get("model")
+    return model if isinstance(model, str) else None
+
+
+# Where a request's prompt is: by route (chat, completions, the token route, Responses), and on any
+# other route in the first of these members it has.
+_PROMPT_MEMBERS = (b'"messages"', b'"prompt"', b'"token_ids"', b'"input"')
+_PROMPT_MEMBER_OF = {
+    "/v1/chat/completions": (b'"messages"',),
+    "/v1/completions": (b'"prompt"',),
+    "/inference/v1/generate": (b'"token_ids"',),
+    RESPONSES_PATH: (b'"input"',),
+}
+# What nests in a JSON value: strings (one still open at the end of the text taken to its end), and brackets.
+_NESTING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"?|[\[\]{}]')
+
+
+def prompt_group(body: bytes, prefix_chars: int, path: str = "") -> int | None:
+    """A hash of the first ``prefix_chars`` bytes of the prompt's JSON text as the body carries it
+    (less where the prompt ends sooner); None where there is none. CRC-32, not ``hash()``: front
+    workers must agree on it, and each process salts ``hash()`` its own way."""
+    for name in _PROMPT_MEMBER_OF.get(path, _PROMPT_MEMBERS):
+        if (start := _first_member_value(body, name)) >= 0:
+            break
+    else:
+        return None
+    prompt = body[start : start + prefix_chars]
+    if prompt[:1] not in (b'"', b"[", b"{"):
+        return None  # null, or not JSON: no prompt to group by
+    return zlib.crc32(prompt[: _value_end(prompt)])
+
+
+def _value_end(text: bytes) -> int:
+    """Where the JSON string, array or object ``text`` starts with ends; ``len(text)`` if not in it."""
+    depth = 0
+    for token in _NESTING.finditer(text):
+        first = token[0][0]
+        if first in b"[{":
+            depth += 1
+            continue
+        if first in b"]}":
+            depth -= 1
+        if depth <= 0:
+            return token.end()
+    return len(text)
+
+
+def add_data_plane_routes(app: web.Application) -> None:
+    """The routes one engine answers (``forward``), and this process's connections to the engines."""
+
+    async def engine_connections(app: web.Application):
+        app[ENGINE_CONNECTIONS] = stream_relay.EngineConnections()
+        yield
+        app[ENGINE_CONNECTIONS].close()
+
+    app.cleanup_ctx.append(engine_connections)
+    for path in DATA_PLANE_POST:
+        app.router.add_post(path, forward)
+    for path in DATA_PLANE_GET:
+        app.router.add_get(path, forward)
 
 
 def _forwarded_headers(request: web.Request) -> dict[str, str]:
@@ -198,18 +275,15 @@ async def forward(request: web.Request) -> web.StreamResponse:
     if session_id:
         headers[SESSION_HEADER] = session_id
     prefix_chars = request.app[GROUP_PREFIX_CHARS]
-    # Parsed only when routing needs what is inside: a prompt's prefix, or a model's name.
-    payload = _json_object(body) if body and (b'"model"' in body or (prefix_chars and not session_id)) else None
     ask = Ask(
         session_id=session_id or None,
-        group=_group_key(payload, prefix_chars) if payload and prefix_chars and not session_id else None,
-        model=model if payload and isinstance(model := payload.get("model"), str) else None,
+        group=prompt_group(body, prefix_chars, request.path) if prefix_chars and not session_id else None,
+        model=requested_model(body),
         previous_response=_previous_response(body) if request.path == RESPONSES_PATH else None,
     )
-    relayed = _streamed(body, payload) and request.version >= aiohttp.HttpVersion11
     leases = request.app[LEASES]
     try:
-        return await _send(request, ask, body, headers, relayed)
+        return await _send(request, ask, body, headers)
     except _EngineDied as died:
         first_death = died
     except _StreamBrokeOff as broke:
@@ -222,14 +296,13 @@ async def forward(request: web.Request) -> web.StreamResponse:
     # Once, and never to the engine that died: a request that kills engines must not walk through the
     # fleet. If no other engine serves now, it waits for one like any request.
     try:
-        return await _send(request, ask, body, headers, relayed, retried_from=dead, going_on=first_death.going_on)
+        return await _send(request, ask, body, headers, retried_from=dead, going_on=first_death.going_on)
     except _EngineDied as again:
         return again.answer
     except _StreamBrokeOff as broke:
         return await _end_with_error(broke.response, None, f"engine {broke.going_on.engine_id} died mid-stream too")
 
 
-RESPONSES_PATH = "/v1/responses"
 # The id of a stored response: the top-level "id" of an answer, or in a stream the "id" of the
 # response in its first event (response.created).
 _RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[A-Za-z0-9_-]+)"')
@@ -254,12 +327,10 @@ async def _send(
     ask: Ask,
     body: bytes,
     headers: dict,
-    relayed: bool,
     retried_from: int | None = None,
     going_on: _GoingOn | None = None,
 ) -> web.StreamResponse:
-    """``relayed``: a stream, relayed chunk by chunk as the engine frames it (stream_relay.py).
-    ``going_on``: what the engine that died had generated, which an engine serving the same
+    """``going_on``: what the engine that died had generated, which an engine serving the same
     weights goes on from (another starts over)."""
     leases = request.app[LEASES]
     exclude = () if retried_from is None else (retried_from,)
@@ -273,8 +344,6 @@ async def _send(
                 if going_on is not None and engine.weight_version == going_on.weight_version:
                     sent = going_on.body(body)
                     extra_headers[CONTINUED_FROM_HEADER] = str(going_on.engine_id)
-                if relayed:
-                    return await _relay_stream(request, engine, sent, headers, extra_headers)
                 return await _relay(request, engine, sent, headers, extra_headers)
         except NoEngineAvailable as exc:
             held = f" (held {leases.hold_requests_s:g}s)" if leases.hold_requests_s else ""
@@ -300,24 +369,6 @@ def _own_headers(engine: Engine) -> dict[str, str]:
 def _version_header(engine: Engine, adapter: str | None) -> dict[str, str]:
     """An adapter's answer carries the adapter's version (the base weights' is in ``/weight_info``)."""
     return {} if adapter is None else {WEIGHT_VERSION_HEADER: engine.adapters.get(adapter, "")}
-
-
-async def _relay(
-    request: web.Request, engine: Engine, body: bytes, headers: dict, extra_headers: dict[str, str]
-) -> web.StreamResponse:
-    """A request whose answer is read whole, then passed on."""
-    try:
-        async with engine.client.request(
-            request.method, request.rel_url, data=body or None, headers=headers
-        ) as upstream:
-            payload = await upstream.read()
-    except aiohttp.ClientConnectorError as exc:
-        raise NotConnected(repr(exc.os_error), engine) from None
-    except aiohttp.ClientError as exc:
-        raise _EngineDied(engine, _engine_failed(request, engine, exc)) from None
-    except asyncio.TimeoutError as exc:
-        return _engine_failed(request, engine, exc)
-    return _answer(request, engine, upstream.status, upstream.headers, payload, extra_headers)
 
 
 def _answer(
@@ -383,20 +434,21 @@ def _engine_failed(request: web.Request, engine: Engine, exc: BaseException) -> 
     return error_response(503, message, headers=_own_headers(engine))
 
 
-async def _relay_stream(
+async def _relay(
     request: web.Request, engine: Engine, body: bytes, headers: dict, extra_headers: dict[str, str]
 ) -> web.StreamResponse:
-    """A streamed request, on a connection of its own: its chunks go to the caller as they come."""
+    """The engine's answer: a stream's chunks go to the caller as they come, any other answer read whole."""
+    connections = request.app[ENGINE_CONNECTIONS]
     try:
-        answer = await stream_relay.send(engine.socket_path, request.method, request.raw_path, body, headers)
+        answer = await connections.send(engine.socket_path, request.method, request.raw_path, body, headers)
     except (OSError, asyncio.TimeoutError) as exc:
         raise NotConnected(repr(exc), engine) from None
     try:
         return await _relay_answer(request, engine, answer, extra_headers)
     finally:
-        # Done, failed, or the caller went away (its handler cancelled): the engine sees the
+        # Done, failed, or the caller went away (its handler cancelled): a stream's engine sees the
         # connection close and aborts what it still generates.
-        answer.close()
+        answer.finish()
 
 
 async def _relay_answer(
@@ -404,7 +456,8 @@ async def _relay_answer(
 ) -> web.StreamResponse:
     try:
         head = await answer.head()
-        if not head.event_stream:
+        # A caller on HTTP/1.0 cannot take chunks: it gets a stream whole.
+        if not head.event_stream or request.version < aiohttp.HttpVersion11:
             return _answer(request, engine, head.status, head.headers, await answer.body(), extra_headers)
         first = await answer.first_chunk()
     except stream_relay.EngineHangUp as exc:
@@ -481,7 +534,7 @@ async def _go_on_streaming(
                     return await _end_with_error(
                         response, None, f"{message}; engine {engine.engine_id} serves other weights"
                     )
-                answer = await stream_relay.send(
+                answer = await request.app[ENGINE_CONNECTIONS].send(
                     engine.socket_path, request.method, request.raw_path, going_on.body(body), headers
                 )
                 try:
@@ -499,7 +552,7 @@ async def _go_on_streaming(
                         )
                     return await _end(response, answer)
                 finally:
-                    answer.close()
+                    answer.finish()
         except (NoEngineAvailable, EngineBusy, NotConnected, OSError, asyncio.TimeoutError) as exc:
             return await _end_with_error(response, None, f"{message}; no engine could go on with it: {exc}")
         except stream_relay.EngineHangUp as exc:

@@ -1,22 +1,27 @@
-"""Streamed answers relayed as the engine frames them.
+"""Engines' answers relayed as the engine frames them.
 
 An engine answers a streamed request with HTTP/1.1 chunked framing, one chunk per SSE event, and the
 front answers its caller with the same framing: a chunk can go from the engine's socket to the
 caller's as the same bytes, with no decoding, no Python object per event and no task woken per event.
-A streamed request therefore gets a connection of its own to the engine, speaks HTTP/1.1 on it
-directly, and once the answer's head and first chunk are in, the protocol's ``data_received`` writes
-each complete chunk straight to the caller's transport (aiohttp's client, which decodes each chunk
-and wakes the handler for it, keeps every other request). Only complete chunks are written, so a
-stream the engine breaks off can still be ended with an error event of the front's own.
+The front therefore speaks HTTP/1.1 to its engines directly, and once a stream's head and first chunk
+are in, the protocol's ``data_received`` writes each complete chunk straight to the caller's
+transport. Only complete chunks are written, so a stream the engine breaks off can still be ended
+with an error event of the front's own.
 
 A caller may close its connection as soon as it has the stream's last event, before the end of the
 chunked body (the openai SDK closes on reading ``data: [DONE]``): ``EngineAnswer.delivered`` says
 whether it had the whole answer, so that such a request still counts as answered.
+
+Every other answer is read whole, and its connection is kept open for the next request to that
+engine (``EngineConnections``); a stream's connection is closed at its end, which is how an engine
+learns that a caller went away. No client library's per-request machinery either: aiohttp's client
+cost about a third of the front's CPU per request.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 
 from multidict import CIMultiDict
 
@@ -28,6 +33,9 @@ _PAUSE_AT_BYTES = 256 * 1024
 _RESUME_AT_BYTES = 64 * 1024
 _DRAIN_CHECK_S = 0.005
 CONNECT_TIMEOUT_S = 10
+# A kept connection idle longer than this is closed rather than used: an engine may close one it
+# has kept idle a long time, and a request sent just then would look like the engine dying under it.
+KEPT_IDLE_S = 15.0
 # The event that ends an OpenAI stream, and the end of the chunk that carries it.
 DONE_EVENT = b"data: [DONE]\n\n"
 _DONE_CHUNK_END = DONE_EVENT + b"\r\n"
@@ -111,11 +119,20 @@ def _chunk_payloads(framed: bytes | bytearray) -> bytes:
 
 
 class EngineAnswer(asyncio.Protocol):
-    """One request on a connection of its own to an engine, and its answer as it arrives."""
+    """One request to an engine and its answer as it arrives, on a connection opened for it or kept
+    from an earlier answer (``kept``: where the connection goes back to once this answer is read whole)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, kept: EngineConnections | None = None, socket_path: str = ""
+    ) -> None:
         self._loop = loop
+        self._kept = kept
+        self._socket_path = socket_path
         self.transport: asyncio.Transport | None = None
+        # Answers to HEAD carry a head only.
+        self._bodiless = False
+        # The body was read whole, to its Content-Length: the connection may carry another request.
+        self._reusable = False
         self._buffer = bytearray()
         self._head: asyncio.Future[_Head] = loop.create_future()
         self._parsed: _Head | None = None
@@ -194,6 +211,22 @@ class EngineAnswer(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
 
+    def finish(self) -> None:
+        """Done with the answer: its connection is kept for the next request if the answer was read
+        whole and the engine keeps it open; else closed (an engine still generating a stream sees the
+        close and aborts it)."""
+        keeps = self._reusable and "close" not in self._parsed.headers.get("Connection", "").lower()
+        if keeps and self._kept is not None and not self.transport.is_closing():
+            self._kept.keep(self._socket_path, self.transport)
+        else:
+            self.close()
+
+    def send_request(self, method: str, path: str, body: bytes, headers: dict[str, str]) -> None:
+        self._bodiless = method == "HEAD"
+        lines = [f"{method} {path} HTTP/1.1", "Host: engine", f"Content-Length: {len(body)}"]
+        lines += [f"{name}: {value}" for name, value in headers.items()]
+        self.transport.write(("\r\n".join(lines) + "\r\n\r\n").encode("utf-8", "surrogateescape") + body)
+
     # -- inside ----------------------------------------------------------------------------------
 
     def _wait_for(self, want: str) -> asyncio.Future:
@@ -257,13 +290,17 @@ class EngineAnswer(asyncio.Protocol):
 
     def _progress_body(self) -> None:
         head = self._parsed
-        if head.chunked:
+        if self._bodiless or head.status in (204, 304):
+            self._reusable = not self._buffer
+            self._settle(b"")
+        elif head.chunked:
             end, self._need, terminal = _complete_chunks(self._buffer)
             if terminal:
                 self._settle(_chunk_payloads(self._buffer[:end]))
         elif "Content-Length" in head.headers:
             length = int(head.headers["Content-Length"])
             if len(self._buffer) >= length:
+                self._reusable = len(self._buffer) == length
                 self._settle(bytes(self._buffer[:length]))
 
     def _pass_on(self, framed: bytes) -> None:
@@ -289,14 +326,63 @@ class EngineAnswer(asyncio.Protocol):
             self.transport.resume_reading()
 
 
-async def send(socket_path: str, method: str, path: str, body: bytes, headers: dict[str, str]) -> EngineAnswer:
+async def send(
+    socket_path: str,
+    method: str,
+    path: str,
+    body: bytes,
+    headers: dict[str, str],
+    kept: EngineConnections | None = None,
+) -> EngineAnswer:
     """Open a connection to the engine at ``socket_path`` and send one request on it; ``OSError``
     (or ``TimeoutError``) when no connection could be opened, nothing having been sent."""
     loop = asyncio.get_running_loop()
     _, answer = await asyncio.wait_for(
-        loop.create_unix_connection(lambda: EngineAnswer(loop), socket_path), CONNECT_TIMEOUT_S
+        loop.create_unix_connection(lambda: EngineAnswer(loop, kept, socket_path), socket_path), CONNECT_TIMEOUT_S
     )
-    lines = [f"{method} {path} HTTP/1.1", "Host: engine", f"Content-Length: {len(body)}", "Connection: close"]
-    lines += [f"{name}: {value}" for name, value in headers.items()]
-    answer.transport.write(("\r\n".join(lines) + "\r\n\r\n").encode("utf-8", "surrogateescape") + body)
+    answer.send_request(method, path, body, headers)
     return answer
+
+
+class EngineConnections:
+    """Connections to engines kept open after an answer read whole, by engine socket, most recently
+    used first: a request takes one if there is one, else opens one."""
+
+    def __init__(self) -> None:
+        # socket path -> (connection, idle since), the most recently kept last.
+        self._idle: dict[str, deque[tuple[asyncio.Transport, float]]] = {}
+
+    async def send(
+        self, socket_path: str, method: str, path: str, body: bytes, headers: dict[str, str]
+    ) -> EngineAnswer:
+        """``send``, on a kept connection to the engine if one is open."""
+        loop = asyncio.get_running_loop()
+        idle = self._idle.get(socket_path)
+        while idle:
+            transport, since = idle.pop()
+            if transport.is_closing():
+                continue
+            if loop.time() - since > KEPT_IDLE_S:
+                transport.close()
+                continue
+            answer = EngineAnswer(loop, self, socket_path)
+            transport.set_protocol(answer)
+            answer.connection_made(transport)
+            answer.send_request(method, path, body, headers)
+            return answer
+        return await send(socket_path, method, path, body, headers, kept=self)
+
+    def keep(self, socket_path: str, transport: asyncio.Transport) -> None:
+        idle = self._idle.setdefault(socket_path, deque())
+        now = asyncio.get_running_loop().time()
+        # The least recently used are taken last: drop those closed meanwhile (an engine that
+        # restarted) or idle too long, so that a burst's connections do not stay for ever.
+        while idle and (idle[0][0].is_closing() or now - idle[0][1] > KEPT_IDLE_S):
+            idle.popleft()[0].close()
+        idle.append((transport, now))
+
+    def close(self) -> None:
+        for idle in self._idle.values():
+            for transport, _ in idle:
+                transport.close()
+        self._idle.clear()

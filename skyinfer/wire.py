@@ -206,6 +206,9 @@ class InitRequest(WireModel):
 
 class StartRequest(WireModel):
     update_info: dict | None = None
+    # The update's chunks are received into staging copies while the engines generate; its
+    # finish swaps them in between two steps.
+    staged: bool = False
     # TRL's async GRPO client sends true. Pushes are reloaded layer by layer from
     # checkpoint-format tensors; weights already in the kernels' layout cannot be.
     is_checkpoint_format: bool = True
@@ -226,8 +229,8 @@ KvRule = Literal["recompute", "keep"]
 class UpdateRequest(WireModel):
     update_info: dict
     weight_version: VersionLabel | None = None
-    # Received into staging copies while the engines generate, swapped in between two steps
-    # (a one-call push only).
+    # A one-call push received into staging copies while the engines generate, swapped in
+    # between two steps (for an update opened by /start_weight_update, its start says so).
     staged: bool = False
     kv: KvRule = "recompute"
 

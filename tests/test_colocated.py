@@ -197,10 +197,12 @@ def test_a_level_2_wake_without_a_push_serves_nothing_and_says_why(colocated, de
     assert_engines_match(colocated, colocated.model, demo_model, weights, version)
 
 
-async def test_a_push_into_running_engines_holds_their_requests(colocated, demo_model, pushes):
-    """Neither paused nor asleep: the push pauses the engines (keep) for itself, so 32 requests in
-    flight (half streamed chats, half token-route requests) all complete in full, across the new
-    version, and no EngineCore dies."""
+@pytest.mark.parametrize("staged", [(), ("--staged",)], ids=["pausing", "staged"])
+async def test_a_push_into_running_engines_holds_their_requests(colocated, demo_model, pushes, staged):
+    """Neither paused nor asleep: the push pauses the engines (keep) for itself, for the whole
+    transfer or (staged) for the swap alone, the engines having copied the segment while they
+    generated; so 32 requests in flight (half streamed chats, half token-route requests) all
+    complete in full, across the new version, no EngineCore dies and no segment is left."""
     before = [(e["pid"], e["restarts"]) for e in engines(colocated)]
     old_version = engines(colocated)[0]["weight_version"]
     # Long enough to be in flight when the trainer's process, started a second later, pushes.
@@ -240,7 +242,7 @@ async def test_a_push_into_running_engines_holds_their_requests(colocated, demo_
             asyncio.create_task(generated(i)) for i in range(16)
         ]
         await asyncio.sleep(1.0)
-        trainer = await asyncio.to_thread(run_trainer, colocated, path, version, "--transport", "shm")
+        trainer = await asyncio.to_thread(run_trainer, colocated, path, version, "--transport", "shm", *staged)
         assert trainer.returncode == 0, trainer.stdout + trainer.stderr
         results = await asyncio.wait_for(asyncio.gather(*tasks), 240)
     for reasons, used in results[:16]:
@@ -250,6 +252,7 @@ async def test_a_push_into_running_engines_holds_their_requests(colocated, demo_
     assert any(s == [old_version, version] for s in spans), spans  # ran across the push
     assert [(e["pid"], e["restarts"]) for e in engines(colocated)] == before
     assert residency(colocated) == [("ready", None, [])] * 2
+    assert not segments()
     assert_engines_match(colocated, colocated.model, demo_model, weights, version)
 
 

@@ -89,12 +89,13 @@ def forward_logprobs(demo_model, weights: dict[str, torch.Tensor], ids: list[int
         return model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
 
 
-async def generate(http: httpx.AsyncClient, i: int) -> dict:
+async def generate(http: httpx.AsyncClient, i: int, prompt: list[int] | None = None, max_tokens: int = TOKENS) -> dict:
+    """A greedy token-route request with its logprobs, on the engine of session ``i``."""
     body = {
-        "token_ids": [11 + i, 12, 13, 14],
-        "sampling_params": {"max_tokens": TOKENS, "ignore_eos": True, "temperature": 0, "logprobs": 0},
+        "token_ids": prompt or [11 + i, 12, 13, 14],
+        "sampling_params": {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, "logprobs": 0},
     }
-    r = await http.post("/inference/v1/generate", json=body)
+    r = await http.post("/inference/v1/generate", json=body, headers={"X-Session-ID": f"staged-{i}"})
     assert r.status_code == 200, r.text
     return {"prompt": body["token_ids"], **r.json()["choices"][0]}
 
@@ -224,3 +225,59 @@ async def test_an_engine_core_killed_mid_staging_costs_only_that_engine(staged_s
     assert pushed.returncode == 0 and "pushed staged-3" in pushed.stdout, pushed.stdout + pushed.stderr
     assert_engines_match(staged_server, staged_server.model, demo_model, new, "staged-3")
     fleet.update(version="staged-3", weights=new)
+
+
+def kept_kv_logprobs(demo_model, old, new, ids: list[int], first_new: int) -> torch.Tensor:
+    """Next-token logprobs from position ``first_new`` on, as an engine that kept its KV computes
+    them: positions before it hold the old weights' keys and values, the rest the new weights'."""
+    models = []
+    for weights in (old, new):
+        model = AutoModelForCausalLM.from_pretrained(demo_model, dtype=torch.float32)
+        model.load_state_dict(weights, strict=False)
+        model.tie_weights()
+        models.append(model)
+    with torch.no_grad():
+        kept = models[0](torch.tensor([ids[:first_new]]), use_cache=True).past_key_values
+        return models[1](torch.tensor([ids[first_new:]]), past_key_values=kept).logits[0].float().log_softmax(-1)
+
+
+async def test_a_staged_push_that_keeps_the_kv_goes_on_over_the_old_keys_and_values(
+    staged_server, demo_model, fleet, tmp_path
+):
+    """With kv "keep", the requests running across the push are not recomputed: every token from
+    the boundary on has the logprob of the new weights attending over the old weights' keys and
+    values of the tokens before it (checked against transformers with the old model's cache), and
+    a request sent after the push on the same engine, whose prompt is one of those requests' prompt
+    and output, is computed whole by the new weights: no prefix the old weights cached is reused."""
+    old_version, old = fleet["version"], fleet["weights"]
+    new = modified_weights(demo_model, seed=10)
+    path = save(new, tmp_path / "kept.safetensors")
+    async with httpx.AsyncClient(base_url=staged_server.url, timeout=300) as http:
+        requests = [asyncio.create_task(generate(http, i)) for i in range(16)]
+        await asyncio.sleep(0.5)
+        trainer = await asyncio.to_thread(run_trainer, staged_server, path, "kept-1", "--staged", "--kv", "keep")
+        assert trainer.returncode == 0, trainer.stdout + trainer.stderr
+        results = await asyncio.wait_for(asyncio.gather(*requests), 240)
+        first = results[0]
+        after = await generate(http, 0, first["prompt"] + first["token_ids"][:600], max_tokens=32)
+    crossed = 0
+    for choice in results:
+        spans = choice["weight_versions"]
+        if [s["version"] for s in spans] != [old_version, "kept-1"]:
+            continue
+        crossed += 1
+        boundary = spans[-1]["start"]
+        ids = choice["prompt"] + choice["token_ids"]
+        prompt = len(choice["prompt"])
+        # The new weights' first forward ran over the last token the old ones sampled.
+        reference = kept_kv_logprobs(demo_model, old, new, ids, prompt + boundary - 1)
+        got = [entry["logprob"] for entry in choice["logprobs"]["content"]]
+        for i, token in enumerate(choice["token_ids"][boundary:]):
+            assert abs(got[boundary + i] - reference[i, token].item()) < 0.05, f"token {boundary + i}"
+    assert crossed, "no request ran across the push"
+    assert [s["version"] for s in after["weight_versions"]] == ["kept-1"]
+    whole = forward_logprobs(demo_model, new, after["prompt"] + after["token_ids"])
+    got = [entry["logprob"] for entry in after["logprobs"]["content"]]
+    prompt = len(after["prompt"])
+    assert max(abs(g - whole[prompt - 1 + k, t].item()) for k, (g, t) in enumerate(zip(got, after["token_ids"]))) < 0.05
+    fleet.update(version="kept-1", weights=new)

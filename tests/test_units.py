@@ -16,7 +16,7 @@ import pytest
 
 from skyinfer.demo_model import VOCAB_SIZE, build_demo_model
 from skyinfer.devices import LayoutError, plan_engine_devices, split_cores, split_gpus
-from skyinfer.proxy import _group_key, _json_object
+from skyinfer.proxy import prompt_group
 from skyinfer.routing import Candidate, SessionRouter
 
 
@@ -121,8 +121,7 @@ def test_router_keeps_a_prompt_group_on_one_engine_within_its_slack():
 
 def test_group_key_is_the_prompts_first_characters():
     def key_of(body: bytes, prefix_chars: int):
-        payload = _json_object(body)
-        return None if payload is None else _group_key(payload, prefix_chars)
+        return prompt_group(body, prefix_chars)
 
     body = {"model": "m", "prompt": "p" * 40 + "tail A", "seed": 1, "max_tokens": 4}
     key = key_of(orjson.dumps(body), 30)

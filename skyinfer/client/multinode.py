@@ -176,9 +176,9 @@ class MultiNodeClient:
         ]
         return self._report(await self._gather("init_weight_transfer", calls))
 
-    async def start_weight_update(self, update_info: dict | None = None) -> dict:
+    async def start_weight_update(self, update_info: dict | None = None, *, staged: bool = False) -> dict:
         """``AsyncClient.start_weight_update`` on every node at once: one report per node."""
-        return await self._fanout_report("start_weight_update", update_info)
+        return await self._fanout_report("start_weight_update", update_info, staged=staged)
 
     async def update_weights(
         self, update_info: dict, weight_version: str | None = None, *, staged: bool = False, kv: str = "recompute"

@@ -258,12 +258,15 @@ class AsyncClient:
         transport's settings); answers once they have. ``init_info`` as vLLM's backend takes it."""
         return await self._admin("/init_weight_transfer", json={"init_info": init_info})
 
-    async def start_weight_update(self, update_info: dict | None = None) -> dict:
+    async def start_weight_update(self, update_info: dict | None = None, *, staged: bool = False) -> dict:
         """``POST /start_weight_update``: open a weight update; ``update_info`` (names, dtypes, shapes) is
-        checked against the served checkpoint, where the front can read it, before any byte moves."""
-        return await self._admin(
-            "/start_weight_update", json=None if update_info is None else {"update_info": update_info}
-        )
+        checked against the served checkpoint, where the front can read it, before any byte moves.
+        ``staged``: its chunks are received while the engines generate, its finish swaps them in."""
+        body = {
+            **({"update_info": update_info} if update_info is not None else {}),
+            **({"staged": True} if staged else {}),
+        }
+        return await self._admin("/start_weight_update", json=body or None)
 
     async def update_weights(
         self, update_info: dict, weight_version: str | None = None, *, staged: bool = False, kv: str = "recompute"

@@ -29,12 +29,12 @@ from ..errors import error_body, error_response, json_response, parse_json_objec
 from . import CONTINUE_FIELD, CONTINUE_HEADER, ENGINE_DIED_HEADER, continuation
 from .adapters import add_adapter_routes
 from .admin import add_admin_routes
-from .appkeys import ENGINE_CLIENT, SERVING_STATE
+from .appkeys import ENGINE_CLIENT, KV_EPOCHS, SERVING_STATE
 from .refusals import constraints_conflict
 from .stream_end import choice_count, with_finish_reasons
 from .vllm_api import ErrorResponse, create_error_response
 from .vllm_app import add_vllm_app_routes
-from .weights import add_weight_routes
+from .weights import KvEpochs, add_weight_routes
 
 log = logging.getLogger("skyinfer.engine")
 
@@ -295,8 +295,11 @@ async def serve_engine(socket_path: str, args: Any) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         continuation.track_outputs(engine_client)
+        kv_epochs = KvEpochs()
+        kv_epochs.install(engine_client)
         watcher = asyncio.create_task(_watch_engine_core(stop, engine_client))
         app = create_engine_app(engine_client, vllm_app.state)
+        app[KV_EPOCHS] = kv_epochs
         add_vllm_app_routes(app, vllm_app)
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await runner.setup()

@@ -5,7 +5,7 @@ between two steps.
 vLLM runs worker calls inside the EngineCore's loop, between steps: a call that received a whole
 push would stop generation for the transfer's length. ``start`` returns at once, its thread
 receives through the engine's own weight-transfer backend (gloo, shared memory, CUDA IPC) aimed
-at a staging copy, vLLM's supported way to point an update elsewhere (as adapter pushes do), and
+at a staging copy (vLLM's supported way to point an update elsewhere, as adapter pushes do), and
 ``status`` says how it goes. ``swap`` runs inside a weight update the front opened on a paused
 engine: the staged tensors go through vLLM's layerwise reload, as a push's chunks would, then the
 copy is dropped. ``drop`` throws a staging copy away, the live weights untouched.
@@ -16,6 +16,7 @@ room for it (the copy into the live weights is then a device copy), else in pinn
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
@@ -63,13 +64,20 @@ def _staging_place(update_nbytes: int) -> tuple[torch.device, bool]:
 class StagedPush:
     """One worker's staging copy: received on a thread, then swapped in or dropped."""
 
-    def __init__(self, engine, update_info: dict, update_nbytes: int) -> None:
-        device, pinned = _staging_place(update_nbytes)
-        self.place = f"{device.type}{' pinned' if pinned else ''}"
-        self.target = _StagingTarget(device, pinned)
+    def __init__(self, engine, update_info: dict, update_nbytes: int, adding_to: StagedPush | None = None) -> None:
+        if adding_to is None:
+            device, pinned = _staging_place(update_nbytes)
+            self.place = f"{device.type}{' pinned' if pinned else ''}"
+            self.target = _StagingTarget(device, pinned)
+        else:  # the next chunk of the same update
+            self.place, self.target = adding_to.place, adding_to.target
         # Parsed here, so that malformed metadata is refused by the call, not lost on the thread.
         self._info = engine.parse_update_info(update_info)
-        self._engine = engine
+        # The backend's own receive, aimed at the staging copy through a shallow copy of the backend
+        # (its group and settings shared): the engine's backend keeps the live model as its target,
+        # whatever a receive still blocked on this thread does later.
+        self._receiver = copy.copy(engine)
+        self._receiver.set_weight_update_target(self.target, engine.model_config)
         self.error: BaseException | None = None
         self.seconds: float | None = None
         self._thread = threading.Thread(target=self._receive, daemon=True, name="skyinfer-staging")
@@ -77,17 +85,14 @@ class StagedPush:
 
     def _receive(self) -> None:
         started = time.monotonic()
-        # The backend's own receive, into the staging copy; the live model is never its target.
-        self._engine.set_weight_update_target(self.target, self._engine.model_config)
         try:
-            self._engine.receive_weights(self._info)
+            self._receiver.receive_weights(self._info)
             if torch.cuda.is_available():
                 torch.cuda.current_stream().synchronize()
         except BaseException as exc:
             self.error = exc
             log.warning("staging a push failed: %s: %s", type(exc).__name__, exc)
         finally:
-            self._engine.reset_weight_update_target()
             self.seconds = time.monotonic() - started
 
     @property

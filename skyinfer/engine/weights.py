@@ -25,7 +25,7 @@ from . import (
     SWAP_STAGED_RPC,
 )
 from .admin import abort
-from .appkeys import ENGINE_CLIENT
+from .appkeys import ENGINE_CLIENT, KV_EPOCHS
 from .worker_calls import on_every_worker
 
 log = logging.getLogger("skyinfer.engine.weights")
@@ -33,6 +33,40 @@ log = logging.getLogger("skyinfer.engine.weights")
 STATUS_RPC = "skyinfer_transfer_status"
 # How often a staged push's progress is asked for: each ask waits for the EngineCore's next step boundary.
 _STAGING_POLL_S = 0.05
+
+
+class KvEpochs:
+    """Keeps a request from reusing a cached prefix computed by other weights.
+
+    A push that keeps the KV of the requests running cannot drop the prefix cache (vLLM drops it
+    only when no request holds a block): blocks the old weights computed stay cached. From such a
+    push on, every new request's prompt carries a cache salt naming the weights' epoch (with the
+    caller's own salt, if any), so that it reuses only prefixes computed since."""
+
+    def __init__(self) -> None:
+        self.current = 0
+
+    def install(self, engine_client) -> None:
+        generate = engine_client.generate
+
+        def salted(prompt, *args, **kwargs):
+            if self.current and isinstance(prompt, dict):
+                own = prompt.get("cache_salt")
+                prompt = {**prompt, "cache_salt": f"{own or ''}|skyinfer-kv-epoch-{self.current}"}
+            return generate(prompt, *args, **kwargs)
+
+        engine_client.generate = salted
+
+
+async def _after_new_weights(request: web.Request, engine, kv) -> None:
+    """vLLM keeps the prefix cache across an update: KV computed with the old weights must never be
+    served again. With "keep", the requests running now go on over the KV they have (the caller's
+    off-policy choice): only the cache no request holds is dropped, and new requests reuse none of
+    what the old weights computed."""
+    keep_kv = kv == "keep"
+    if keep_kv:
+        request.app[KV_EPOCHS].current += 1
+    await engine.reset_prefix_cache(reset_running_requests=not keep_kv)
 
 
 async def _wait_for_rendezvous(engine, timeout_s: float) -> web.Response:
@@ -80,11 +114,7 @@ async def finish_weight_update(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_CLIENT]
     body = parse_json_object(await request.read())
     await engine.finish_weight_update(body.get("weight_version"))
-    # vLLM keeps the prefix cache across an update: KV computed with the old weights must never be
-    # served again. With "keep", the requests running now go on over the KV they have (the caller's
-    # off-policy choice); only the cache no request holds is dropped.
-    keep_kv = body.get("kv") == "keep"
-    await engine.reset_prefix_cache(reset_running_requests=not keep_kv)
+    await _after_new_weights(request, engine, body.get("kv"))
     return json_response({"status": "finished", "weight_version": await engine.get_weight_version()})
 
 
@@ -106,6 +136,7 @@ async def stage_weights(request: web.Request) -> web.Response:
                 {
                     "status": "staged",
                     "bytes": sum(s["bytes"] for s in statuses),
+                    "tensors": sum(s["tensors"] for s in statuses),
                     "seconds": max(s["seconds"] for s in statuses),
                     "place": statuses[0]["place"],
                 }
@@ -116,9 +147,27 @@ async def stage_weights(request: web.Request) -> web.Response:
 
 
 async def swap_staged(request: web.Request) -> web.Response:
-    """Inside a weight update (the engine paused): every worker loads its staged copy."""
-    swapped = await on_every_worker(request.app[ENGINE_CLIENT], SWAP_STAGED_RPC)
-    return json_response({"status": "swapped", "tensors": sum(answer["tensors"] for answer in swapped)})
+    """A staged push's second half: every worker loads its staged copy into the live weights
+    (vLLM's layerwise reload, opened and closed in the same worker call), then the new version and
+    the KV rule (finish_weight_update's). No pause: the three calls are sent together, and the
+    EngineCore handles every call queued before its next step (``_process_input_queue`` drains its
+    queue), so no step runs between the swap and the reset of the KV it made stale; the engine
+    stops for the swap alone. If a worker fails, the engine's weights may be part new: every
+    request held here is dropped (the front holds the engine out, stale)."""
+    engine = request.app[ENGINE_CLIENT]
+    body = parse_json_object(await request.read())
+    try:
+        swapped, _, _ = await asyncio.gather(
+            on_every_worker(engine, SWAP_STAGED_RPC),
+            engine.update_weight_version(body["weight_version"]),
+            _after_new_weights(request, engine, body.get("kv")),
+        )
+    except Exception:
+        await abort(engine)
+        raise
+    return json_response(
+        {"status": "swapped", "tensors": sum(a["tensors"] for a in swapped), "weight_version": body["weight_version"]}
+    )
 
 
 async def drop_staged(request: web.Request) -> web.Response:

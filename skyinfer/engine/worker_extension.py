@@ -306,7 +306,9 @@ class SkyinferWorkerExtension:
         current = getattr(self, "_skyinfer_staged", None)
         if current is not None and current.receiving:
             raise RuntimeError("a staged receive this worker dropped is still blocked in the transfer")
-        self._skyinfer_staged = StagedPush(engine, update_info, update_nbytes)
+        # A later chunk of the same update adds to its copy (a dropped copy is gone, with its update).
+        adding_to = current if current is not None and not current.target.dropped else None
+        self._skyinfer_staged = StagedPush(engine, update_info, update_nbytes, adding_to=adding_to)
         return self._skyinfer_staged.status()
 
     @answers_every_rank
@@ -316,13 +318,18 @@ class SkyinferWorkerExtension:
 
     @answers_every_rank
     def skyinfer_swap_staged(self) -> dict:
-        """Inside a weight update the front opened (the engine paused between two steps): load the
-        staged copy into the live weights, then drop it."""
+        """Load the staged copy into the live weights, then drop it: vLLM's own weight update,
+        started and finished in this one call (between two steps of the engine)."""
         staged = getattr(self, "_skyinfer_staged", None)
         if staged is None:
             raise RuntimeError("no staged push on this worker")
-        # vLLM's update target is the live model, its layerwise reload opened by start_weight_update.
-        swapped = staged.swap_into(self.weight_transfer_engine.model, self.device)
+        self.start_weight_update()
+        try:
+            # vLLM's update target is the live model, its layerwise reload opened by the start.
+            swapped = staged.swap_into(self.weight_transfer_engine.model, self.device)
+        finally:
+            # Layers that received nothing get their old tensors back (a failed swap's engine is stale).
+            self.finish_weight_update()
         self._skyinfer_staged = None
         return {"tensors": swapped}
 
@@ -334,6 +341,7 @@ class SkyinferWorkerExtension:
         staged.drop()
         if not staged.receiving:
             self._skyinfer_staged = None
+        # else kept (dropped) until its receive ends, so that no new one starts meanwhile
         return {"dropped": True}
 
     @answers_every_rank

@@ -28,7 +28,7 @@ from ..draining import IN_FLIGHT, InFlight, drain
 from ..engine_calls import unix_client
 from ..errors import OpenAIErrorsAppRunner, error_response, openai_errors_middleware
 from ..metrics import RequestMetrics
-from ..proxy import DATA_PLANE_GET, DATA_PLANE_POST, GROUP_PREFIX_CHARS, LEASES, forward
+from ..proxy import GROUP_PREFIX_CHARS, LEASES, add_data_plane_routes
 from ..security import AccessPolicy
 from .leases import RemoteLeases
 
@@ -102,10 +102,7 @@ def create_worker_app(
         await app[CONTROL].close()
 
     app.cleanup_ctx.append(control_client)
-    for path in DATA_PLANE_POST:
-        app.router.add_post(path, forward)
-    for path in DATA_PLANE_GET:
-        app.router.add_get(path, forward)
+    add_data_plane_routes(app)
     app.router.add_route("*", PASSED_ON, pass_on)
     return app
 

@@ -72,6 +72,9 @@ class UpdateMetadata(WireModel):
     def nbytes(self, i: int) -> int:
         return math.prod(self.shapes[i]) * DTYPE_SIZES[self.dtype_names[i]]
 
+    def total_bytes(self) -> int:
+        return sum(self.nbytes(i) for i in range(len(self.names)))
+
 
 # How long a trainer may be silent during an update before the server abandons it (and, for
 # a group, how long its collectives may take).

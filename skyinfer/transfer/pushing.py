@@ -73,14 +73,14 @@ class Trainer:
         push, requests that were running recompute their KV with the new weights ("recompute",
         exact) or go on over the KV they have ("keep").
         """
-        if (one_call or staged) and verify:
-            raise ValueError("verify needs the finish call: push with one_call=False and staged=False")
+        if one_call and verify:
+            raise ValueError("verify needs the finish call: push with one_call=False")
         tensors = self._prepare(named_tensors)
-        if one_call or staged:
+        if one_call:
             send = OneCall(version, staged, kv)
             self._in_group(lambda: self._send(tensors, tensor_list(tensors), send))
         else:
-            self._in_group(lambda: self._push(tensors, version, verify, kv))
+            self._in_group(lambda: self._push(tensors, version, verify, kv, staged))
 
     def _in_group(self, send: Callable[[], None]) -> None:
         """``send``, and if the server refuses it (before any byte moved) because its engines left
@@ -100,11 +100,11 @@ class Trainer:
         """Set up the transfer with every engine of the server."""
         raise NotImplementedError
 
-    def _push(self, tensors: list[tuple[str, torch.Tensor]], version: str, verify: bool, kv: str) -> None:
+    def _push(self, tensors: list[tuple[str, torch.Tensor]], version: str, verify: bool, kv: str, staged: bool) -> None:
         metadata = tensor_list(tensors)
-        self._calls.start_weight_update(metadata)  # a refusal here: nothing moved
+        self._calls.start_weight_update(metadata, staged=staged)  # a refusal here: nothing moved
         self._send(tensors, metadata, None)
-        self._calls.finish_weight_update(version, verify, kv)
+        self._calls.finish_weight_update(version, verify, kv=kv)
 
     def _prepare(self, named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
         """The tensors as the transport sends them."""
@@ -146,7 +146,9 @@ class ProtocolCalls:
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         self._client.init_weight_transfer_engine(init_info)
 
-    def start_weight_update(self, _update_info: dict) -> None:
+    def start_weight_update(self, _update_info: dict, staged: bool = False) -> None:
+        if staged:
+            raise ValueError("a staged push needs skyinfer's client: vLLM's protocol has no staging")
         self._client.start_weight_update()
 
     def update_weights(self, update_info: dict, weight_version: str | None = None, **one_call) -> None:

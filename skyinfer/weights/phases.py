@@ -39,10 +39,11 @@ P = Phase
 _PHASE_STEPS: dict[Phase, frozenset[Phase]] = {
     # A start opens an update; a one-call /update_weights begins receiving at once, or staging.
     P.IDLE: frozenset({P.STARTED, P.RECEIVING, P.STAGING}),
-    # Every engine staged it: the swap begins; else every copy is dropped.
+    # The first chunk begins it on the engines (or their staging copies); an update nobody began
+    # ends without touching them.
+    P.STARTED: frozenset({P.RECEIVING, P.STAGING, P.IDLE}),
+    # The finish swaps the staged copies in; an end before it drops them.
     P.STAGING: frozenset({P.RECEIVING, P.IDLE}),
-    # The first chunk begins it on the engines; an update nobody began ends without touching them.
-    P.STARTED: frozenset({P.RECEIVING, P.IDLE}),
     # Finished, or aborted on every engine.
     P.RECEIVING: frozenset({P.IDLE}),
 }
@@ -51,7 +52,7 @@ _PHASE_STEPS: dict[Phase, frozenset[Phase]] = {
 _HINTS = {
     P.IDLE: "no weight update is in progress; POST /start_weight_update or /update_weights first",
     P.STARTED: "a weight update is started; POST /update_weights next",
-    P.STAGING: "a staged push is being received; its /update_weights call answers once it is served",
+    P.STAGING: "a staged update is open; POST /update_weights for more of it, or /finish_weight_update",
     P.RECEIVING: "a weight update is in progress; POST /finish_weight_update first",
 }
 
@@ -93,6 +94,10 @@ class UpdateMachine:
     def receive(self, names: Iterable[str]) -> None:
         self.received.update(names)
         self.step(Phase.RECEIVING)
+
+    def stage(self, names: Iterable[str]) -> None:
+        self.received.update(names)
+        self.step(Phase.STAGING)
 
     def end(self, abandoned_because: str | None = None) -> None:
         """The update is over. ``abandoned_because``: the server ended it, not its trainer; if the

@@ -142,6 +142,8 @@ class WeightSync:
         self._agreed: tuple[str, Checksums] | None = None
         # An update the silence timer is ending.
         self._abandoning: asyncio.Task | None = None
+        # Whether the open update is staged (its chunks go into staging copies; its finish swaps them in).
+        self._staged = False
         # Updates that began touching engines (or a reload): a peer catch-up that sees this move
         # while it copies gives way to the push (catchup.py).
         self.updates_begun = 0
@@ -201,8 +203,10 @@ class WeightSync:
         """The server ends the update its trainer left: engines that began it abort it."""
         if self.update.phase is Phase.RECEIVING:
             await self._abort(reason)
-        else:
-            await self._end(abandoned_because=reason)  # no engine had begun it
+            return
+        if self.update.phase is Phase.STAGING:
+            await self._drop_staged(self.registry.members())  # the live weights were never touched
+        await self._end(abandoned_because=reason)  # no engine had begun it
 
     def _refuse_unless(self, *phases: Phase) -> None:
         self.update.refuse_unless(*phases, silence_limit_s=self._silence_limit_s)
@@ -338,51 +342,72 @@ class WeightSync:
         for record in self.registry.records:
             record.in_transfer_group = False
 
-    def start(self, update_info: dict | None) -> dict:
+    def start(self, update_info: dict | None, staged: bool = False) -> dict:
         self._refuse_unless(Phase.IDLE)
-        self._check_group(self._engines())
+        records = self._engines()
+        self._check_group(records)
         if update_info is not None:
-            self.check_metadata(update_info, carries_data=False)
+            meta = self.check_metadata(update_info, carries_data=False)
+            if staged:
+                self._refuse_unless_staging_fits(records, meta.total_bytes())
         self._push_started = time.monotonic()
         self.update.open()
-        return {"status": "started"}
+        self._staged = staged
+        return {"status": "started", "staged": staged}
 
-    async def receive_staged(self, update_info: dict, weight_version: str | None, kv: KvRule) -> dict:
-        """A staged push, in one call: every engine receives it into a staging copy while it
-        generates; once every engine holds it, each is paused for the swap alone (the copy loaded
-        into the live weights between two steps) and finishes at the new version, all engines at
-        the same boundary. If staging fails anywhere, every copy is dropped: the live weights are
-        untouched and nothing is stale (a group transport's group is gone, as after any broken
-        transfer). A failure from the swap on is today's abort."""
-        meta = self.check_metadata(update_info)
+    async def _receive_staged(
+        self,
+        records: list[EngineRecord],
+        update_info: dict,
+        meta: UpdateMetadata,
+        one_shot: bool,
+        weight_version: str | None,
+        kv: KvRule,
+    ) -> dict:
+        """A chunk of a staged update: every engine receives it into its staging copy while it
+        serves on (a one-call push is then swapped in at once). Called with the registry's lock held."""
+        nbytes = meta.total_bytes()
+        if one_shot:
+            self._refuse_unless_staging_fits(records, nbytes)
+        self.update.stage(meta.names)
+        staged = await self._stage(records, update_info, nbytes)
+        if not one_shot:
+            return {"status": "staged", **staged}
+        answer = await self._swap_staged(records, _version(weight_version), False, None, kv)
+        return {**answer, "staged": staged}
+
+    async def _swap_staged(
+        self, records: list[EngineRecord], version: str, verify: bool, expected: Checksums | None, kv: KvRule
+    ) -> dict:
+        """Swap every engine's staging copy into its live weights, each paused for the swap alone, and
+        finish at ``version``: all engines at the same boundary. A failure from here on is a failed
+        push's (``_settle``). Called with the registry's lock held."""
+        swap_started = time.monotonic()
         try:
-            self.update.refuse_if_abandoned()
-            async with self.registry.fleet_change():
-                self.update.refuse_if_abandoned()
-                self._refuse_unless(Phase.IDLE)
-                records = self._engines()
-                self._check_group(records)
-                nbytes = sum(meta.nbytes(i) for i in range(len(meta.names)))
-                self._refuse_unless_staging_fits(records, nbytes)
-                self._push_started = time.monotonic()
-                self.update.step(Phase.STAGING)
-                try:
-                    staged = await self._stage(records, update_info, nbytes)
-                    swap_started = time.monotonic()
-                    await self._begin(records)
-                    self.update.receive(meta.names)
-                    replies = await asyncio.gather(
-                        *(call_engine(r, "/swap_staged", timeout_s=self.timeout_s) for r in records)
-                    )
-                    await self._settle("swapping in the staged push", records, replies)
-                    answer = await self._finish(records, _version(weight_version), False, None, kv)
-                finally:
-                    # Whatever happened, no staging copy outlives the push (after a swap there is none).
-                    await self._drop_staged(records)
-                self.last_update_s = time.monotonic() - swap_started
-                return {**answer, "staged": {**staged, "swap_seconds": round(self.last_update_s, 4)}}
+            refused = [(r, v) for r in records if (v := push_verdict(r)) not in (APPLY, PAUSE_FOR_PUSH)]
+            if refused:
+                reason = "cannot swap the staged push in: " + "; ".join(
+                    f"engine {r.engine_id}: {v}" for r, v in refused
+                )
+                await self._end(abandoned_because=reason)  # no live weight was touched
+                raise SyncError(409, reason)
+            self.updates_begun += 1
+            for record in records:
+                record.receiving = True  # from here on, its weights may be part new
+            self.update.step(Phase.RECEIVING)
+            # One call per engine: it pauses itself (if running) around the swap, the new version
+            # and the KV rule, so that it stops for the swap alone.
+            body = {"weight_version": version, "kv": kv}
+            replies = await asyncio.gather(
+                *(call_engine(r, "/swap_staged", timeout_s=self.timeout_s, body=body) for r in records)
+            )
+            await self._settle("swapping in the staged push", records, replies)
+            answer = await self._finished(records, version, verify, expected, kv, replies)
         finally:
-            self.transport.update_sent(meta)
+            # Whatever happened, no staging copy outlives the update (after a swap there is none).
+            await self._drop_staged(records)
+        self.last_update_s = time.monotonic() - swap_started
+        return {**answer, "swap_seconds": round(self.last_update_s, 4)}
 
     def _refuse_unless_staging_fits(self, records: list[EngineRecord], nbytes: int) -> None:
         """On CPU every worker keeps a whole copy of the push in host memory until the swap."""
@@ -401,10 +426,11 @@ class WeightSync:
             )
 
     async def _stage(self, records: list[EngineRecord], update_info: dict, nbytes: int) -> dict:
-        """Every engine receives the push into its staging copy, while it serves on."""
+        """Every engine receives a chunk into its staging copy, while it serves on."""
         for record in records:
             expected = nbytes * self.transport.workers_per_engine[record.engine_id]
-            record.staging = {"state": "receiving", "bytes_expected": expected}
+            held = (record.staging or {}).get("bytes", 0)
+            record.staging = {"state": "receiving", "bytes": held, "bytes_expected": held + expected}
         body = {"update_info": update_info, "update_nbytes": nbytes}
         query = {"timeout_s": self.timeout_s}
         replies = await gather_until_failure(
@@ -413,8 +439,13 @@ class WeightSync:
                 for r in records
             ]
         )
-        for record, reply in zip(records, replies):
+        for index, (record, reply) in enumerate(zip(records, replies)):
             record.staging = {"state": "staged", **_staged_copy(reply)} if reply.ok else None
+            expected = len(self.update.received) * self.transport.workers_per_engine[record.engine_id]
+            if reply.ok and reply.body["tensors"] != expected:
+                # Never swap in a copy that lacks a tensor: the layers it misses would serve part new.
+                error = f"engine holds {reply.body['tensors']} staged tensors, expected {expected}"
+                replies[index] = EngineReply(record.engine_id, 500, {"error": error})
         failed = failure("staging the push", replies)
         if failed is not None:
             reason = failed[1]
@@ -445,23 +476,34 @@ class WeightSync:
                     record, f"it could not drop a staged push's copy: {reply.message}"
                 )
 
-    async def receive(self, update_info: dict, weight_version: str | None, kv: KvRule = "recompute") -> dict:
-        """Check, then receive on every engine. Without an open session: start and finish too."""
+    async def receive(
+        self, update_info: dict, weight_version: str | None, kv: KvRule = "recompute", staged: bool = False
+    ) -> dict:
+        """Check, then receive on every engine (into staging copies, for a staged update). Without
+        an open session: start and finish too."""
         meta = self.check_metadata(update_info)
         try:
             # A chunk of an update the server abandoned is no update of its own.
             self.update.refuse_if_abandoned()
             one_shot = self.update.phase is Phase.IDLE
-            if kv != "recompute" and not one_shot:
-                raise SyncError(400, "kv belongs to an update's finish: give it to /finish_weight_update")
+            if not one_shot and (kv != "recompute" or staged):
+                raise SyncError(
+                    400,
+                    "kv and staged belong to a one-call push: for an open update, staged goes to its"
+                    " /start_weight_update and kv to its /finish_weight_update",
+                )
             async with self.registry.fleet_change():
                 self.update.refuse_if_abandoned()
-                self._refuse_unless(Phase.IDLE, Phase.STARTED, Phase.RECEIVING)
+                self._refuse_unless(Phase.IDLE, Phase.STARTED, Phase.STAGING, Phase.RECEIVING)
                 records = self._engines()
                 self._check_group(records)
                 started = time.monotonic()
                 if self._push_started is None:
                     self._push_started = started
+                if one_shot:
+                    self._staged = staged
+                if self._staged:
+                    return await self._receive_staged(records, update_info, meta, one_shot, weight_version, kv)
                 if self.update.phase is not Phase.RECEIVING:
                     await self._begin(records)
                 self.update.receive(meta.names)
@@ -522,11 +564,14 @@ class WeightSync:
         expected: Checksums | None = None,
         kv: KvRule = "recompute",
     ) -> dict:
-        """Every engine finishes; with ``verify``, each is then held to ``expected`` (or to the
-        others): one that differs is held out as stale and the call fails."""
-        self._refuse_unless(Phase.RECEIVING)
+        """Every engine finishes (a staged update: swaps its staging copy in first); with
+        ``verify``, each is then held to ``expected`` (or to the others): one that differs is held
+        out as stale and the call fails."""
+        self._refuse_unless(Phase.RECEIVING, Phase.STAGING)
         async with self.registry.fleet_change():
-            self._refuse_unless(Phase.RECEIVING)
+            self._refuse_unless(Phase.RECEIVING, Phase.STAGING)
+            if self.update.phase is Phase.STAGING:
+                return await self._swap_staged(self._engines(), _version(weight_version), verify, expected, kv)
             return await self._finish(self._engines(), _version(weight_version), verify, expected, kv)
 
     async def _finish(
@@ -543,6 +588,18 @@ class WeightSync:
             *(call_engine(r, "/finish_weight_update", timeout_s=self.timeout_s, body=body) for r in records)
         )
         await self._settle("finish_weight_update", records, replies)
+        return await self._finished(records, version, verify, expected, kv, replies)
+
+    async def _finished(
+        self,
+        records: list[EngineRecord],
+        version: str,
+        verify: bool,
+        expected: Checksums | None,
+        kv: KvRule,
+        replies: list[EngineReply],
+    ) -> dict:
+        """Every engine serves ``version`` now: the fleet's account of it, and the update's end."""
         self.registry.fleet_weight_version = version
         if self._push_started is not None:
             self.metrics.push_seconds.observe(time.monotonic() - self._push_started)
@@ -657,6 +714,7 @@ class WeightSync:
         ``abandoned_because``: the server ended it, not its trainer (its later calls are refused)."""
         self.trainer_arrived()
         self.update.end(abandoned_because)
+        self._staged = False
         paused, self._paused_for_push = self._paused_for_push, []
         resumable = [r for r in paused if r.up and r.residency.paused and not r.residency.sleeping and not r.receiving]
         if not self.registry.intent.paused:
@@ -903,7 +961,7 @@ async def _start(sync: WeightSync, body: StartRequest) -> dict:
 
     If its caller leaves: the update stays open; a trainer silent for the group's timeout has gone,
     and the update is abandoned (its later calls are refused with ``update_abandoned``)."""
-    return sync.start(body.update_info)
+    return sync.start(body.update_info, body.staged)
 
 
 async def _update(sync: WeightSync, body: UpdateRequest) -> dict:
@@ -915,9 +973,7 @@ async def _update(sync: WeightSync, body: UpdateRequest) -> dict:
     If its caller leaves: the engines' side runs to its end (a broken transfer is aborted on every
     engine, which serve nothing until a push of the whole checkpoint). A chunk of an update the
     server abandoned is a 409 ``update_abandoned``, never an update of its own."""
-    if body.staged:
-        return await sync.receive_staged(body.update_info, body.weight_version, body.kv)
-    return await sync.receive(body.update_info, body.weight_version, body.kv)
+    return await sync.receive(body.update_info, body.weight_version, body.kv, body.staged)
 
 
 async def _finish(sync: WeightSync, body: FinishRequest) -> dict:
