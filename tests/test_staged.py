@@ -61,6 +61,15 @@ def fleet(demo_model) -> dict:
     return {"version": "default", "weights": demo_weights(demo_model)}
 
 
+def next_staged_push_lands(server, demo_model, fleet: dict, tmp_path, seed: int, version: str) -> None:
+    """A new trainer process's staged push lands at its first try, on every engine."""
+    new = modified_weights(demo_model, seed=seed)
+    pushed = run_trainer(server, save(new, tmp_path / "next.safetensors"), version, "--staged")
+    assert pushed.returncode == 0 and f"pushed {version}" in pushed.stdout, pushed.stdout + pushed.stderr
+    assert_engines_match(server, server.model, demo_model, new, version)
+    fleet.update(version=version, weights=new)
+
+
 async def hanging_staged_push(server, path, version: str):
     """A trainer process that sends 3 tensors of a staged push and hangs, holding the transfer open."""
     trainer = start_trainer(server, path, version, "--staged", "--hang-after", "3")
@@ -188,11 +197,7 @@ async def test_a_trainer_killed_mid_staging_costs_the_live_weights_nothing_and_t
     assert [(e["pid"], e["restarts"], e["staging"]) for e in engines(staged_server)] == [(*b, None) for b in before]
     assert_engines_match(staged_server, staged_server.model, demo_model, fleet["weights"], fleet["version"])
 
-    new = modified_weights(demo_model, seed=7)
-    pushed = run_trainer(staged_server, save(new, tmp_path / "next.safetensors"), "staged-2", "--staged")
-    assert pushed.returncode == 0 and "pushed staged-2" in pushed.stdout, pushed.stdout + pushed.stderr
-    assert_engines_match(staged_server, staged_server.model, demo_model, new, "staged-2")
-    fleet.update(version="staged-2", weights=new)
+    next_staged_push_lands(staged_server, demo_model, fleet, tmp_path, seed=7, version="staged-2")
 
 
 async def test_an_engine_core_killed_mid_staging_costs_only_that_engine(staged_server, demo_model, fleet, tmp_path):
@@ -220,11 +225,7 @@ async def test_an_engine_core_killed_mid_staging_costs_only_that_engine(staged_s
     assert [e["weight_version"] for e in weight_info(staged_server)["engines"]] == [fleet["version"]] * 2
     assert_engines_match(staged_server, staged_server.model, demo_model, fleet["weights"], fleet["version"])
 
-    new = modified_weights(demo_model, seed=9)
-    pushed = run_trainer(staged_server, save(new, tmp_path / "next.safetensors"), "staged-3", "--staged")
-    assert pushed.returncode == 0 and "pushed staged-3" in pushed.stdout, pushed.stdout + pushed.stderr
-    assert_engines_match(staged_server, staged_server.model, demo_model, new, "staged-3")
-    fleet.update(version="staged-3", weights=new)
+    next_staged_push_lands(staged_server, demo_model, fleet, tmp_path, seed=9, version="staged-3")
 
 
 def kept_kv_logprobs(demo_model, old, new, ids: list[int], first_new: int) -> torch.Tensor:

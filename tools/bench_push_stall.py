@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import math
 import multiprocessing
 import os
 import statistics
@@ -44,13 +45,15 @@ from benchlib import free_port, start_skyinfer, stop, wait_servers
 # Wider than the demo model, as deep as needed for ``--model-gb`` (bf16, head_dim 64 as the demo).
 _WIDE = dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=32, num_key_value_heads=4, head_dim=64)
 _LAYER_PARAMS = 2048 * 2048 * 2 + 2048 * 256 * 2 + 3 * 2048 * 5632
+# Events of a stream closer than this came in one read from the socket.
+_SAME_READ_S = 0.0005
 MODES = {"pausing": {}, "staged": {"staged": True}, "staged-keep": {"staged": True, "kv": "keep"}}
 
 
 def build_model(base: Path, model_gb: float) -> Path:
     if model_gb <= 0:
         return build_demo_model(base / "demo")
-    layers = max(1, round(model_gb * 1e9 / 2 / _LAYER_PARAMS))
+    layers = max(1, math.ceil(model_gb * 1e9 / 2 / _LAYER_PARAMS))
     return build_demo_model(base / f"wide-{layers}", num_hidden_layers=layers, **_WIDE)
 
 
@@ -123,7 +126,8 @@ class Streams:
             await asyncio.sleep(0.01)
 
     def gaps(self) -> list[tuple[float, float]]:
-        return [(a, b) for times in self.arrivals for a, b in itertools.pairwise(times)]
+        """Between events of a stream that came in different reads (events read together are one step's)."""
+        return [(a, b) for times in self.arrivals for a, b in itertools.pairwise(times) if b - a > _SAME_READ_S]
 
 
 def stall(gaps: list[tuple[float, float]], start: float, end: float) -> float:

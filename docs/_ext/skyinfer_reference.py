@@ -333,6 +333,13 @@ ENGINE_ENVIRONMENT = {
         "set for each engine on GPUs (``skyinfer/devices.py``)",
         "the engine's own group of ``tp x pp`` GPUs, named as the front's ``CUDA_VISIBLE_DEVICES`` names them",
     ),
+    "VLLM_USE_FLASHINFER_SAMPLER": EnvVar(
+        "VLLM_USE_FLASHINFER_SAMPLER",
+        "set to 0 for each engine on GPUs where FlashInfer is not installed and the front's environment"
+        " does not set it (``skyinfer/devices.py``)",
+        "vLLM's own sampler instead of FlashInfer's: vLLM 0.33's EngineCore died at start-up without"
+        " FlashInfer (docs/gpu-runs/2026-11-26-h200)",
+    ),
     "VLLM_CPU_OMP_THREADS_BIND": EnvVar(
         "VLLM_CPU_OMP_THREADS_BIND",
         "set for each engine on CPU (``skyinfer/devices.py``)",

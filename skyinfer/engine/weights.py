@@ -32,7 +32,7 @@ log = logging.getLogger("skyinfer.engine.weights")
 
 STATUS_RPC = "skyinfer_transfer_status"
 # How often a staged push's progress is asked for: each ask waits for the EngineCore's next step boundary.
-_STAGING_POLL_S = 0.05
+_STAGING_POLL_S = 0.01
 
 
 class KvEpochs:

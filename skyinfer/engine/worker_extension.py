@@ -318,18 +318,27 @@ class SkyinferWorkerExtension:
 
     @answers_every_rank
     def skyinfer_swap_staged(self) -> dict:
-        """Load the staged copy into the live weights, then drop it: vLLM's own weight update,
-        started and finished in this one call (between two steps of the engine)."""
+        """Load the staged copy into the live weights, then drop it, in this one call (between two
+        steps of the engine). An unquantized model's weights load in place, as verl's and SkyRL's
+        in-place updates do (each loader copies into the live parameter; on CPU the kernels' packed
+        copies are made again): vLLM's layerwise reload would cost more than the copy. A quantized
+        one goes through vLLM's own weight update, started and finished here."""
         staged = getattr(self, "_skyinfer_staged", None)
         if staged is None:
             raise RuntimeError("no staged push on this worker")
-        self.start_weight_update()
-        try:
-            # vLLM's update target is the live model, its layerwise reload opened by the start.
-            swapped = staged.swap_into(self.weight_transfer_engine.model, self.device)
-        finally:
-            # Layers that received nothing get their old tensors back (a failed swap's engine is stale).
-            self.finish_weight_update()
+        model = self.model_runner.get_model()
+        if self.vllm_config.quant_config is None:
+            swapped = staged.swap_into(model, self.device)
+            _repack_cpu_gemms(model)
+            self.model_runner.reset_lora_state()
+        else:
+            self.start_weight_update()
+            try:
+                # vLLM's update target is the live model, its layerwise reload opened by the start.
+                swapped = staged.swap_into(self.weight_transfer_engine.model, self.device)
+            finally:
+                # Layers that received nothing get their old tensors back (a failed swap's engine is stale).
+                self.finish_weight_update()
         self._skyinfer_staged = None
         return {"tensors": swapped}
 

@@ -383,6 +383,7 @@ class WeightSync:
         finish at ``version``: all engines at the same boundary. A failure from here on is a failed
         push's (``_settle``). Called with the registry's lock held."""
         swap_started = time.monotonic()
+        swapped = False
         try:
             refused = [(r, v) for r in records if (v := push_verdict(r)) not in (APPLY, PAUSE_FOR_PUSH)]
             if refused:
@@ -402,10 +403,13 @@ class WeightSync:
                 *(call_engine(r, "/swap_staged", timeout_s=self.timeout_s, body=body) for r in records)
             )
             await self._settle("swapping in the staged push", records, replies)
+            swapped = True
             answer = await self._finished(records, version, verify, expected, kv, replies)
         finally:
-            # Whatever happened, no staging copy outlives the update (after a swap there is none).
-            await self._drop_staged(records)
+            if not swapped:  # no staging copy outlives the update (a swap leaves none)
+                await self._drop_staged(records)
+            for record in records:
+                record.staging = None
         self.last_update_s = time.monotonic() - swap_started
         return {**answer, "swap_seconds": round(self.last_update_s, 4)}
 
