@@ -187,10 +187,14 @@ class MultiNodeClient:
         return await self._fanout_report("update_weights", update_info, weight_version, staged=staged, kv=kv)
 
     async def finish_weight_update(
-        self, weight_version: str | None = None, verify: bool = False, expected_checksums: dict[str, str] | None = None
+        self,
+        weight_version: str | None = None,
+        verify: bool = False,
+        expected_checksums: dict[str, str] | None = None,
+        kv: str = "recompute",
     ) -> dict:
         """``AsyncClient.finish_weight_update`` on every node at once: one report per node."""
-        return await self._fanout_report("finish_weight_update", weight_version, verify, expected_checksums)
+        return await self._fanout_report("finish_weight_update", weight_version, verify, expected_checksums, kv)
 
     async def weight_checker(self, action: str = "checksum", baseline: dict[str, str] | None = None) -> dict:
         """``AsyncClient.weight_checker`` on every node at once: one report per node (each node
