@@ -3,12 +3,12 @@ worker while the EngineCore keeps scheduling and generating, then swapped into t
 between two steps.
 
 vLLM runs worker calls inside the EngineCore's loop, between steps: a call that received a whole
-push would stop generation for the transfer's length. ``start`` returns at once, its thread
+push would stop generation for the transfer's length. A ``StagedPush`` is made at once; its thread
 receives through the engine's own weight-transfer backend (gloo, shared memory, CUDA IPC) aimed
 at a staging copy (vLLM's supported way to point an update elsewhere, as adapter pushes do), and
-``status`` says how it goes. ``swap`` runs inside a weight update the front opened on a paused
-engine: the staged tensors go through vLLM's layerwise reload, as a push's chunks would, then the
-copy is dropped. ``drop`` throws a staging copy away, the live weights untouched.
+``status`` says how it goes. ``swap_into`` loads the copy into the live model inside one worker
+call (the worker extension's ``skyinfer_swap_staged``), then the copy is dropped. ``drop`` throws a
+staging copy away, the live weights untouched.
 
 Where the copy lives: where the bytes arrive on CPU; on a GPU in device memory if the GPU has
 room for it (the copy into the live weights is then a device copy), else in pinned host memory.
@@ -114,8 +114,8 @@ class StagedPush:
         return answer
 
     def swap_into(self, model: torch.nn.Module, device: torch.device) -> int:
-        """Load the staged tensors into ``model`` (vLLM's layerwise reload, opened by the caller);
-        how many."""
+        """Load the staged tensors into ``model`` through its own loaders (in place, or into vLLM's
+        layerwise reload where the caller opened one); how many."""
         if self.receiving or self.error is not None:
             raise RuntimeError(f"nothing staged to swap in: {self.status()}")
         tensors = self.target.tensors

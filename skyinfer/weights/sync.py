@@ -379,8 +379,8 @@ class WeightSync:
     async def _swap_staged(
         self, records: list[EngineRecord], version: str, verify: bool, expected: Checksums | None, kv: KvRule
     ) -> dict:
-        """Swap every engine's staging copy into its live weights, each paused for the swap alone, and
-        finish at ``version``: all engines at the same boundary. A failure from here on is a failed
+        """Swap every engine's staging copy into its live weights, each stopping for the swap alone,
+        and finish at ``version``: all engines at the same boundary. A failure from here on is a failed
         push's (``_settle``). Called with the registry's lock held."""
         swap_started = time.monotonic()
         swapped = False
@@ -396,8 +396,8 @@ class WeightSync:
             for record in records:
                 record.receiving = True  # from here on, its weights may be part new
             self.update.step(Phase.RECEIVING)
-            # One call per engine: it pauses itself (if running) around the swap, the new version
-            # and the KV rule, so that it stops for the swap alone.
+            # One call per engine: the swap, the new version and the KV rule, handled by its EngineCore
+            # between two steps (engine/weights.py swap_staged).
             body = {"weight_version": version, "kv": kv}
             replies = await asyncio.gather(
                 *(call_engine(r, "/swap_staged", timeout_s=self.timeout_s, body=body) for r in records)
@@ -970,9 +970,10 @@ async def _start(sync: WeightSync, body: StartRequest) -> dict:
 
 async def _update(sync: WeightSync, body: UpdateRequest) -> dict:
     """Every engine receives the tensors ``update_info`` names while the trainer sends them;
-    without an open update, start and finish too (``weight_version`` labels it). With ``staged``
-    (one call only), the engines receive into staging copies while they generate and pause only
-    for the swap; ``kv`` says whether running requests recompute their KV (exact) or keep it.
+    without an open update, start and finish too (``weight_version`` labels it). A staged update
+    (``staged`` here for a one-call push, else at its ``/start_weight_update``) is received into
+    staging copies while the engines generate, which stop only for the swap at its finish; ``kv``
+    says whether running requests recompute their KV (exact) or keep it.
 
     If its caller leaves: the engines' side runs to its end (a broken transfer is aborted on every
     engine, which serve nothing until a push of the whole checkpoint). A chunk of an update the
