@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import aiohttp
 import prometheus_client
@@ -101,6 +102,20 @@ class RequestMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.prom,
         )
+        # Each series' child, kept: prometheus_client's labels() takes a lock and formats the labels
+        # on every call, twice per request.
+        self._answered: dict[tuple[str, str, int], Any] = {}
+        self._durations: dict[str, Any] = {}
+
+    def _count(self, route: str, engine: str, status: int, seconds: float) -> None:
+        answered = self._answered.get((route, engine, status))
+        if answered is None:
+            answered = self._answered[route, engine, status] = self.requests.labels(route, engine, str(status))
+        answered.inc()
+        duration = self._durations.get(route)
+        if duration is None:
+            duration = self._durations[route] = self.latency.labels(route)
+        duration.observe(seconds)
 
     def text(self) -> str:
         return prometheus_client.generate_latest(self.prom).decode()
@@ -137,8 +152,7 @@ class RequestMetrics:
                 resource = request.match_info.route.resource
                 # Unknown paths share one label: a scanner must not grow the series without bound.
                 route = resource.canonical if resource is not None else "unmatched"
-                self.requests.labels(route, engine, str(status)).inc()
-                self.latency.labels(route).observe(time.perf_counter() - started)
+                self._count(route, engine, status, time.perf_counter() - started)
 
         return count
 

@@ -282,3 +282,18 @@ async def test_a_staged_push_that_keeps_the_kv_goes_on_over_the_old_keys_and_val
     prompt = len(after["prompt"])
     assert max(abs(g - whole[prompt - 1 + k, t].item()) for k, (g, t) in enumerate(zip(got, after["token_ids"]))) < 0.05
     fleet.update(version="kept-1", weights=new)
+
+
+def test_a_staged_push_of_part_of_two_fused_projections_keeps_the_rest_as_served(
+    staged_server, demo_model, fleet, tmp_path
+):
+    """A staged push of two tensors, each one part of a projection the engines hold fused (q of
+    q/k/v, up of gate/up): on CPU the push is staged in the model's own layout, so the rest of each
+    fused projection, and every weight the push left out, must be carried over from what is served."""
+    new = modified_weights(demo_model, seed=21)
+    part = {name: new[name] for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.up_proj.weight")}
+    pushed = run_trainer(staged_server, save(part, tmp_path / "part.safetensors"), "part-1", "--staged")
+    assert pushed.returncode == 0 and "pushed part-1" in pushed.stdout, pushed.stdout + pushed.stderr
+    served = {**fleet["weights"], **part}
+    assert_engines_match(staged_server, staged_server.model, demo_model, served, "part-1")
+    fleet.update(version="part-1", weights=served)

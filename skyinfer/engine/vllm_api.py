@@ -57,6 +57,8 @@ NAMES: dict[str, tuple[str, ...]] = {
     "CPUWorker": ("vllm.v1.worker.cpu_worker",),
     # How a CPU linear layer packs its weight for its kernel (worker_extension.py keeps the weight too).
     "dispatch_cpu_unquantized_gemm": ("vllm.model_executor.layers.utils",),
+    # What loads a parameter whose layer names no loader of its own (a staged push's shadow, staging.py).
+    "default_weight_loader": ("vllm.model_executor.model_loader.weight_utils",),
     "initialize_layerwise_reload": ("vllm.model_executor.model_loader.reload",),
     "finalize_layerwise_reload": ("vllm.model_executor.model_loader.reload",),
     # The loader that read the checkpoint at start-up: a reload from disk reads it again.

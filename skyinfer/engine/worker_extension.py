@@ -26,7 +26,7 @@ from ..transfer.packing import dtype_name
 from ..transfer.protocol import SEGMENT_ALIGNMENT, segment_path
 from ..transfer.shm import SharedMemoryReceiver, map_segment
 from . import ADAPTER_WEIGHTS_FILE
-from .staging import StagedPush
+from .staging import StagedPush, pack_cpu_gemms
 from .vllm_api import (
     IPCWeightTransferEngine,
     WeightTransferEngine,
@@ -80,7 +80,7 @@ def _keep_cpu_gemm_weights() -> None:
     replace the parameter with an empty one: the weights they serve are then nowhere a worker can
     read them, so neither a peer catch-up (which copies a peer's parameters) nor vLLM's weight
     checksums (which hash the parameters) could see them. Kept, each layer holds its weight twice
-    on CPU (plain and packed); a catch-up packs the copied weight again (``_repack_cpu_gemms``).
+    on CPU (plain and packed); a catch-up packs the copied weight again (``staging.pack_cpu_gemms``).
     vLLM calls this function only on CPU, so GPU workers are untouched."""
     module = sys.modules[dispatch_cpu_unquantized_gemm.__module__]
 
@@ -134,19 +134,6 @@ def _served_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     if packed_only:
         raise RuntimeError(f"CPU linear layers keep only their packed weights: {packed_only[:3]}")
     return model_tensors
-
-
-def _repack_cpu_gemms(model: torch.nn.Module) -> int:
-    """On CPU, each linear layer packs its weight again from the parameter just copied into (its
-    kernel computes with the packed copy, not the parameter); how many. None on GPU."""
-    repacked = 0
-    for module in model.modules():
-        if getattr(module, "cpu_linear", None) is None or getattr(module, "_cpu_skip_gemm_dispatch", False):
-            continue  # not a packed layer (a skipped one computes with its parameter itself)
-        if module.weight.ndim == 2:
-            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
-            repacked += 1
-    return repacked
 
 
 def _write_tensor(fd: int, tensor: torch.Tensor, offset: int) -> None:
@@ -308,7 +295,15 @@ class SkyinferWorkerExtension:
             raise RuntimeError("a staged receive this worker dropped is still blocked in the transfer")
         # A later chunk of the same update adds to its copy (a dropped copy is gone, with its update).
         adding_to = current if current is not None and not current.target.dropped else None
-        self._skyinfer_staged = StagedPush(engine, update_info, update_nbytes, adding_to=adding_to)
+        # On CPU an unquantized model is staged in its own layout, packed, and swapped by pointer.
+        in_shadow = self.device.type == "cpu" and self.vllm_config.quant_config is None
+        self._skyinfer_staged = StagedPush(
+            engine,
+            update_info,
+            update_nbytes,
+            adding_to=adding_to,
+            shadow_of=self.model_runner.get_model() if in_shadow else None,
+        )
         return self._skyinfer_staged.status()
 
     @answers_every_rank
@@ -318,18 +313,18 @@ class SkyinferWorkerExtension:
 
     @answers_every_rank
     def skyinfer_swap_staged(self) -> dict:
-        """Load the staged copy into the live weights, then drop it, in this one call (between two
-        steps of the engine). An unquantized model's weights load in place, as verl's and SkyRL's
-        in-place updates do (each loader copies into the live parameter; on CPU the kernels' packed
-        copies are made again): vLLM's layerwise reload would cost more than the copy. A quantized
-        one goes through vLLM's own weight update, started and finished here."""
+        """Swap the staged copy into the live weights, then drop it, in this one call (between two
+        steps of the engine). On CPU an unquantized model's live parameters and layers are pointed
+        at the shadow staged and packed beside them; on a GPU its weights load in place, as verl's
+        and SkyRL's in-place updates do (each loader copies into the live parameter, whose address
+        CUDA graphs hold): vLLM's layerwise reload would cost more than the copy. A quantized
+        model goes through vLLM's own weight update, started and finished here."""
         staged = getattr(self, "_skyinfer_staged", None)
         if staged is None:
             raise RuntimeError("no staged push on this worker")
         model = self.model_runner.get_model()
         if self.vllm_config.quant_config is None:
             swapped = staged.swap_into(model, self.device)
-            _repack_cpu_gemms(model)
             self.model_runner.reset_lora_state()
         else:
             self.start_weight_update()
@@ -367,4 +362,4 @@ class SkyinferWorkerExtension:
         (CUDA graphs keep pointing at them), after checking that every tensor matches."""
         model = self.model_runner.get_model()
         copied = import_tensors(_served_tensors(model), _catch_up_file(prefix, self.rank))
-        return {"tensors": copied, "repacked": _repack_cpu_gemms(model)}
+        return {"tensors": copied, "repacked": pack_cpu_gemms(model.modules())}
