@@ -2,16 +2,18 @@
 two cores hold one such engine, each worker with half of every sharded weight.
 
 What a tp-2 engine must do that a tp-1 one does not: serve the same logprobs from two shards,
-take a push into both workers (their ranks 1 and 2 of the trainer's group, one of them from a
-trainer that listens late), load and take a pushed LoRA adapter on both, come back from an
-EngineCore SIGKILL with both workers replaced and none left behind, and take a colocated push
-through shared memory around a sleep. Judged against a transformers float32 forward of the
+take a push into both workers (their ranks 1 and 2 of the trainer's group, from trainers that
+listen late: skyinfer's, and one made of vLLM's own client and gloo helper), load and take a
+pushed LoRA adapter on both, come back from an EngineCore SIGKILL with both workers replaced and
+none left behind, and take a colocated push through shared memory around a sleep. Judged against a transformers float32 forward of the
 weights pushed; a server of each kind (a trainer's group; colocated) is started once per class.
 """
 
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -21,7 +23,7 @@ import pytest
 
 from lora_support import assert_serves, make_adapter
 from pushes import assert_engines_match, modified_weights, run_trainer, save, start_trainer
-from support import ServerProcess, running, vllm_process
+from support import ServerProcess, free_port, running, vllm_process
 
 TP2 = ("--tensor-parallel-size", "2", "--dtype", "float32", "--hold-requests", "1")
 MAX_LORA_RANK = 16
@@ -109,6 +111,23 @@ class TestGroupPushes:
         assert trainer.returncode == 0 and "pushed tp2-late" in out, out + err[-3000:]
         assert_engines_match(tp2, model_name, demo_model, weights, "tp2-late")
         assert tp2.engines()[0]["rendezvous"] is None
+
+    def test_a_trainer_of_vllms_own_pieces_that_loads_its_model_first_pushes_into_both_workers(
+        self, tp2, model_name, demo_model, tmp_path
+    ):
+        """No skyinfer code on the trainer's side: vLLM's HTTP weight-sync client sends the init,
+        the trainer takes 5 s before vLLM's stateless gloo helper listens as rank 0 of 3, then
+        one broadcast per tensor; the issue's trainer, whose tp-2 engine never met it before."""
+        weights = modified_weights(demo_model, 16)
+        started = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, str(Path(__file__).parent / "vllm_trainer.py"), tp2.url,
+             str(save(weights, tmp_path / "w.safetensors")), "tp2-vllm", str(free_port()), "--listen-late", "5"],
+            capture_output=True, text=True, timeout=180,
+        )  # fmt: skip
+        assert done.returncode == 0 and "pushed tp2-vllm" in done.stdout, done.stdout + done.stderr[-3000:]
+        print(f"vLLM's trainer pieces pushed in {time.monotonic() - started:.1f}s, 5 s of them before listening")
+        assert_engines_match(tp2, model_name, demo_model, weights, "tp2-vllm")
 
     def test_a_trainer_killed_mid_push_costs_no_restart_and_the_next_push_lands(
         self, tp2, model_name, demo_model, pushed
