@@ -5,8 +5,9 @@ What a tp-2 engine must do that a tp-1 one does not: serve the same logprobs fro
 take a push into both workers (their ranks 1 and 2 of the trainer's group, from trainers that
 listen late: skyinfer's, and one made of vLLM's own client and gloo helper), load and take a
 pushed LoRA adapter on both, come back from an EngineCore SIGKILL with both workers replaced and
-none left behind, and take a colocated push through shared memory around a sleep. Judged against a transformers float32 forward of the
-weights pushed; a server of each kind (a trainer's group; colocated) is started once per class.
+none left behind, and take a colocated push through shared memory around a sleep. Judged against
+a transformers float32 forward of the weights pushed; a server of each kind (a trainer's group;
+colocated) is started once per class.
 """
 
 from __future__ import annotations
@@ -117,7 +118,8 @@ class TestGroupPushes:
     ):
         """No skyinfer code on the trainer's side: vLLM's HTTP weight-sync client sends the init,
         the trainer takes 5 s before vLLM's stateless gloo helper listens as rank 0 of 3, then
-        one broadcast per tensor; the issue's trainer, whose tp-2 engine never met it before."""
+        one broadcast per tensor: the trainer a tp-2 engine used to miss (c10d's backoff outlasted
+        the group's timeout)."""
         weights = modified_weights(demo_model, 16)
         started = time.monotonic()
         done = subprocess.run(

@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from .vllm_api import dispatch_cpu_unquantized_gemm
+from .vllm_api import default_weight_loader, dispatch_cpu_unquantized_gemm
 
 log = logging.getLogger("skyinfer.engine.staging")
 
@@ -141,11 +141,7 @@ class _ShadowTarget(torch.nn.Module):
         shadow = torch.Tensor._make_subclass(type(live), torch.empty_like(live.data), False)
         shadow.__dict__.update(live.__dict__)
         loader_attribute = "_weight_loader" if "_weight_loader" in live.__dict__ else "weight_loader"
-        loader = live.__dict__.get(loader_attribute)
-        if loader is None:
-            from .vllm_api import default_weight_loader
-
-            loader = default_weight_loader
+        loader = live.__dict__.get(loader_attribute) or default_weight_loader
         shadow.__dict__[loader_attribute] = self._loader(live, loader)
         self._params_of[id(live)] = (live, shadow)
         return shadow
@@ -182,7 +178,7 @@ class _ShadowTarget(torch.nn.Module):
         self._unpacked.clear()
 
     def swap_into(self, model: torch.nn.Module, device: torch.device) -> None:
-        self.received()
+        # Packed already: the staging thread ends with ``received``, and a failed one is never swapped.
         retired = []  # the old weights and kernels: freed off this call (1 GB takes 60 ms to unmap)
         for param_id in self._written:
             live, shadow = self._params_of[param_id]
