@@ -28,10 +28,11 @@ from pathlib import Path
 
 from aiohttp import web
 
-from .engine import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
 from .engine_calls import EngineReply, call_engine, failure
+from .engine_wire import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
 from .errors import ApiError, admin_json_body, json_response
-from .state import Adapter, EngineRecord, EngineRegistry
+from .registry import Adapter, EngineRegistry
+from .state import EngineRecord
 from .transfer.protocol import UpdateMetadata
 from .weights.checkpoint import CheckpointSpec, safetensors_shapes
 from .weights.sync import SyncError, WeightSync

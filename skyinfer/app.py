@@ -21,16 +21,18 @@ from .front_workers.pool import FRONT_WORKERS, FrontWorkers
 from .health import engines_view, health, ready
 from .leasing import LocalLeases
 from .metrics import METRICS, WORKER_METRICS, ServiceMetrics, metrics_view
-from .proxy import GROUP_PREFIX_CHARS, LEASES, REGISTRY, add_data_plane_routes
+from .proxy import GROUP_PREFIX_CHARS, LEASES, add_data_plane_routes
+from .registry import REGISTRY, EngineRegistry
 from .routing import SessionRouter
 from .security import DATA_PLANE_PATHS, AccessPolicy
 from .sessions import FINISH_SESSION_PATH, finish_session
-from .state import EngineRecord, EngineRegistry
+from .state import EngineRecord
 from .supervisor import SUPERVISOR, Supervisor, add_supervisor_routes
 from .transfer import transport_for
 from .vllm_routes import add_vllm_routes
 from .weights.catchup import CATCH_UP, CatchUp, add_catch_up_routes
-from .weights.sync import WEIGHT_SYNC, WeightSync, add_weight_routes
+from .weights.routes import add_weight_routes
+from .weights.sync import WEIGHT_SYNC, WeightSync
 from .weights.transports import FrontTransport
 
 

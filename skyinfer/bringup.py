@@ -24,7 +24,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from .state import EngineRecord, EngineRegistry, Lifecycle
+from .registry import EngineRegistry
+from .state import EngineRecord, Lifecycle
 from .weights.catchup import restarted_reason
 
 if TYPE_CHECKING:

@@ -7,13 +7,13 @@ once. The flag is the field's name with dashes, less a ``_s`` (seconds) suffix.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import sys
 
 import attrs
 
 from .devices import given
-from .security import check_bind
 
 CLI = "skyinfer.cli"
 # What a colocated engine takes of its GPUs' memory, unless told otherwise: the rest is the trainer's.
@@ -78,6 +78,30 @@ def parse_engine_sizes(value) -> tuple[tuple[int, int], ...] | None:
             )
         sizes.append(pair)
     return tuple(sizes)
+
+
+class InsecureBindError(ValueError):
+    """The service would expose its admin routes, unauthenticated, beyond this machine."""
+
+
+def check_bind(host: str, admin_key: str | None, allow_unauthenticated_admin: bool) -> None:
+    """Refuse to expose unauthenticated admin routes beyond this machine."""
+    if admin_key or allow_unauthenticated_admin or is_loopback(host):
+        return
+    raise InsecureBindError(
+        f"refusing to listen on {host!r} without an admin key: anyone who reaches it could pause the "
+        "engines or replace their weights. Set --admin-key (or SKYINFER_ADMIN_KEY), bind 127.0.0.1, or "
+        "pass --allow-unauthenticated-admin if the network is yours alone."
+    )
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost may resolve anywhere
 
 
 @attrs.frozen

@@ -18,8 +18,8 @@ from aiohttp import web
 
 from .engine_calls import EngineReply, call_engine, failure
 from .errors import admin_json_body, error_body, json_response
-from .proxy import REGISTRY
-from .state import DISCARDED_BY_SLEEP, SLEEP_TAGS, EngineRecord, EngineRegistry, Residency, control_targets
+from .registry import REGISTRY, EngineRegistry
+from .state import DISCARDED_BY_SLEEP, SLEEP_TAGS, EngineRecord, Residency, control_targets
 from .wire import AbortParams, PauseParams, QueryParams, ResetPrefixCacheParams, SleepParams, WakeUpParams, takes
 
 log = logging.getLogger("skyinfer.control")

@@ -16,12 +16,8 @@ from collections.abc import Callable
 
 import attrs
 
-from .engine import CPU_WORKER_PATH
-from .transfer import transport_for
-
-
-class LayoutError(ValueError):
-    """The requested engines do not fit on this machine."""
+from .engine_wire import CPU_WORKER_PATH
+from .ranks import LayoutError
 
 
 @attrs.frozen
@@ -190,9 +186,10 @@ def given(flag: str, args: tuple[str, ...]) -> bool:
 
 
 def platform_engine_args(
-    kind: str, user_args: tuple[str, ...], colocate: bool, gpu_memory_utilization: float
+    kind: str, user_args: tuple[str, ...], colocate: bool, gpu_memory_utilization: float, transfer_backend: str
 ) -> tuple[str, ...]:
-    """vLLM arguments an engine needs on this kind of device, and colocated or not, unless the user gave them."""
+    """vLLM arguments an engine needs on this kind of device, and colocated or not, unless the user gave them;
+    ``transfer_backend``: the weight-transfer backend its transport receives with (``transfer.transport_for``)."""
     args: list[str] = []
     if kind == "cpu" and not given("--enforce-eager", user_args):
         # CPU has no graph capture worth its start-up cost for these engines.
@@ -209,5 +206,5 @@ def platform_engine_args(
         # vLLM's app behind the engine serves its render and token routes only with it.
         args.append("--enable-scale-out")
     if not given("--weight-transfer-config", user_args):
-        args += ["--weight-transfer-config", f'{{"backend": "{transport_for(kind, colocate).backend}"}}']
+        args += ["--weight-transfer-config", f'{{"backend": "{transfer_backend}"}}']
     return tuple(args)

@@ -15,7 +15,7 @@ import aiohttp
 from aiohttp import web
 
 from .errors import json_response
-from .proxy import REGISTRY
+from .registry import REGISTRY
 from .state import EngineRecord, EngineState
 
 

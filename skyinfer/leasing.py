@@ -17,7 +17,7 @@ from typing import Protocol
 import attrs
 
 from .errors import ApiError
-from .state import EngineRegistry
+from .registry import EngineRegistry
 
 
 @attrs.frozen

@@ -21,9 +21,9 @@ from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from .proxy import ENGINE_HEADER, REGISTRY, RELAYED_STREAM
-from .state import EngineRegistry, EngineState
-from .weights.phases import Phase
+from .proxy import ENGINE_HEADER, RELAYED_STREAM
+from .registry import REGISTRY, EngineRegistry
+from .state import EngineState
 
 log = logging.getLogger("skyinfer.metrics")
 
@@ -31,6 +31,9 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 _PUSH_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 # nginx's code for a client that went away before the answer.
 CLIENT_CLOSED = 499
+# The labels of skyinfer_weight_update_phase: the values of ``weights.phases.Phase``, idle first,
+# named here so that the metrics need nothing of weights/ (which reports its steps to them).
+UPDATE_PHASES = ("idle", "started", "staging", "receiving")
 
 
 class _EngineCollector:
@@ -75,7 +78,7 @@ class _EngineCollector:
             for s in EngineState:
                 state.add_metric([engine, s.value], float(r.state is s))
             paused.add_metric([engine], float(r.paused))
-            sleeping.add_metric([engine], float(r.sleeping))
+            sleeping.add_metric([engine], float(r.vllm_is_sleeping))
             in_flight.add_metric([engine], r.in_flight_count)
             queued.add_metric([engine], r.queued)
             refused.add_metric([engine], r.refused)
@@ -177,12 +180,17 @@ class ServiceMetrics(RequestMetrics):
             ["phase"],
             registry=self.prom,
         )
-        self.set_update_phase(Phase.IDLE)
+        self._show_update_phase(UPDATE_PHASES[0])
         self.prom.register(_EngineCollector(registry))
 
-    def set_update_phase(self, phase: Phase) -> None:
-        for known in Phase:
-            self.update_phase.labels(known.value).set(float(known is phase))
+    def set_update_phase(self, phase) -> None:
+        """The phase machine's callback (``weights.phases.UpdateMachine``): the fleet's weight update
+        is in ``phase``, a ``Phase`` whose value is its label."""
+        self._show_update_phase(phase.value)
+
+    def _show_update_phase(self, value: str) -> None:
+        for known in UPDATE_PHASES:
+            self.update_phase.labels(known).set(float(known == value))
 
 
 METRICS = web.AppKey("metrics", ServiceMetrics)

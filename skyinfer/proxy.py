@@ -23,15 +23,14 @@ import orjson
 from aiohttp import web
 
 from . import stream_relay
-from .engine import CONTINUE_FIELD, CONTINUE_HEADER, ENGINE_DIED_HEADER
+from .engine_wire import CONTINUE_FIELD, CONTINUE_HEADER, ENGINE_DIED_HEADER
 from .errors import error_body, error_response, parse_json_object
 from .leasing import Ask, Engine, Leases, NotConnected
-from .state import EngineBusy, EngineRecord, EngineRegistry, NoEngineAvailable
+from .state import EngineBusy, EngineRecord, NoEngineAvailable
 from .wire import checked_session_id
 
 log = logging.getLogger("skyinfer.proxy")
 
-REGISTRY = web.AppKey("registry", EngineRegistry)
 # This process's kept connections to the engines, for answers read whole.
 ENGINE_CONNECTIONS = web.AppKey("engine_connections", stream_relay.EngineConnections)
 # Where the data plane gets its engine from: the registry in this process, or the control process.

@@ -4,13 +4,14 @@ The API key guards the data plane (what an agent or a rollout worker
 calls); the admin key guards everything that changes the service: control,
 weight transfer, engine status. Without an admin key the admin routes take
 the API key, so setting only ``--api-key`` never leaves them open. Health,
-readiness and metrics stay open for probes and scrapers.
+readiness and metrics stay open for probes and scrapers. The bind rule (no
+admin key, no address beyond this machine) is checked with the rest of the
+configuration: ``config.check_bind``.
 """
 
 from __future__ import annotations
 
 import hmac
-import ipaddress
 
 from aiohttp import web
 
@@ -21,30 +22,6 @@ from .vllm_routes import PUBLIC, STORED_RESPONSE_PATHS
 
 PUBLIC_PATHS = frozenset({"/health", "/ready", "/metrics", *PUBLIC})
 DATA_PLANE_PATHS = frozenset((*DATA_PLANE_POST, *DATA_PLANE_GET, *STORED_RESPONSE_PATHS, FINISH_SESSION_PATH))
-
-
-class InsecureBindError(ValueError):
-    pass
-
-
-def check_bind(host: str, admin_key: str | None, allow_unauthenticated_admin: bool) -> None:
-    """Refuse to expose unauthenticated admin routes beyond this machine."""
-    if admin_key or allow_unauthenticated_admin or is_loopback(host):
-        return
-    raise InsecureBindError(
-        f"refusing to listen on {host!r} without an admin key: anyone who reaches it could pause the "
-        "engines or replace their weights. Set --admin-key (or SKYINFER_ADMIN_KEY), bind 127.0.0.1, or "
-        "pass --allow-unauthenticated-admin if the network is yours alone."
-    )
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a host name other than localhost may resolve anywhere
 
 
 def _bearer(request: web.Request) -> bytes | None:

@@ -12,9 +12,10 @@ from aiohttp import web
 from .app import create_app
 from .config import ServeConfig
 from .draining import IN_FLIGHT, drain
+from .engine_process import EngineStartError
 from .errors import OpenAIErrorsAppRunner
 from .front_workers.pool import FRONT_WORKERS, listening_socket
-from .supervisor import SUPERVISOR, EngineStartError
+from .supervisor import SUPERVISOR
 
 log = logging.getLogger("skyinfer")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from .errors import json_response, parse_json_object
-from .proxy import REGISTRY
+from .registry import REGISTRY
 from .wire import FinishSessionParams, WireError, takes
 
 # A data-plane route: the rollout client that opened the session ends it.

@@ -30,10 +30,11 @@ from typing import TYPE_CHECKING
 
 from .engine.output import read_tail
 from .engine.standby import SPARE_LOG_SUFFIX
-from .state import EngineRegistry, Lifecycle
+from .registry import EngineRegistry
+from .state import Lifecycle
 
 if TYPE_CHECKING:
-    from .supervisor import EngineProcess
+    from .engine_process import EngineProcess
 
 log = logging.getLogger("skyinfer.spares")
 

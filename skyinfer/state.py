@@ -1,4 +1,5 @@
-"""The front's view of its engines: one record per engine, its state model, the registry.
+"""The front's view of one engine: its record and its state model (the registry of them all is
+``registry.py``).
 
 The state model, defined once:
 
@@ -9,8 +10,8 @@ The state model, defined once:
   engine. A new engine process is brought to it before it counts as up.
 - ``stale``: why an up engine's weights are not the fleet's (``None``: they are). A stale engine
   takes admin and weight calls and serves nothing until a push.
-- ``receiving``: the engine is inside a weight update (vLLM's layerwise reload), its layers part
-  new: nothing may resume its scheduler until the update ends.
+- ``mid_update`` (state ``receiving``): the engine is inside a weight update (vLLM's layerwise
+  reload, or a staged swap), its layers part new: nothing may resume its scheduler until it ends.
 - A weight update's phases: ``skyinfer/weights/phases.py``.
 - Which call fits which state: ``CONTROL_VERDICTS`` and ``push_verdict``.
 """
@@ -22,14 +23,13 @@ import contextlib
 import enum
 import logging
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 
 import aiohttp
 import attrs
 
 from .devices import EngineDevices
 from .errors import ApiError
-from .routing import Candidate, SessionRouter, StoredResponses
 
 log = logging.getLogger("skyinfer.state")
 
@@ -50,7 +50,7 @@ class Lifecycle(enum.Enum):
 
 L = Lifecycle
 # Which step may follow which; anything else is a bug in the caller.
-_LIFECYCLE_STEPS: dict[Lifecycle, frozenset[Lifecycle]] = {
+LIFECYCLE_STEPS: dict[Lifecycle, frozenset[Lifecycle]] = {
     L.STARTING: frozenset({L.UP, L.DEAD, L.STOPPING}),
     L.UP: frozenset({L.RESTARTING, L.DEAD, L.STOPPING}),
     L.RESTARTING: frozenset({L.UP, L.DEAD, L.STOPPING}),
@@ -62,7 +62,7 @@ _LIFECYCLE_STEPS: dict[Lifecycle, frozenset[Lifecycle]] = {
 
 # An engine's residency and staleness are set while it is up, and while a new process is
 # brought to the fleet's intent before it counts as up.
-_HAS_CONDITIONS = frozenset({L.UP, L.STARTING, L.RESTARTING})
+HAS_CONDITIONS = frozenset({L.UP, L.STARTING, L.RESTARTING})
 
 # vLLM's sleep tags: what a sleep of level 1 or 2 releases, and what wake_up(tags=...) brings back.
 SLEEP_TAGS = frozenset({"weights", "kv_cache"})
@@ -177,7 +177,7 @@ def _pause(mode: str | None) -> Callable[[EngineRecord], str]:
     def verdict(r: EngineRecord) -> str:
         if r.residency.sleeping:
             return "it is sleeping; POST /wake_up first"
-        if mode == "wait" and r.receiving:
+        if mode == "wait" and r.mid_update:
             # vLLM's wait mode lets the scheduler step until the requests drain: on half-loaded layers.
             return _RECEIVING + " (or pause with mode=keep)"
         return APPLY
@@ -190,13 +190,13 @@ def _resume(r: EngineRecord) -> str:
         return "it is sleeping; POST /wake_up instead"
     if not r.residency.paused:
         return DONE
-    return _RECEIVING if r.receiving else APPLY
+    return _RECEIVING if r.mid_update else APPLY
 
 
 def _sleep(r: EngineRecord) -> str:
     if r.residency.sleeping:
         return "it is already sleeping"
-    return _RECEIVING if r.receiving else APPLY
+    return _RECEIVING if r.mid_update else APPLY
 
 
 def _wake_up(tags: Sequence[str] | None) -> Callable[[EngineRecord], str]:
@@ -204,7 +204,7 @@ def _wake_up(tags: Sequence[str] | None) -> Callable[[EngineRecord], str]:
         # vLLM wakes a paused engine too: it answers is_sleeping for both.
         if not r.residency.vllm_is_sleeping:
             return DONE
-        if r.receiving and not r.residency.after("wake_up", tags=tags).paused:
+        if r.mid_update and not r.residency.after("wake_up", tags=tags).paused:
             return (
                 "it is receiving a weight update: its scheduler must stay paused; wake it after /finish_weight_update"
             )
@@ -303,7 +303,9 @@ class EngineRecord:
     # they are), whether it is inside a weight update. A new process starts with none of it.
     residency: Residency = Residency()
     stale: str | None = None
-    receiving: bool = False
+    # Between vLLM's start and finish of a weight update, or in a staged swap: its layers may be
+    # part new (state "receiving"; weights/push.py sets and clears it).
+    mid_update: bool = False
     pid: int | None = attrs.field(default=None, on_setattr=_announce)
     # Requests the front holds for this engine: sent to it, or waiting to be.
     in_flight_count: int = 0
@@ -330,7 +332,7 @@ class EngineRecord:
     # While an /init_weight_transfer runs: where its rendezvous stands for this engine ("waiting
     # for the trainer at host:port" until the trainer listens, then "joining ..."); None otherwise.
     rendezvous: str | None = None
-    # While a staged push runs (weights/sync.py): what its staging copy holds or will ("receiving"
+    # While a staged push runs (weights/staged.py): what its staging copy holds or will ("receiving"
     # and the bytes expected, then "staged", the bytes, and where: cpu, cuda, cpu pinned).
     staging: dict | None = None
     # Whether vLLM holds a weight-transfer engine (a communicator) from an init, even one whose
@@ -397,7 +399,7 @@ class EngineRecord:
         return self.residency.paused
 
     @property
-    def sleeping(self) -> bool:
+    def vllm_is_sleeping(self) -> bool:
         """As vLLM's own ``is_sleeping`` answers: its scheduler is paused or some memory is released."""
         return self.residency.vllm_is_sleeping
 
@@ -405,7 +407,7 @@ class EngineRecord:
     def state(self) -> EngineState:
         if not self.up:
             return EngineState(self.lifecycle.value)
-        if self.receiving:
+        if self.mid_update:
             return EngineState.RECEIVING
         if self.residency.sleeping:
             return EngineState.SLEEPING
@@ -442,11 +444,11 @@ class EngineRecord:
             "id": self.engine_id,
             "state": self.state.value,
             "paused": self.paused,
-            "sleeping": self.sleeping,
+            "sleeping": self.vllm_is_sleeping,
             **{k: v for k, v in self.residency.describe().items() if k != "paused"},
             "stale": self.stale is not None,
             "stale_reason": self.stale,
-            "receiving": self.receiving,
+            "receiving": self.mid_update,
             "rendezvous": self.rendezvous,
             "staging": self.staging,
             "pid": self.pid,
@@ -461,185 +463,3 @@ class EngineRecord:
             "restarts": self.restarts,
             "spare": self.spare,
         }
-
-
-@attrs.frozen
-class Adapter:
-    """A LoRA adapter as the fleet serves it: its version, and where engines load that version from."""
-
-    version: str
-    # Per engine (a pushed adapter: each engine's own copy).
-    paths: dict[int, str]
-    # Its directory in the adapter store: removed once a newer version replaces it.
-    directory: str
-    revision: int
-
-    def path_for(self, engine_id: int) -> str:
-        # An engine that restarted loads any engine's copy: they are the same bytes.
-        return self.paths.get(engine_id) or next(iter(self.paths.values()))
-
-
-class EngineRegistry:
-    def __init__(self, records: list[EngineRecord], router: SessionRouter | None = None, hold_requests_s: float = 0.0):
-        self.records = records
-        self.router = router or SessionRouter()
-        # How long a request that finds no engine serving waits for one.
-        self.hold_requests_s = hold_requests_s
-        # Set (and replaced) whenever an engine may have begun to serve: held requests look again.
-        self._may_serve = asyncio.Event()
-        self.stored_responses = StoredResponses()
-        # The version of the last completed push; None while engines serve what they loaded.
-        self.fleet_weight_version: str | None = None
-        # What the last control calls asked of every engine: a new engine process is brought to it.
-        self.intent = Residency()
-        # The LoRA adapters the fleet serves. A request for one goes only to an engine
-        # that holds it at the fleet's version.
-        self.fleet_adapters: dict[str, Adapter] = {}
-        # Adapters being unloaded, and those an engine failed to unload (until loaded again): their
-        # requests are answered 404 here, as vLLM would, since such an engine may still hold one.
-        self.unloaded_adapters: set[str] = set()
-        # Adapters being loaded across the fleet: their requests wait until every engine has it.
-        self._adapters_changing: dict[str, asyncio.Event] = {}
-        # Held by every fleet operation (control calls, weight transfer, adapters) while it runs:
-        # one at a time across the fleet. Routing itself never awaits, so it needs no lock, and an
-        # engine being brought up takes it only to check that nothing moved meanwhile (``changes``).
-        self.lock = asyncio.Lock()
-        # Fleet operations completed: an engine brought to the fleet's state while it changed is
-        # brought again.
-        self.changes = 0
-
-    @contextlib.asynccontextmanager
-    async def fleet_change(self):
-        """One fleet operation: the fleet's lock held, counted in ``changes`` once over."""
-        async with self.lock:
-            try:
-                yield
-            finally:
-                self.changes += 1
-
-    def set_lifecycle(self, record: EngineRecord, new: Lifecycle) -> None:
-        old = record.lifecycle
-        if old is new:
-            return
-        if new not in _LIFECYCLE_STEPS[old]:
-            raise RuntimeError(f"engine {record.engine_id}: illegal step {old.value} -> {new.value}")
-        record.lifecycle = new
-        if new is Lifecycle.UP:
-            self._look_again()
-        else:
-            # Whatever the old process was, the next one starts fresh.
-            record.residency, record.stale, record.receiving = Residency(), None, False
-            record.adapters = {}
-            record.in_transfer_group = record.transfer_engine_open = False
-        log.info("engine %d: %s -> %s", record.engine_id, old.value, new.value)
-
-    def set_residency(self, record: EngineRecord, residency: Residency) -> None:
-        """Record where an engine's scheduler and memory now are (up, or being brought up)."""
-        assert record.lifecycle in _HAS_CONDITIONS, record.lifecycle
-        if residency != record.residency:
-            record.residency = residency
-            log.info("engine %d: %s (%s)", record.engine_id, record.state.value, residency.describe())
-
-    def record_call(self, record: EngineRecord, operation: str, **params) -> None:
-        """What a successful pause, resume, sleep or wake-up did to an engine."""
-        self.set_residency(record, record.residency.after(operation, **params))
-        if operation == "sleep" and params.get("level") == 2:
-            self.set_stale(record, DISCARDED_BY_SLEEP)
-
-    def set_stale(self, record: EngineRecord, reason: str | None) -> None:
-        """Hold an engine out of routing because its weights are not the fleet's (``reason``),
-        or (None) let it serve again."""
-        assert record.lifecycle in _HAS_CONDITIONS, record.lifecycle
-        if reason != record.stale:
-            record.stale = reason
-            if reason is None:
-                self._look_again()
-            log.info("engine %d: %s%s", record.engine_id, record.state.value, f" ({reason})" if reason else "")
-
-    def holds_adapter(self, record: EngineRecord, adapter: str | None) -> bool:
-        if adapter is None:
-            return True
-        served = self.fleet_adapters.get(adapter)
-        return served is not None and record.adapters.get(adapter) == served.version
-
-    def up(self) -> list[EngineRecord]:
-        return [r for r in self.records if r.up]
-
-    def members(self) -> list[EngineRecord]:
-        """The fleet: every engine but the retired ones, which take no part in admin calls,
-        weight transfers or readiness."""
-        return [r for r in self.records if not r.retired]
-
-    def serving(self) -> list[EngineRecord]:
-        return [r for r in self.records if r.serves]
-
-    @contextlib.contextmanager
-    def changing_adapter(self, name: str):
-        """While an adapter changes on the engines, its new requests wait (``adapter_for``)."""
-        changed = self._adapters_changing[name] = asyncio.Event()
-        try:
-            yield
-        finally:
-            del self._adapters_changing[name]
-            changed.set()
-
-    @property
-    def has_adapters(self) -> bool:
-        return bool(self.fleet_adapters or self._adapters_changing or self.unloaded_adapters)
-
-    async def adapter_for(self, model: object) -> str | None:
-        """The fleet adapter a request's ``model`` names, once it has settled; None if none."""
-        if not isinstance(model, str):
-            return None
-        while (changing := self._adapters_changing.get(model)) is not None:
-            await changing.wait()
-        if model in self.unloaded_adapters:
-            raise ApiError(f"The model `{model}` does not exist.", status=404, param="model")
-        return model if model in self.fleet_adapters else None
-
-    def _look_again(self) -> None:
-        self._may_serve.set()
-        self._may_serve = asyncio.Event()
-
-    async def pick_held(self, **how) -> EngineRecord:
-        """``pick``; while no engine can serve the request (all restarting, or stale until the next
-        push), wait up to ``hold_requests_s`` for one that can."""
-        deadline = time.monotonic() + self.hold_requests_s
-        while True:
-            may_serve = self._may_serve  # before the pick: a change after it sets this one
-            try:
-                return self.pick(**how)
-            except NoEngineAvailable:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(may_serve.wait(), remaining)
-
-    def pick(
-        self,
-        session_id: str | None = None,
-        exclude: Collection[int] = (),
-        group_key: int | None = None,
-        adapter: str | None = None,
-        pinned: int | None = None,
-    ) -> EngineRecord:
-        """The engine for a request; ``pinned``: the only engine that can answer it (the one
-        storing the response it continues)."""
-        live = [r for r in self.serving() if r.engine_id not in exclude and self.holds_adapter(r, adapter)]
-        if pinned is not None:
-            live = [r for r in live if r.engine_id == pinned]
-            if not live:
-                raise NoEngineAvailable(
-                    f"engine {pinned}, which stores the previous response, is {self.records[pinned].state.value}"
-                )
-            return live[0]
-        if not live:
-            states = ", ".join(
-                f"engine {r.engine_id} {r.state.value}" + (f": {r.stale}" if r.stale else "") for r in self.records
-            )
-            served = self.fleet_adapters.get(adapter) if adapter else None
-            serving = f" adapter {adapter!r} at version {served.version}" if served else ""
-            raise NoEngineAvailable(f"no engine can serve{serving} right now ({states})")
-        chosen = self.router.choose([Candidate(r.engine_id, r.in_flight_count) for r in live], session_id, group_key)
-        return self.records[chosen]

@@ -7,185 +7,20 @@ import contextlib
 import functools
 import logging
 import os
-import signal
 import time
 from collections.abc import Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
 
-from .config import COLOCATED_GPU_MEMORY_UTILIZATION, ServeConfig
-from .devices import platform_engine_args
-from .engine import EXTENSION_PATH
-from .engine.output import read_tail
-from .engine_calls import unix_client
+from .config import ServeConfig
+from .engine_process import EngineProcess, EngineStartError
 from .errors import ApiError, json_response
-from .spares import Spare, Spares
-from .state import EngineRecord, EngineRegistry, Lifecycle, OrderingError
+from .registry import EngineRegistry
+from .spares import Spares
+from .state import EngineRecord, Lifecycle, OrderingError
 
 log = logging.getLogger("skyinfer.supervisor")
-
-START_PROGRESS_EVERY_S = 10.0
-
-
-class EngineStartError(RuntimeError):
-    pass
-
-
-class EngineProcess:
-    """One engine child process, in its own process group so that stopping it
-    also stops vLLM's EngineCore and worker processes beneath it."""
-
-    def __init__(self, record: EngineRecord, config: ServeConfig):
-        self.record = record
-        self.config = config
-        self.proc: asyncio.subprocess.Process | None = None
-        # The end of the engine's output, which the engine keeps itself (engine/output.py).
-        self.output_tail = os.path.splitext(record.socket_path)[0] + ".log"
-        # For the restart backoff: consecutive crashes, and when it last became ready (0: not up since).
-        self.crashes = 0
-        self.ready_since = 0.0
-
-    def argv(self, lifeline_fd: int, report_fd: int | None = None) -> list[str]:
-        """Its command line; with ``report_fd``, a spare's (spares.py), which reports there."""
-        c = self.config
-        # Its own sizes: engines of a fleet may differ (--engine-sizes).
-        tensor_parallel_size, pipeline_parallel_size = self.record.parallel
-        vllm_args = [
-            "--model",
-            c.model,
-            # Imported by vLLM in every worker: registers the gloo weight-transfer backend.
-            "--worker-extension-cls",
-            EXTENSION_PATH,
-            "--tensor-parallel-size",
-            str(tensor_parallel_size),
-            "--pipeline-parallel-size",
-            str(pipeline_parallel_size),
-            *platform_engine_args(
-                self.record.devices.kind, c.engine_args, c.colocate, COLOCATED_GPU_MEMORY_UTILIZATION
-            ),
-            *c.engine_args,
-        ]
-        own = [] if report_fd is None else ["--standby", "--report-fd", str(report_fd)]
-        own += [
-            "--socket",
-            self.record.socket_path,
-            "--lifeline-fd",
-            str(lifeline_fd),
-            "--output-tail",
-            self.output_tail,
-            "--log-prefix",
-            f"[engine {self.record.engine_id}] ",
-        ]
-        if self.record.devices.kind == "cpu":
-            own += ["--cpus", ",".join(str(core) for core in self.record.devices.ids)]
-        return [*c.engine_command, *own, "--", *vllm_args]
-
-    def env(self) -> dict[str, str]:
-        """The environment it starts with (a spare's start order carries it too)."""
-        env = {**os.environ, **self.record.devices.env, "PYTHONUNBUFFERED": "1"}
-        if self.config.allow_pickled_ipc:
-            # vLLM's ipc backend unpickles ipc_handles_pickled only with it (the operator's opt-in).
-            env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-        return env
-
-    async def spawn(self, lifeline_fd: int, spare: Spare | None = None) -> None:
-        """Start the engine; it dies with whoever holds the write end of ``lifeline_fd``'s pipe.
-        With ``spare`` (the slot's, alive): the spare becomes the engine's process, unless it
-        cannot (it died meanwhile), when a cold one starts."""
-        for stale in (self.record.socket_path, self.output_tail, self.output_tail + ".1"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(stale)
-        env = self.env()
-        if spare is not None and not spare.take_over(env):
-            spare.kill()  # it could not take the order: dead, or as good as
-            spare = None
-        if spare is not None:
-            self.proc = spare.proc
-            self.record.pid = self.proc.pid
-            log.info(
-                "engine %d: its warm spare, pid %d, takes over on %s%s",
-                self.record.engine_id,
-                self.proc.pid,
-                self.record.devices.describe(),
-                "" if spare.waiting else " (still importing)",
-            )
-            return
-        self.proc = await asyncio.create_subprocess_exec(
-            *self.argv(lifeline_fd),
-            env=env,
-            # Its output goes to the front's stderr, relayed by the engine itself: never through here.
-            stdin=asyncio.subprocess.DEVNULL,
-            # A group of its own: stopping it, or its lifeline running out, takes vLLM's processes too.
-            start_new_session=True,
-            pass_fds=(lifeline_fd,),
-        )
-        self.record.pid = self.proc.pid
-        log.info(
-            "engine %d: started pid %d on %s", self.record.engine_id, self.proc.pid, self.record.devices.describe()
-        )
-
-    @property
-    def exited(self) -> bool:
-        return self.proc is None or self.proc.returncode is not None
-
-    async def wait_ready(self, timeout_s: float) -> tuple[aiohttp.ClientSession, dict]:
-        """Wait until the engine answers on its socket; return a client for it and what it serves."""
-        started = time.monotonic()
-        next_report = started + START_PROGRESS_EVERY_S
-        while True:
-            if self.exited:
-                # Its relay may still be writing its last words.
-                await asyncio.sleep(0.2)
-                tail = read_tail(self.output_tail)
-                raise EngineStartError(
-                    f"engine {self.record.engine_id} exited with code {self.proc.returncode} "
-                    f"during start-up; its last output:\n{tail}"
-                )
-            if os.path.exists(self.record.socket_path):
-                client = unix_client(self.record.socket_path)
-                try:
-                    async with client.get(
-                        "/info", timeout=aiohttp.ClientTimeout(total=self.config.engine_probe_timeout_s)
-                    ) as resp:
-                        if resp.status == 200:
-                            info = await resp.json()
-                            log.info("engine %d: up in %.1fs", self.record.engine_id, time.monotonic() - started)
-                            return client, info
-                except (aiohttp.ClientError, asyncio.TimeoutError):
-                    pass
-                await client.close()
-            now = time.monotonic()
-            if now - started > timeout_s:
-                raise EngineStartError(f"engine {self.record.engine_id} not ready after {timeout_s:.0f}s")
-            if now >= next_report:
-                next_report += START_PROGRESS_EVERY_S
-                # vLLM's own start-up lines come through prefixed "[engine i]"; this says who is still waiting.
-                log.info("engine %d: still starting (%.0fs)", self.record.engine_id, now - started)
-            await asyncio.sleep(0.5)
-
-    def kill(self) -> None:
-        """SIGKILL the engine's whole process group at once (a hung engine ignores SIGTERM)."""
-        if self.proc is not None and self.proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-
-    async def stop(self, timeout_s: float) -> None:
-        """SIGTERM the engine (it shuts vLLM down cleanly), then SIGKILL its whole group."""
-        if self.proc is None:
-            return
-        pgid = self.proc.pid
-        if self.proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(self.proc.wait(), timeout_s)
-            except asyncio.TimeoutError:
-                log.warning("engine %d: no exit %.0fs after SIGTERM; killing", self.record.engine_id, timeout_s)
-        # Whatever the engine left behind in its group (EngineCore, workers) goes too.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, signal.SIGKILL)
-        await self.proc.wait()
 
 
 async def _close_client(record: EngineRecord) -> None:

@@ -19,7 +19,8 @@ from .control import CONTROL, aggregate
 from .engine_calls import call_engine
 from .errors import ApiError, admin_json_body, json_response
 from .health import health
-from .proxy import REGISTRY, forward_to
+from .proxy import forward_to
+from .registry import REGISTRY
 
 NOT_SERVED = {
     "/openapi.json": "the OpenAPI schema of vLLM's FastAPI app, not of skyinfer's routes",

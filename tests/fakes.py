@@ -15,7 +15,7 @@ from aiohttp import web
 
 from skyinfer.app import create_app
 from skyinfer.config import ServeConfig
-from skyinfer.proxy import REGISTRY
+from skyinfer.registry import REGISTRY
 from skyinfer.supervisor import SUPERVISOR
 
 FAKE_ENGINE = str(Path(__file__).resolve().parent.parent / "tools" / "fake_engine.py")

@@ -17,7 +17,7 @@ import time
 import pytest
 from fakes import calls, fake_fleet, script, states, until
 
-from skyinfer.proxy import REGISTRY
+from skyinfer.registry import REGISTRY
 from skyinfer.weights.checkpoint import safetensors_shapes
 
 from lora_support import make_adapter

@@ -23,8 +23,8 @@ import pytest
 from fakes import calls, fake_fleet, kill, script, until
 
 from skyinfer.devices import EngineDevices
-from skyinfer.proxy import REGISTRY
-from skyinfer.state import EngineRecord, EngineRegistry, Lifecycle, Residency
+from skyinfer.registry import REGISTRY, EngineRegistry
+from skyinfer.state import EngineRecord, Lifecycle, Residency
 from skyinfer.weights.catchup import CatchUp
 from skyinfer.weights.checkpoint import safetensors_shapes
 

@@ -18,7 +18,7 @@ import pytest
 from fakes import fake_fleet, script, serve_fakes
 
 from skyinfer.config import ServeConfig
-from skyinfer.proxy import REGISTRY
+from skyinfer.registry import REGISTRY
 
 from pushes import sessions_per_engine
 from support import ServerProcess, running, vllm_process

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from fakes import fake_fleet, kill, script, states, until
 
-from skyinfer.proxy import REGISTRY
+from skyinfer.registry import REGISTRY
 
 from lora_support import make_adapter
 

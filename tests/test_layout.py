@@ -15,8 +15,9 @@ from skyinfer import devices
 from skyinfer.__main__ import _config_from_args, _serve_parser
 from skyinfer.app import create_app
 from skyinfer.config import ServeConfig
-from skyinfer.devices import LayoutError, parse_visible_devices, split_cores, split_gpus
-from skyinfer.proxy import REGISTRY
+from skyinfer.devices import parse_visible_devices, split_cores, split_gpus
+from skyinfer.ranks import LayoutError
+from skyinfer.registry import REGISTRY
 from skyinfer.weights.checkpoint import safetensors_shapes
 
 MIXED = "2x1,1x2,1x1"

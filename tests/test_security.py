@@ -16,11 +16,11 @@ from aiohttp import web
 from fakes import fake_fleet
 
 from skyinfer.__main__ import _config_from_args, _serve_parser
-from skyinfer.config import ServeConfig
+from skyinfer.config import ServeConfig, is_loopback
 from skyinfer.front_workers.worker import WorkerSettings, create_worker_app
 from skyinfer.metrics import RequestMetrics
-from skyinfer.proxy import DATA_PLANE_POST, REGISTRY
-from skyinfer.security import is_loopback
+from skyinfer.proxy import DATA_PLANE_POST
+from skyinfer.registry import REGISTRY
 
 from support import ADMIN_KEY, API_KEY, app_routes, bearer, concrete
 from test_errors import assert_openai_error
@@ -222,7 +222,7 @@ async def test_admin_bodies_are_read_only_as_application_json(how, aiohttp_clien
     info = await (await client.get("/weight_info")).json()
     assert info["weight_version"] is None and not info["adapters"], info
     assert all(e["state"] == "ready" and not e["in_transfer_group"] for e in info["engines"]), info
-    assert all(not r.paused and not r.sleeping for r in app[REGISTRY].records)
+    assert all(not r.paused and not r.vllm_is_sleeping for r in app[REGISTRY].records)
 
     # The same body as application/json (parameters and the type's case are the sender's) is read.
     for content_type in ("application/json", "application/json; charset=utf-8", "Application/JSON"):

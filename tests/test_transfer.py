@@ -275,7 +275,8 @@ def test_pushed_dtypes_must_be_ones_vllm_casts_into_the_checkpoints():
 
 
 def test_cuda_visible_devices_by_index_or_uuid_and_mig_instances():
-    from skyinfer.devices import LayoutError, parse_visible_devices, split_gpus
+    from skyinfer.devices import parse_visible_devices, split_gpus
+    from skyinfer.ranks import LayoutError
 
     gpu = ["GPU-2c3a1f1e-8f5e-4b4e-9c1d-0123456789a" + c for c in "bc"]
     known = set(gpu)

@@ -15,8 +15,9 @@ import orjson
 import pytest
 
 from skyinfer.demo_model import VOCAB_SIZE, build_demo_model
-from skyinfer.devices import LayoutError, plan_engine_devices, split_cores, split_gpus
+from skyinfer.devices import plan_engine_devices, split_cores, split_gpus
 from skyinfer.proxy import prompt_group
+from skyinfer.ranks import LayoutError
 from skyinfer.routing import Candidate, SessionRouter
 
 
@@ -255,7 +256,7 @@ def test_packing_cuts_chunks_where_vllm_does_and_round_trips():
 
 
 def test_rank_layout_offsets_and_world_size():
-    from skyinfer.weights.layout import LayoutError, RankLayout
+    from skyinfer.ranks import RankLayout
 
     layout = RankLayout.build(base_offset=1, world_size=6, workers_per_engine=(2, 2, 1))
     assert [layout.rank_offset(i) for i in range(3)] == [1, 3, 5]
@@ -289,7 +290,8 @@ async def test_engine_connections_queue_in_arrival_order_and_refuse_past_the_cap
 
     from skyinfer.devices import EngineDevices
     from skyinfer.metrics import ServiceMetrics
-    from skyinfer.state import EngineBusy, EngineRecord, EngineRegistry
+    from skyinfer.registry import EngineRegistry
+    from skyinfer.state import EngineBusy, EngineRecord
 
     record = EngineRecord(0, EngineDevices("cpu", ((0,),), {}), "/nonexistent.sock", connection_limit=2, queue_limit=2)
     registry = EngineRegistry([record])
@@ -447,7 +449,7 @@ def test_wire_models_take_query_or_body_refuse_contradictions_and_say_what_is_wr
 
 
 def test_every_vllm_name_resolves_in_the_installed_vllm():
-    from skyinfer.engine import vllm_api
+    from skyinfer import vllm_api
 
     # Each is imported for real from the first of its modules that has it.
     resolved = {name: getattr(vllm_api, name) for name in vllm_api.NAMES}

@@ -20,7 +20,7 @@ from support import COLLECTIVE_RPC_ALLOWED, app_routes, engine_of, engine_socket
 def vllm_routes(model, monkeypatch) -> set[tuple[str, str]]:
     """(method, path) of every route `vllm serve` registers in dev mode, for a generative and a pooling model."""
     monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
-    from skyinfer.engine.vllm_api import FlexibleArgumentParser, ModelConfig, build_app, make_arg_parser
+    from skyinfer.vllm_api import FlexibleArgumentParser, ModelConfig, build_app, make_arg_parser
 
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", str(model)])
     pooling = ModelConfig(model=str(model), runner="pooling")

@@ -23,7 +23,7 @@ import pytest
 from fakes import FAKE_ENGINE, fake_fleet, kill, until
 
 from skyinfer.config import ServeConfig
-from skyinfer.proxy import REGISTRY
+from skyinfer.registry import REGISTRY
 from skyinfer.supervisor import SUPERVISOR
 
 from support import ChildProcess, ServerProcess, engine_socket, free_port, running, vllm_process

@@ -16,7 +16,7 @@ from pathlib import Path
 import aiohttp
 
 from skyinfer.devices import detect_device_kind
-from skyinfer.engine import CPU_WORKER_PATH, EXTENSION_PATH
+from skyinfer.engine_wire import CPU_WORKER_PATH, EXTENSION_PATH
 
 
 def free_port() -> int:

@@ -4,7 +4,7 @@
 Reads the releases' source straight from their wheels (downloaded with
 ``pip download vllm==X --no-deps`` into a cache, never installed), so a
 release with no CPU build, or one this machine cannot run, is checked too.
-For each name in ``skyinfer.engine.vllm_api.NAMES`` it finds the first of its
+For each name in ``skyinfer.vllm_api.NAMES`` it finds the first of its
 modules that defines it, as the table's lookup does at run time.
 
     .venv/bin/python tools/check_vllm_api.py                 # every release in KNOWN_VERSIONS
@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from skyinfer.engine.vllm_api import KNOWN_VERSIONS, NAMES
+from skyinfer.vllm_api import KNOWN_VERSIONS, NAMES
 
 CACHE = Path(os.environ.get("SKYINFER_CACHE", Path.home() / ".cache" / "skyinfer")) / "vllm-wheels"
 

@@ -45,8 +45,8 @@ import uvloop
 from aiohttp import web
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from skyinfer.engine import CONTINUE_FIELD, CONTINUE_HEADER, CONTINUE_MARKER, ENGINE_DIED_HEADER
 from skyinfer.engine.__main__ import set_up_process
+from skyinfer.engine_wire import CONTINUE_FIELD, CONTINUE_HEADER, CONTINUE_MARKER, ENGINE_DIED_HEADER
 from skyinfer.errors import error_response, json_response
 
 SCRIPT = web.AppKey("script", dict)

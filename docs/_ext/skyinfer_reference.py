@@ -46,7 +46,7 @@ SECTIONS = {
     "skyinfer.sessions": "Data plane (one engine answers)",
     "skyinfer.vllm_routes": "vLLM's other routes, for the fleet",
     "skyinfer.control": "Control plane (every engine)",
-    "skyinfer.weights.sync": "Weight transfer",
+    "skyinfer.weights.routes": "Weight transfer",
     "skyinfer.adapters": "LoRA adapters",
     "skyinfer.health": "Operations",
     "skyinfer.metrics": "Operations",
@@ -353,12 +353,12 @@ ENGINE_ENVIRONMENT = {
     ),
     "PYTHONUNBUFFERED": EnvVar(
         "PYTHONUNBUFFERED",
-        "set for each engine (``skyinfer/supervisor.py``)",
+        "set for each engine (``skyinfer/engine_process.py``)",
         "``1``: the engine's output reaches the front's stderr line by line",
     ),
     "VLLM_ALLOW_INSECURE_SERIALIZATION": EnvVar(
         "VLLM_ALLOW_INSECURE_SERIALIZATION",
-        "set for each engine with ``--allow-pickled-ipc`` (``skyinfer/supervisor.py``)",
+        "set for each engine with ``--allow-pickled-ipc`` (``skyinfer/engine_process.py``)",
         "``1``: vLLM's ``ipc`` backend unpickles ``ipc_handles_pickled`` (vLLM's own IPC trainer's updates);"
         " never set otherwise (:doc:`../guides/colocated`)",
     ),

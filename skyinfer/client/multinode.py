@@ -3,12 +3,27 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
-from ..weights.layout import RankLayout
+from ..ranks import RankLayout
 from .node import AsyncClient, SkyinferError
+
+
+def _on_every_node(name: str, doc: str | None = None):
+    """``MultiNodeClient.<name>``: ``AsyncClient.<name>``, with its signature, called on every node at
+    once and answered with one report per node; ``doc``: its docstring, where that says more."""
+
+    @functools.wraps(getattr(AsyncClient, name))
+    async def on_every_node(self: MultiNodeClient, *args, **kwargs) -> dict:
+        return await self._fanout_report(name, *args, **kwargs)
+
+    on_every_node.__module__ = __name__
+    on_every_node.__qualname__ = f"MultiNodeClient.{name}"
+    on_every_node.__doc__ = doc or f"``AsyncClient.{name}`` on every node at once: one report per node."
+    return on_every_node
 
 
 class MultiNodeClient:
@@ -125,29 +140,12 @@ class MultiNodeClient:
         return await self.nodes[0].detokenize(tokens, **kwargs)
 
     # -- control plane: every node -------------------------------------------------
-    async def pause(self, mode: str = "abort", clear_cache: bool = True) -> dict:
-        """``AsyncClient.pause`` on every node at once: one report per node."""
-        return await self._fanout_report("pause", mode, clear_cache)
-
-    async def resume(self) -> dict:
-        """``AsyncClient.resume`` on every node at once: one report per node."""
-        return await self._fanout_report("resume")
-
-    async def sleep(self, level: int = 1, mode: str = "abort") -> dict:
-        """``AsyncClient.sleep`` on every node at once: one report per node."""
-        return await self._fanout_report("sleep", level, mode)
-
-    async def wake_up(self, tags: list[str] | None = None) -> dict:
-        """``AsyncClient.wake_up`` on every node at once: one report per node."""
-        return await self._fanout_report("wake_up", tags)
-
-    async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_external: bool = False) -> dict:
-        """``AsyncClient.reset_prefix_cache`` on every node at once: one report per node."""
-        return await self._fanout_report("reset_prefix_cache", reset_running_requests, reset_external)
-
-    async def abort(self, request_ids: Sequence[str] | None = None, *, all_requests: bool = False) -> dict:
-        """``AsyncClient.abort`` on every node at once: one report per node."""
-        return await self._fanout_report("abort", request_ids, all_requests=all_requests)
+    pause = _on_every_node("pause")
+    resume = _on_every_node("resume")
+    sleep = _on_every_node("sleep")
+    wake_up = _on_every_node("wake_up")
+    reset_prefix_cache = _on_every_node("reset_prefix_cache")
+    abort = _on_every_node("abort")
 
     async def is_paused(self) -> bool:
         """Whether any engine of any node is paused."""
@@ -176,38 +174,15 @@ class MultiNodeClient:
         ]
         return self._report(await self._gather("init_weight_transfer", calls))
 
-    async def start_weight_update(self, update_info: dict | None = None, *, staged: bool = False) -> dict:
-        """``AsyncClient.start_weight_update`` on every node at once: one report per node."""
-        return await self._fanout_report("start_weight_update", update_info, staged=staged)
-
-    async def update_weights(
-        self, update_info: dict, weight_version: str | None = None, *, staged: bool = False, kv: str = "recompute"
-    ) -> dict:
-        """``AsyncClient.update_weights`` on every node at once: one report per node."""
-        return await self._fanout_report("update_weights", update_info, weight_version, staged=staged, kv=kv)
-
-    async def finish_weight_update(
-        self,
-        weight_version: str | None = None,
-        verify: bool = False,
-        expected_checksums: dict[str, str] | None = None,
-        kv: str = "recompute",
-    ) -> dict:
-        """``AsyncClient.finish_weight_update`` on every node at once: one report per node."""
-        return await self._fanout_report("finish_weight_update", weight_version, verify, expected_checksums, kv)
-
-    async def weight_checker(self, action: str = "checksum", baseline: dict[str, str] | None = None) -> dict:
-        """``AsyncClient.weight_checker`` on every node at once: one report per node (each node
-        checks its own engines)."""
-        return await self._fanout_report("weight_checker", action, baseline)
-
-    async def update_weight_version(self, new_version: str) -> dict:
-        """``AsyncClient.update_weight_version`` on every node at once: one report per node."""
-        return await self._fanout_report("update_weight_version", new_version)
-
-    async def shutdown_weight_transfer_engine(self) -> dict:
-        """``AsyncClient.shutdown_weight_transfer_engine`` on every node at once: one report per node."""
-        return await self._fanout_report("shutdown_weight_transfer_engine")
+    start_weight_update = _on_every_node("start_weight_update")
+    update_weights = _on_every_node("update_weights")
+    finish_weight_update = _on_every_node("finish_weight_update")
+    weight_checker = _on_every_node(
+        "weight_checker",
+        "``AsyncClient.weight_checker`` on every node at once: one report per node (each node checks its own engines).",
+    )
+    update_weight_version = _on_every_node("update_weight_version")
+    shutdown_weight_transfer_engine = _on_every_node("shutdown_weight_transfer_engine")
 
     async def weight_info(self) -> dict:
         """Each node's ``/weight_info``, and the weight version if every node serves the same (else None)."""
@@ -218,23 +193,11 @@ class MultiNodeClient:
             "nodes": [{"node": n.base_url, **i} for n, i in zip(self.nodes, infos)],
         }
 
-    async def load_lora_adapter(
-        self, lora_name: str, lora_path: str, load_inplace: bool = False, version: str | None = None
-    ) -> dict:
-        """Each node loads from its own disk: the path must hold the adapter on every node."""
-        return await self._fanout_report("load_lora_adapter", lora_name, lora_path, load_inplace, version)
-
-    async def unload_lora_adapter(self, lora_name: str) -> dict:
-        """``AsyncClient.unload_lora_adapter`` on every node at once: one report per node."""
-        return await self._fanout_report("unload_lora_adapter", lora_name)
-
-    async def update_lora_adapter(
-        self, lora_name: str, peft_config: dict, update_info: dict, version: str | None = None, check_only: bool = False
-    ) -> dict:
-        """``AsyncClient.update_lora_adapter`` on every node at once: one report per node."""
-        return await self._fanout_report(
-            "update_lora_adapter", lora_name, peft_config, update_info, version, check_only
-        )
+    load_lora_adapter = _on_every_node(
+        "load_lora_adapter", "Each node loads from its own disk: the path must hold the adapter on every node."
+    )
+    unload_lora_adapter = _on_every_node("unload_lora_adapter")
+    update_lora_adapter = _on_every_node("update_lora_adapter")
 
     # -- status ----------------------------------------------------------------------
     async def engines(self) -> list[dict]:

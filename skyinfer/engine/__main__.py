@@ -1,8 +1,6 @@
-"""Engine child process: ``python -m skyinfer.engine --socket PATH -- <vllm serve arguments>``.
-
-The front starts one of these per engine, with the device environment
-(``CUDA_VISIBLE_DEVICES`` or ``VLLM_CPU_OMP_THREADS_BIND``) already set.
-"""
+"""Engine child process: ``python -m skyinfer.engine --socket PATH -- <vllm serve arguments>``. The
+front starts one per engine, with the device environment (``CUDA_VISIBLE_DEVICES`` or
+``VLLM_CPU_OMP_THREADS_BIND``) already set."""
 
 from __future__ import annotations
 
@@ -12,10 +10,12 @@ import os
 import sys
 from collections.abc import Callable
 
+__all__ = ["import_engine", "main", "parse_engine_args", "set_up_process"]
+
 
 def parse_engine_args(vllm_argv: list[str]):
     """Parse arguments exactly as ``vllm serve`` does."""
-    from .vllm_api import FlexibleArgumentParser, make_arg_parser, validate_parsed_serve_args
+    from ..vllm_api import FlexibleArgumentParser, make_arg_parser, validate_parsed_serve_args
 
     parser = make_arg_parser(FlexibleArgumentParser(prog="skyinfer engine"))
     args = parser.parse_args(vllm_argv)
@@ -108,7 +108,7 @@ def import_engine() -> None:
     and this package's engine modules, as a cold engine imports them on its way to the socket;
     nothing is built, no device touched (neither torch's nor vLLM's import initialises CUDA)."""
     _dev_mode()
-    from . import vllm_api
+    from .. import vllm_api
 
     for name in _START_UP_NAMES:
         getattr(vllm_api, name)
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     ns, vllm_argv = set_up_process(sys.argv[1:] if argv is None else argv, warm_up=import_engine)
 
     _dev_mode()
-    from .vllm_api import cli_env_setup, configure_logging_from_args
+    from ..vllm_api import cli_env_setup, configure_logging_from_args
 
     cli_env_setup()
     args = parse_engine_args(vllm_argv)

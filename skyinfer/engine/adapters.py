@@ -1,12 +1,5 @@
-"""Engine-side LoRA routes: load, unload and receive an adapter on this engine's AsyncLLM.
-
-The front decides what every engine holds (versions, directories, rollback);
-these carry one call out. vLLM's own ``/v1/load_lora_adapter`` keeps the
-request it loaded with, ``load_inplace`` included, and its workers reload an
-adapter from disk whenever a request carries that flag (vLLM #33791). Here an
-adapter is loaded in place once, and the request that serves traffic carries
-no flag.
-"""
+"""Engine-side LoRA routes: load, unload and receive an adapter on this engine's AsyncLLM. The front
+decides what every engine holds (versions, directories, rollback); these carry one call out."""
 
 from __future__ import annotations
 
@@ -15,15 +8,18 @@ import os
 
 from aiohttp import web
 
+from ..engine_wire import ADAPTER_CONFIG_FILE
 from ..errors import json_response, parse_json_object
-from . import ADAPTER_CONFIG_FILE, RECEIVE_ADAPTER_RPC
+from . import RECEIVE_ADAPTER_RPC
 from .appkeys import ENGINE_CLIENT, SERVING_STATE
 from .weights import engine_call_route
 from .worker_calls import on_every_worker
 
+__all__ = ["add_adapter_routes"]
+
 
 async def _load(request: web.Request) -> web.Response:
-    from .vllm_api import LoRARequest
+    from ..vllm_api import LoRARequest
 
     body = parse_json_object(await request.read())
     name, path = body["lora_name"], body["lora_path"]
@@ -31,6 +27,9 @@ async def _load(request: web.Request) -> web.Response:
     previous = models.lora_requests.get(name)
     lora_id = previous.lora_int_id if previous is not None else models.lora_id_counter.inc(1)
     # vLLM loads the new weights before it drops the old: a load that fails leaves the old adapter serving.
+    # Loaded in place once; the request that serves traffic carries no load_inplace flag, for vLLM's
+    # workers reload an adapter from disk whenever a request carries it (vLLM #33791), and vLLM's own
+    # /v1/load_lora_adapter keeps the request it loaded with, the flag included.
     await request.app[ENGINE_CLIENT].add_lora(
         LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=path, load_inplace=True)
     )

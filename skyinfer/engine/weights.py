@@ -1,8 +1,6 @@
-"""Engine-side weight-transfer routes: vLLM's own calls, plus waiting out the rendezvous.
-
-The front has already checked order and metadata; these run the calls on
-this engine's AsyncLLM and report how they went.
-"""
+"""Engine-side weight-transfer routes: vLLM's own calls, plus waiting out the rendezvous, staged
+pushes and peer catch-up. The front has already checked order and metadata; these run the calls on
+this engine's AsyncLLM and report how they went."""
 
 from __future__ import annotations
 
@@ -27,6 +25,8 @@ from . import (
 from .admin import abort
 from .appkeys import ENGINE_CLIENT, KV_EPOCHS
 from .worker_calls import on_every_worker
+
+__all__ = ["KvEpochs", "add_weight_routes", "engine_call_route"]
 
 log = logging.getLogger("skyinfer.engine.weights")
 
@@ -85,7 +85,7 @@ async def _wait_for_rendezvous(engine, timeout_s: float) -> web.Response:
 
 
 async def init_weight_transfer(request: web.Request) -> web.Response:
-    from .vllm_api import WeightTransferInitRequest
+    from ..vllm_api import WeightTransferInitRequest
 
     engine = request.app[ENGINE_CLIENT]
     # As the front made it for this engine's backend (its rank offset, a timeout where the backend takes one).
@@ -101,7 +101,7 @@ async def start_weight_update(request: web.Request) -> web.Response:
 
 
 async def update_weights(request: web.Request) -> web.Response:
-    from .vllm_api import WeightTransferUpdateRequest
+    from ..vllm_api import WeightTransferUpdateRequest
 
     engine = request.app[ENGINE_CLIENT]
     update_info = parse_json_object(await request.read())["update_info"]
@@ -253,17 +253,24 @@ def engine_call_route(handler):
     return route
 
 
+# Every weight route: its path (POST) and its handler.
+_WEIGHT_ROUTES = {
+    "/init_weight_transfer": init_weight_transfer,
+    "/start_weight_update": start_weight_update,
+    "/update_weights": update_weights,
+    "/finish_weight_update": finish_weight_update,
+    "/stage_weights": stage_weights,
+    "/swap_staged": swap_staged,
+    "/drop_staged": drop_staged,
+    "/load_checkpoint": load_checkpoint,
+    "/abort_weight_update": abort_weight_update,
+    "/shutdown_weight_transfer_engine": shutdown_weight_transfer_engine,
+    "/update_weight_version": update_weight_version,
+    "/export_weights": export_weights,
+    "/import_weights": import_weights,
+}
+
+
 def add_weight_routes(app: web.Application) -> None:
-    app.router.add_post("/init_weight_transfer", engine_call_route(init_weight_transfer))
-    app.router.add_post("/start_weight_update", engine_call_route(start_weight_update))
-    app.router.add_post("/update_weights", engine_call_route(update_weights))
-    app.router.add_post("/finish_weight_update", engine_call_route(finish_weight_update))
-    app.router.add_post("/stage_weights", engine_call_route(stage_weights))
-    app.router.add_post("/swap_staged", engine_call_route(swap_staged))
-    app.router.add_post("/drop_staged", engine_call_route(drop_staged))
-    app.router.add_post("/load_checkpoint", engine_call_route(load_checkpoint))
-    app.router.add_post("/abort_weight_update", engine_call_route(abort_weight_update))
-    app.router.add_post("/shutdown_weight_transfer_engine", engine_call_route(shutdown_weight_transfer_engine))
-    app.router.add_post("/update_weight_version", engine_call_route(update_weight_version))
-    app.router.add_post("/export_weights", engine_call_route(export_weights))
-    app.router.add_post("/import_weights", engine_call_route(import_weights))
+    for path, handler in _WEIGHT_ROUTES.items():
+        app.router.add_post(path, engine_call_route(handler))

@@ -28,7 +28,8 @@ import orjson
 from ..engine_calls import unix_client
 from ..errors import ApiError
 from ..leasing import Ask, Grant, NotConnected, lease_engine
-from ..state import EngineBusy, EngineRecord, EngineRegistry, NoEngineAvailable
+from ..registry import EngineRegistry
+from ..state import EngineBusy, EngineRecord, NoEngineAvailable
 
 log = logging.getLogger("skyinfer.front_workers")
 

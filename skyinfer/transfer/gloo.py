@@ -34,9 +34,10 @@ import torch.distributed as dist
 
 from ..client import Client, SkyinferError
 from .packing import DEFAULT_BUFFER_SIZE_BYTES, TensorMeta, dtype_from_name, pack, plan_chunks, unpack
-from .protocol import GroupInitInfo, GroupUpdateInfo, rendezvous_delays
+from .protocol import GroupInitInfo, GroupUpdateInfo
 from .pushing import NamedTensors, OneCall, Trainer, tensor_list, update_weights_call
 from .receiving import LayerwiseReceiver
+from .rendezvous import wait_until_listening
 
 log = logging.getLogger("skyinfer.transfer.gloo")
 
@@ -243,7 +244,7 @@ class GlooReceiver(LayerwiseReceiver):
         self._joining.start()
 
     def _join(self, info: GroupInitInfo, rank: int, attempt: int) -> None:
-        from ..engine.vllm_api import stateless_init_torch_distributed_process_group
+        from ..vllm_api import stateless_init_torch_distributed_process_group
 
         started = time.monotonic()
         try:
@@ -267,22 +268,15 @@ class GlooReceiver(LayerwiseReceiver):
             log.info("joined the weight-transfer group as rank %d of %d", rank, info.world_size)
 
     def _wait_for_trainer(self, info: GroupInitInfo, deadline: float, attempt: int) -> None:
-        """Connect to the trainer's store only once it listens. A first connect that finds nobody
-        there lands in c10d's retries, whose random delays of a minute and more miss a trainer
-        that comes seconds later (measured: an engine of tp 2 timed out in 2 of 2 runs); the
-        front waits for the same before asking, so this covers a trainer that restarted since."""
+        """Connect to the trainer's store only once it listens (rendezvous.py says why); the front
+        waits for the same before asking, so this covers a trainer that restarted since."""
         self._waiting_for = f"{info.master_address}:{info.master_port}"
         try:
-            for delay in rendezvous_delays():
-                if attempt != self._attempt:
-                    raise RuntimeError("superseded by a newer init")
-                try:
-                    socket.create_connection((info.master_address, info.master_port), timeout=2.0).close()
-                    return
-                except OSError:
-                    if time.monotonic() + delay > deadline:
-                        raise TimeoutError(f"nothing listened at {self._waiting_for}") from None
-                    time.sleep(delay)
+            # Wanted until a newer init supersedes this one.
+            if not wait_until_listening(
+                info.master_address, info.master_port, deadline, lambda: attempt == self._attempt
+            ):
+                raise RuntimeError("superseded by a newer init")
         finally:
             self._waiting_for = None
 
@@ -324,7 +318,7 @@ class GlooReceiver(LayerwiseReceiver):
 
     def shutdown(self) -> None:
         if self._group is not None:
-            from ..engine.vllm_api import stateless_destroy_torch_distributed_process_group
+            from ..vllm_api import stateless_destroy_torch_distributed_process_group
 
             try:
                 stateless_destroy_torch_distributed_process_group(self._group)

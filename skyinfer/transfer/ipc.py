@@ -294,7 +294,7 @@ class IpcReceiver:
     update_info_cls = IpcUpdateInfo
 
     def receive_weights(self, update_info: IpcUpdateInfo) -> None:
-        from ..engine.vllm_api import IPCWeightTransferUpdateInfo
+        from ..vllm_api import IPCWeightTransferUpdateInfo
 
         fields = {"names": update_info.names, "dtype_names": update_info.dtype_names, "shapes": update_info.shapes}
         if update_info.pickled:

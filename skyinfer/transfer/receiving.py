@@ -20,7 +20,7 @@ class LayerwiseReceiver:
     receive_failure: BaseException | None = None
 
     def start_weight_update(self) -> None:
-        from ..engine.vllm_api import initialize_layerwise_reload
+        from ..vllm_api import initialize_layerwise_reload
 
         initialize_layerwise_reload(self.model)
 
@@ -41,7 +41,7 @@ def finish_layerwise_reload(model: torch.nn.Module, model_config) -> None:
     """vLLM's finalize of a layerwise reload (layers that received nothing get their old tensors
     back), plus the CPU fix for tied embeddings: the CPU lm_head keeps a packed copy of the old
     embedding after a reload; re-running its post-load step repacks it."""
-    from ..engine.vllm_api import finalize_layerwise_reload
+    from ..vllm_api import finalize_layerwise_reload
 
     finalize_layerwise_reload(model, model_config)
     hf_config = getattr(model_config, "hf_config", None)

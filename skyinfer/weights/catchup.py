@@ -41,7 +41,8 @@ from aiohttp import web
 
 from ..engine_calls import EngineReply, call_engine
 from ..errors import ApiError, json_response
-from ..state import EngineRecord, EngineRegistry
+from ..registry import EngineRegistry
+from ..state import EngineRecord
 from ..transfer.protocol import new_server_token, remove_segments, segment_prefix
 from .phases import Phase
 from .verify import differing
@@ -159,7 +160,7 @@ class CatchUp:
             return "it is not stale: it serves the fleet's weights"
         if self.sync.update.phase is not Phase.IDLE:
             return f"a weight update is in progress ({self.sync.update.phase.value}); it brings the engine in"
-        if record.receiving:
+        if record.mid_update:
             return "it is receiving a weight update"
         if not record.residency.weights_awake:
             return "its weights are asleep; POST /wake_up?tags=weights first"
@@ -174,7 +175,7 @@ class CatchUp:
                 for r in self.registry.serving()
                 if r is not record
                 and r.parallel == record.parallel
-                and not r.receiving
+                and not r.mid_update
                 and r.residency.weights_awake
                 # Before any push, every engine that serves holds the checkpoint on disk.
                 and (fleet is None or r.weight_version == fleet)
@@ -235,7 +236,7 @@ class CatchUp:
             if not source.residency.weights_awake:
                 # Its weights may have been released while it wrote them (a sleep: GPU memory).
                 raise _StepFailed(step, f"engine {source.engine_id} put its weights to sleep")
-            if not record.residency.weights_awake or record.receiving:
+            if not record.residency.weights_awake or record.mid_update:
                 raise _StepFailed(step, f"engine {record.engine_id} put its weights to sleep")
 
         try:

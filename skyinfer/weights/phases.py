@@ -10,17 +10,27 @@ and which calls fit each phase. ``skyinfer/state.py`` does the same for engines.
   later chunk, finish or verify of that update is refused with ``UPDATE_ABANDONED`` until the
   trainer starts over (``/start_weight_update``, ``/init_weight_transfer``): a chunk must never be
   taken for a new update of its own, or rollouts run on a mix of layers.
-- ``received``: the tensors this update has carried, so that its finish knows whether it covered
-  the whole checkpoint (only such a push may bring a stale engine back).
+- ``current``: the open update's own data (``OpenUpdate``), made when it leaves ``IDLE`` and
+  dropped when it ends.
 """
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import logging
+import time
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+import attrs
 
 from ..errors import UPDATE_ABANDONED, ApiError
+
+if TYPE_CHECKING:
+    from ..state import EngineRecord
+
+__all__ = ("OpenUpdate", "Phase", "UpdateMachine", "UpdateRefused")
 
 log = logging.getLogger("skyinfer.weights")
 
@@ -63,14 +73,37 @@ class UpdateRefused(ApiError):
     status = 409
 
 
+@attrs.define
+class OpenUpdate:
+    """One update's own data, from the call that opens it to its end (each field says who sets it)."""
+
+    # When it left IDLE (``UpdateMachine.step``): a push's time runs from here to its finish.
+    started_at: float = 0.0
+    # Received into staging copies while the engines serve on (``start``, or a one-call push).
+    staged: bool = False
+    # The engines hold staging copies of it (the staged path's receive); its swap consumes them,
+    # its end drops them.
+    copies_held: bool = False
+    # Engines it paused itself (the live path's begin), resumed when it ends.
+    paused_for_push: list[EngineRecord] = attrs.Factory(list)
+    # The tensors it carried (``receive``/``stage``): its finish knows whether it covered the checkpoint.
+    received: set[str] = attrs.Factory(set)
+    # Opened by /start_weight_update: its trainer makes further calls that belong to it.
+    opened_by_trainer: bool = False
+    # Fires when its trainer has been silent too long between calls (``expect_trainer``).
+    silence_timer: asyncio.TimerHandle | None = None
+
+
 class UpdateMachine:
     def __init__(self, on_step: Callable[[Phase], None]):
         self.phase = Phase.IDLE
         self.abandoned: str | None = None
-        self.received: set[str] = set()
-        # Opened by /start_weight_update: its trainer makes further calls that belong to it.
-        self._opened_by_trainer = False
+        self.current = OpenUpdate()
         self._on_step = on_step
+
+    @property
+    def received(self) -> set[str]:
+        return self.current.received
 
     def step(self, new: Phase) -> None:
         old = self.phase
@@ -80,16 +113,40 @@ class UpdateMachine:
             raise RuntimeError(f"weight update: illegal step {old.value} -> {new.value}")
         log.info("weight update: %s -> %s", old.value, new.value)
         self.phase = new
+        if old is Phase.IDLE:
+            self.current.started_at = time.monotonic()
         if new is Phase.IDLE:
-            self.received = set()
-            self._opened_by_trainer = False
+            self.hold_silence()
+            self.current = OpenUpdate()
         self._on_step(new)
 
-    def open(self) -> None:
+    def open(self, staged: bool) -> None:
         """``/start_weight_update``: a new update, whatever the trainer left before."""
         self.abandoned = None
-        self._opened_by_trainer = True
+        self.current.opened_by_trainer = True
+        self.current.staged = staged
         self.step(Phase.STARTED)
+
+    def hold_silence(self) -> None:
+        """A call of the trainer's is running (or the update ended): no silence timer runs."""
+        if self.current.silence_timer is not None:
+            self.current.silence_timer.cancel()
+            self.current.silence_timer = None
+
+    def expect_trainer(self, limit_s: float, on_silent: Callable[[], None]) -> None:
+        """A trainer's call is over: during an update, its next one is due within ``limit_s``."""
+        self.hold_silence()
+        if self.phase is not Phase.IDLE:
+            self.current.silence_timer = asyncio.get_running_loop().call_later(limit_s, self._silent, on_silent)
+
+    def _silent(self, on_silent: Callable[[], None]) -> None:
+        self.current.silence_timer = None
+        on_silent()
+
+    @property
+    def silence_timed_out(self) -> bool:
+        """The silence timer fired and no call of the trainer's came since."""
+        return self.phase is not Phase.IDLE and self.current.silence_timer is None
 
     def receive(self, names: Iterable[str]) -> None:
         self.received.update(names)
@@ -102,7 +159,7 @@ class UpdateMachine:
     def end(self, abandoned_because: str | None = None) -> None:
         """The update is over. ``abandoned_because``: the server ended it, not its trainer; if the
         trainer had opened it, its later calls are refused until it starts over."""
-        if abandoned_because is not None and self._opened_by_trainer:
+        if abandoned_because is not None and self.current.opened_by_trainer:
             self.abandoned = abandoned_because
         self.step(Phase.IDLE)
 

@@ -9,11 +9,13 @@ import asyncio
 import contextlib
 import os
 import socket
+import threading
 import time
 
 import attrs
 
 from ..errors import ApiError
+from ..ranks import LayoutError, RankLayout
 from ..transfer import GLOO, IPC, NCCL, SHM, Transport
 from ..transfer.protocol import (
     GroupInitInfo,
@@ -25,11 +27,10 @@ from ..transfer.protocol import (
     UpdateMetadata,
     new_server_token,
     remove_segments,
-    rendezvous_delays,
     segment_path,
     segment_prefix,
 )
-from .layout import LayoutError, RankLayout
+from ..transfer.rendezvous import wait_until_listening
 
 # The server flag that lets vLLM's pickled IPC handles through.
 PICKLED_IPC_FLAG = "--allow-pickled-ipc"
@@ -123,31 +124,25 @@ class FrontTransport:
         return InitPlan(engine_infos, timeout_s, answer, address)
 
     async def trainer_listening(self, plan: InitPlan) -> None:
-        """Return once the trainer listens at the group's address, within the group's timeout.
-
-        Engines that join a trainer not yet listening land in c10d's connect retries, whose random
-        delays of a minute and more miss a trainer that comes a few seconds later, and keep the
-        EngineCore busy meanwhile; an address where nobody will ever listen keeps it so for the
-        whole timeout. Asked only once the trainer is there, they meet it at once."""
+        """Return once the trainer listens at the group's address, within the group's timeout: engines
+        asked to join before then would miss it (transfer/rendezvous.py says why). The looks run on a
+        thread; cancelled, this returns at once, and the thread stops before its next look."""
         if plan.trainer_address is None:
             return
         host, port = plan.trainer_address
         deadline = time.monotonic() + plan.timeout_s
-        for delay in rendezvous_delays():
-            try:
-                _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout=2.0)
-            except (OSError, asyncio.TimeoutError):
-                if time.monotonic() + delay > deadline:
-                    raise TransferRefused(
-                        f"the trainer did not join the weight-transfer group within {plan.timeout_s:.0f}s: nothing"
-                        f" listened at {host}:{port}, and no engine was asked to join",
-                        status=504,
-                        param="init_info.master_address",
-                    ) from None
-                await asyncio.sleep(delay)
-                continue
-            writer.close()
-            return
+        given_up = threading.Event()
+        try:
+            await asyncio.to_thread(wait_until_listening, host, port, deadline, lambda: not given_up.is_set())
+        except TimeoutError:
+            raise TransferRefused(
+                f"the trainer did not join the weight-transfer group within {plan.timeout_s:.0f}s: nothing"
+                f" listened at {host}:{port}, and no engine was asked to join",
+                status=504,
+                param="init_info.master_address",
+            ) from None
+        finally:
+            given_up.set()
 
     # -- updates ----------------------------------------------------------------------
     def parse_update(self, update_info: dict, *, carries_data: bool) -> UpdateMetadata:

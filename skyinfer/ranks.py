@@ -1,22 +1,25 @@
-"""The weight-transfer rank layout: the one place it is computed.
-
-The trainer is rank 0. Each engine's workers (tp x pp of them) take
-consecutive ranks after the ranks before them. A client's ``rank_offset`` is
-where this server's workers start: 1 for a single node (what vLLM's trainer
-helpers send); on node k of several, 1 plus the workers of the nodes before.
-"""
+"""Where each engine's workers sit in a weight-transfer group (``RankLayout``, the one place it is
+computed), and ``LayoutError``: engines that do not fit, on this machine's devices or in a group's ranks."""
 
 from __future__ import annotations
 
 import attrs
 
+__all__ = ["LayoutError", "RankLayout"]
+
 
 class LayoutError(ValueError):
-    pass
+    """The requested engines do not fit: on this machine's devices (``devices.py``), or in the
+    ranks of a weight-transfer group (``RankLayout``)."""
 
 
 @attrs.frozen
 class RankLayout:
+    """The trainer is rank 0. Each engine's workers (tp x pp of them) take consecutive ranks after
+    the ranks before them. A client's ``rank_offset`` is where this server's workers start: 1 for a
+    single node (what vLLM's trainer helpers send); on node k of several, 1 plus the workers of the
+    nodes before (``MultiNodeClient``)."""
+
     base_offset: int
     world_size: int
     workers_per_engine: tuple[int, ...]

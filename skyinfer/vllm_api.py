@@ -1,17 +1,15 @@
-"""Every vLLM name skyinfer uses, in one table, each with where it lives in each known vLLM release.
-
-skyinfer imports vLLM only from here (``from .vllm_api import build_app``).
-A name is looked up on first use, in its modules in order (newest vLLM's
-first), so a process imports only what it uses: a worker loads the weight
-transfer names, never the HTTP stack. ``tools/check_vllm_api.py`` checks this
-table against each release in ``KNOWN_VERSIONS`` from its source, without
-installing it; CI runs it on every change.
-"""
+"""Every vLLM name skyinfer uses, in one table (``NAMES``), each with the modules it lives in across
+the known vLLM releases; ``from skyinfer.vllm_api import build_app`` looks a name up on first use.
+It imports nothing from skyinfer, so every layer (``transfer/``, ``engine/``) may import it."""
 
 from __future__ import annotations
 
 import importlib
 from typing import Any
+
+# The table; the vLLM names themselves are looked up on first use (``__getattr__``), so a star
+# import, which would import every one of them, takes the table alone.
+__all__ = ["KNOWN_VERSIONS", "NAMES"]
 
 # Releases the table is checked against (tools/check_vllm_api.py); setup.cfg's vLLM range admits these.
 KNOWN_VERSIONS = ("0.32.0", "0.33.0")
@@ -19,7 +17,10 @@ KNOWN_VERSIONS = ("0.32.0", "0.33.0")
 _CLI_ARGS = ("vllm.entrypoints.common.cli_args", "vllm.entrypoints.launchers.cli_args")  # 0.33 moved it
 _TRANSFER_BASE = ("vllm.distributed.weight_transfer.base",)
 
-# name -> modules that may define it, newest vLLM first.
+# name -> modules that may define it, newest vLLM first. skyinfer imports vLLM only through this
+# table; a process imports only the modules of the names it uses (a worker loads the weight-transfer
+# names, never the HTTP stack). tools/check_vllm_api.py checks the table against each release in
+# KNOWN_VERSIONS from its source, without installing it; CI runs it on every change.
 NAMES: dict[str, tuple[str, ...]] = {
     # Engine start-up: `vllm serve`'s own argument parser, environment and logging.
     "make_arg_parser": _CLI_ARGS,
@@ -41,7 +42,7 @@ NAMES: dict[str, tuple[str, ...]] = {
     "DetokenizeRequest": ("vllm.entrypoints.serve.tokenize.protocol",),
     "ErrorResponse": ("vllm.entrypoints.serve.engine.protocol",),
     "create_error_response": ("vllm.entrypoints.serve.exception_handling.error_response",),
-    # Weight transfer: the backend interface skyinfer's gloo backend implements, and its registry.
+    # Weight transfer: the backend interface skyinfer's backends implement (engine/backends.py), and its registry.
     "WeightTransferEngine": _TRANSFER_BASE,
     "WeightTransferInitInfo": _TRANSFER_BASE,
     "WeightTransferUpdateInfo": _TRANSFER_BASE,
@@ -53,17 +54,17 @@ NAMES: dict[str, tuple[str, ...]] = {
     "IPCWeightTransferUpdateInfo": ("vllm.distributed.weight_transfer.ipc_engine",),
     "stateless_init_torch_distributed_process_group": ("vllm.distributed.utils",),
     "stateless_destroy_torch_distributed_process_group": ("vllm.distributed.utils",),
-    # The CPU worker skyinfer's own CPU worker class extends (cpu_worker.py).
+    # The CPU worker skyinfer's own CPU worker class extends (engine/cpu_worker.py).
     "CPUWorker": ("vllm.v1.worker.cpu_worker",),
-    # How a CPU linear layer packs its weight for its kernel (worker_extension.py keeps the weight too).
+    # How a CPU linear layer packs its weight for its kernel (engine/cpu_setup.py keeps the weight too).
     "dispatch_cpu_unquantized_gemm": ("vllm.model_executor.layers.utils",),
-    # What loads a parameter whose layer names no loader of its own (a staged push's shadow, staging.py).
+    # What loads a parameter whose layer names no loader of its own (a staged push's shadow, engine/targets.py).
     "default_weight_loader": ("vllm.model_executor.model_loader.weight_utils",),
     "initialize_layerwise_reload": ("vllm.model_executor.model_loader.reload",),
     "finalize_layerwise_reload": ("vllm.model_executor.model_loader.reload",),
     # The loader that read the checkpoint at start-up: a reload from disk reads it again.
     "get_model_loader": ("vllm.model_executor.model_loader",),
-    # A request that goes on on another engine (continuation.py): what generate takes and gives.
+    # A request that goes on on another engine (engine/continuation.py): what generate takes and gives.
     "SamplingParams": ("vllm.sampling_params",),
     "RequestOutputKind": ("vllm.sampling_params",),
     "RequestOutput": ("vllm.outputs",),

@@ -1,0 +1,34 @@
+"""skyinfer's weight-transfer backends as vLLM backends: each transport's receiver (``transfer/``)
+mixed with the vLLM class it extends, and registered with vLLM's ``WeightTransferEngineFactory`` on
+import (the worker extension imports this module in every worker, before the model loads)."""
+
+from __future__ import annotations
+
+from ..transfer import GLOO, IPC, SHM
+from ..transfer.gloo import GlooReceiver
+from ..transfer.ipc import IpcReceiver
+from ..transfer.shm import SharedMemoryReceiver
+from ..vllm_api import IPCWeightTransferEngine, WeightTransferEngine, WeightTransferEngineFactory
+
+__all__ = ["GlooBackend", "IpcBackend", "SharedMemoryBackend"]
+
+
+class GlooBackend(GlooReceiver, WeightTransferEngine):
+    """``skyinfer_gloo``: a gloo group with the trainer (separate devices, CPU)."""
+
+
+class SharedMemoryBackend(SharedMemoryReceiver, WeightTransferEngine):
+    """``skyinfer_shm``: the trainer's shared-memory segments, mapped (colocated, CPU)."""
+
+
+class IpcBackend(IpcReceiver, IPCWeightTransferEngine):
+    """``skyinfer_ipc``: vLLM's CUDA IPC backend taking skyinfer's JSON handles (colocated, GPU)."""
+
+
+# Every skyinfer backend (transfer.SKYINFER_BACKENDS), as vLLM's factory.py registers its own.
+
+WeightTransferEngineFactory.register_engine(GLOO.backend, GlooBackend)
+
+WeightTransferEngineFactory.register_engine(SHM.backend, SharedMemoryBackend)
+
+WeightTransferEngineFactory.register_engine(IPC.backend, IpcBackend)

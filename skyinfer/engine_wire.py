@@ -1,0 +1,36 @@
+"""What the front and the engine process agree on without importing each other: the classes the
+front names on an engine's command line, the headers and markers of an engine's answers, the
+files of an adapter's directory. Imports nothing, so that the front never imports vLLM through it."""
+
+from __future__ import annotations
+
+__all__ = [
+    "ADAPTER_CONFIG_FILE",
+    "ADAPTER_WEIGHTS_FILE",
+    "CONTINUE_FIELD",
+    "CONTINUE_HEADER",
+    "CONTINUE_MARKER",
+    "CPU_WORKER_PATH",
+    "ENGINE_DIED_HEADER",
+    "EXTENSION_PATH",
+]
+
+# Named here (not imported from worker_extension, which imports vLLM) so the
+# front can pass it to engines without importing vLLM itself.
+EXTENSION_PATH = "skyinfer.engine.worker_extension.SkyinferWorkerExtension"
+# vLLM's CPU worker without its seeded-chunked-prefill crash (engine/cpu_worker.py says why).
+CPU_WORKER_PATH = "skyinfer.engine.cpu_worker.SkyinferCPUWorker"
+# On an answer whose request the engine could not finish because its EngineCore died:
+# the request may be re-sent to another engine (the front does, once).
+ENGINE_DIED_HEADER = "X-Skyinfer-Engine-Died"
+# A request whose engine died after it generated tokens goes on on another engine
+# (engine/continuation.py): the answer of the engine that died carries what it generated,
+# a stream as its last chunk (an SSE comment starting so), any other answer as this field of its
+# body (and the header says so); the front sends the request on with the same field added.
+CONTINUE_MARKER = b": skyinfer-continue "
+CONTINUE_FIELD = "skyinfer_continue"
+CONTINUE_HEADER = "X-Skyinfer-Continue"
+# A LoRA adapter's directory, as PEFT lays it out: the front checks one on disk, the engine
+# writes a pushed adapter's config and tensors into one.
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"

@@ -1,0 +1,107 @@
+"""The fleet as a weight update sees it: its engines and their workers, the update's phase, the
+checkpoint's names, and one call made to many engines at once."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from ..engine_calls import EngineReply, call_engine, failure
+from ..errors import TRANSFER_GROUP_GONE, ApiError
+from ..registry import EngineRegistry
+from ..state import APPLY, PAUSE_FOR_PUSH, EngineRecord, push_verdict
+from ..transfer.protocol import UpdateMetadata
+from .checkpoint import CheckpointSpec
+from .phases import Phase, UpdateMachine
+from .transports import FrontTransport
+
+__all__ = ("Fleet", "SyncError", "unpushable")
+
+
+class SyncError(ApiError):
+    """A weight-sync call refused or failed; ``engines``: each engine's own answer."""
+
+    def __init__(self, status: int, message: str, engines: list[dict] | None = None, code: str | None = None):
+        super().__init__(message, status=status, details=None if engines is None else {"engines": engines}, code=code)
+
+
+def unpushable(records: list[EngineRecord]) -> str | None:
+    """Why some engines cannot take weights now (their weights asleep, a restart, ...), or None."""
+    refused = [(r, v) for r in records if (v := push_verdict(r)) not in (APPLY, PAUSE_FOR_PUSH)]
+    return "; ".join(f"engine {r.engine_id}: {v}" for r, v in refused) or None
+
+
+class Fleet:
+    """What every room of a weight update shares: the engines, the transport, the update's phase
+    machine, the served checkpoint's names and the timeouts."""
+
+    def __init__(self, registry: EngineRegistry, transport: FrontTransport, model: str, timeout_s: float, metrics):
+        self.registry = registry
+        self.transport = transport
+        self.metrics = metrics
+        self.timeout_s = timeout_s
+        # The group's own timeout (from its init_info): a trainer silent this long between calls
+        # of an update has gone, and an engine inside a broken collective answers after it.
+        self.group_timeout_s = timeout_s
+        self.spec = CheckpointSpec.read(model)
+        self.update = UpdateMachine(metrics.set_update_phase)
+
+    def workers(self, records: list[EngineRecord]) -> tuple[int, ...]:
+        return tuple(self.transport.workers_per_engine[r.engine_id] for r in records)
+
+    def engines(self) -> list[EngineRecord]:
+        """Every engine of the fleet takes part in every transfer: the trainer's group spans them all."""
+        members = self.registry.members()
+        down = [r for r in members if not r.up]
+        if down or not members:
+            raise SyncError(
+                409,
+                "weight transfer needs every engine of the fleet: "
+                + (", ".join(f"engine {r.engine_id} is {r.state.value}" for r in down) or "every engine is retired")
+                + "; retry once it is up (GET /engines)",
+            )
+        return members
+
+    def check_group(self, records: list[EngineRecord]) -> None:
+        missing = [r.engine_id for r in records if not r.in_transfer_group]
+        if missing:
+            raise SyncError(
+                409,
+                f"engines {missing} are not in the trainer's group; POST /init_weight_transfer first",
+                code=TRANSFER_GROUP_GONE,
+            )
+
+    def leave_group(self) -> None:
+        """Whatever broke a transfer broke the collective: the trainer must form a new group."""
+        for record in self.registry.records:
+            record.in_transfer_group = False
+
+    def refuse_unless(self, *phases: Phase) -> None:
+        self.update.refuse_unless(*phases, silence_limit_s=self.group_timeout_s)
+
+    def check_metadata(self, update_info: dict, *, carries_data: bool = True) -> UpdateMetadata:
+        """Refuse (400) metadata that is malformed or does not fit the served checkpoint, before any byte moves."""
+        meta = self.transport.parse_update(update_info, carries_data=carries_data)
+        if self.spec is not None:
+            try:
+                self.spec.check(meta)
+            except ValueError as exc:
+                raise SyncError(400, f"update_info rejected before any transfer: {exc}") from None
+        return meta
+
+    def missing(self, received: set[str]) -> list[str]:
+        """The checkpoint's tensors an update left out (none known without a checkpoint)."""
+        return self.spec.missing(received) if self.spec is not None else []
+
+    async def call_all(
+        self, records: list[EngineRecord], path: str, *, timeout_s: float | None = None, **call: Any
+    ) -> list[EngineReply]:
+        """One engine route called on each engine at once; each engine's reply, in order."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        return await asyncio.gather(*(call_engine(r, path, timeout_s=timeout_s, **call) for r in records))
+
+    @staticmethod
+    def raise_if_failed(step: str, replies: list[EngineReply]) -> None:
+        failed = failure(step, replies)
+        if failed is not None:
+            raise SyncError(*failed, [rep.as_json() for rep in replies])

@@ -1,0 +1,356 @@
+"""One weight update, from its first call to its end, on one of two paths chosen when it opens:
+the live path (running engines paused, vLLM's layerwise reload open on each from the first chunk
+to the finish) or the staged path (staged.py). Both fail the same way: the update ends on every
+engine, without a restart where the engine can end it."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+from ..engine_calls import EngineReply, call_engine, failure, gather_until_failure
+from ..state import PAUSE_FOR_PUSH, EngineRecord, push_verdict
+from ..transfer.protocol import UpdateMetadata
+from ..wire import Checksums, KvRule, PauseParams
+from .checking import WeightChecks
+from .fleet import Fleet, SyncError, unpushable
+from .phases import Phase
+from .staged import StagedPath
+
+if TYPE_CHECKING:
+    from ..control import ControlPlane
+    from ..supervisor import Supervisor
+
+__all__ = ("ABORTED", "CHECKPOINT_VERSION", "Push")
+
+log = logging.getLogger("skyinfer.weights")
+
+# How a push pauses engines that are running: requests in flight are held, and their KV kept.
+_PAUSE_FOR_PUSH = PauseParams(mode="keep", clear_cache=False).to_query()
+ABORTED = (
+    "a weight update was aborted while it received: its layers are part new; push again, or POST"
+    " /reload_weights for the checkpoint on disk"
+)
+# vLLM's label for the weights an engine loaded at start-up (what a restarted engine serves).
+CHECKPOINT_VERSION = "default"
+
+
+def _version(weight_version: str | None) -> str:
+    return weight_version if weight_version is not None else f"update-{int(time.time())}"
+
+
+def _partly_covered(version: str, missing: list[str]) -> str:
+    shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+    return (
+        f"its weights were not the fleet's, and the push of {version} carried only part of the checkpoint"
+        f" ({len(missing)} tensor(s) left out: {shown}): push all of them before it serves"
+    )
+
+
+class LivePath:
+    """The engines' live weights take each chunk (``/update_weights``) between vLLM's start, which
+    the first chunk brings (``begin``), and its finish (``/finish_weight_update``)."""
+
+    receive_step = "update_weights"
+    apply_step = "finish_weight_update"
+
+    def __init__(self, fleet: Fleet, begin: Callable[[list[EngineRecord]], Awaitable[None]]):
+        self.fleet = fleet
+        self._begin = begin
+
+    def fits(self, records: list[EngineRecord], nbytes: int) -> None:
+        """The live weights take the bytes in place: nothing more to hold."""
+
+    async def receive(
+        self, records: list[EngineRecord], update_info: dict, meta: UpdateMetadata
+    ) -> tuple[list[EngineReply], dict]:
+        if self.fleet.update.phase is not Phase.RECEIVING:
+            await self._begin(records)
+        self.fleet.update.receive(meta.names)
+        body = {"update_info": update_info}
+        timeout_s = self.fleet.timeout_s
+        replies = await gather_until_failure(
+            [(r, call_engine(r, "/update_weights", timeout_s=timeout_s, body=body)) for r in records]
+        )
+        return replies, {"status": "updated", "engines": [rep.as_json() for rep in replies]}
+
+    async def apply(self, records: list[EngineRecord], version: str, kv: KvRule) -> tuple[list[EngineReply], dict]:
+        body = {"weight_version": version, "kv": kv}
+        return await self.fleet.call_all(records, "/finish_weight_update", body=body), {}
+
+
+class Push:
+    def __init__(
+        self, fleet: Fleet, checks: WeightChecks, supervisor: Supervisor, control: ControlPlane, max_failures: int
+    ):
+        self.fleet = fleet
+        self.update = fleet.update
+        self.registry = fleet.registry
+        self._checks = checks
+        self._supervisor = supervisor
+        self._control = control
+        self._max_failures = max_failures
+        self.live = LivePath(fleet, self._begin)
+        self.staged = StagedPath(fleet)
+        self.last_update_s: float | None = None
+        # Updates that began touching engines (or a reload): a peer catch-up that sees this move
+        # while it copies gives way to the push (catchup.py).
+        self.updates_begun = 0
+
+    def _path(self) -> LivePath | StagedPath:
+        return self.staged if self.update.current.staged else self.live
+
+    def start(self, update_info: dict | None, staged: bool = False) -> dict:
+        self.fleet.refuse_unless(Phase.IDLE)
+        records = self.fleet.engines()
+        self.fleet.check_group(records)
+        if update_info is not None:
+            meta = self.fleet.check_metadata(update_info, carries_data=False)
+            (self.staged if staged else self.live).fits(records, meta.total_bytes())
+        self.update.open(staged)
+        return {"status": "started", "staged": staged}
+
+    async def receive(
+        self, update_info: dict, weight_version: str | None, kv: KvRule = "recompute", staged: bool = False
+    ) -> dict:
+        """Check, then receive on every engine (into staging copies, for a staged update). Without
+        an open update: start and finish too, in one hold of the fleet."""
+        meta = self.fleet.check_metadata(update_info)
+        try:
+            async with self.registry.fleet_change():
+                # A chunk of an update the server abandoned is no update of its own.
+                self.update.refuse_if_abandoned()
+                self.fleet.refuse_unless(Phase.IDLE, Phase.STARTED, Phase.STAGING, Phase.RECEIVING)
+                one_shot = self.update.phase is Phase.IDLE
+                if not one_shot and (kv != "recompute" or staged):
+                    raise SyncError(
+                        400,
+                        "kv and staged belong to a one-call push: for an open update, staged goes to its"
+                        " /start_weight_update and kv to its /finish_weight_update",
+                    )
+                records = self.fleet.engines()
+                self.fleet.check_group(records)
+                if one_shot:
+                    self.update.current.staged = staged
+                    self._path().fits(records, meta.total_bytes())
+                path = self._path()
+                started = time.monotonic()
+                replies, answer = await path.receive(records, update_info, meta)
+                await self._settle(path.receive_step, records, replies, collective=True)
+                if path is self.live:
+                    self.last_update_s = time.monotonic() - started
+                if not one_shot:
+                    return answer
+                finished = await self._finish(records, _version(weight_version), False, None, kv)
+                if path is self.staged:
+                    finished["staged"] = {key: answer[key] for key in ("bytes", "seconds", "place")}
+                return finished
+        finally:
+            self.fleet.transport.update_sent(meta)
+
+    async def finish(
+        self,
+        weight_version: str | None,
+        verify: bool = False,
+        expected: Checksums | None = None,
+        kv: KvRule = "recompute",
+    ) -> dict:
+        """Every engine takes the update (a staged one: swaps its staging copy in); with ``verify``,
+        each is then held to ``expected`` (or to the others): one that differs is held out as stale
+        and the call fails."""
+        self.fleet.refuse_unless(Phase.RECEIVING, Phase.STAGING)
+        async with self.registry.fleet_change():
+            self.fleet.refuse_unless(Phase.RECEIVING, Phase.STAGING)
+            return await self._finish(self.fleet.engines(), _version(weight_version), verify, expected, kv)
+
+    async def reload(self) -> dict:
+        """Every engine of the fleet loads the checkpoint on disk again, in place, as a push would
+        (engines that run are paused for it; no restart): for stale engines whose trainer is not
+        coming back. The fleet then serves the checkpoint under vLLM's own label for it."""
+        self.fleet.refuse_unless(Phase.IDLE)
+        async with self.registry.fleet_change():
+            self.fleet.refuse_unless(Phase.IDLE)
+            self.update.start_over()
+            records = self.fleet.engines()
+            await self._begin(records)
+            self.update.receive(self.fleet.spec.names if self.fleet.spec is not None else ())
+            replies = await self.fleet.call_all(records, "/load_checkpoint")
+            await self._settle("loading the checkpoint", records, replies)
+            return await self._finish(records, CHECKPOINT_VERSION, verify=False, expected=None)
+
+    async def _begin(self, records: list[EngineRecord]) -> None:
+        """Open the update on every engine's live weights: engines that are running are paused for
+        it first; one whose weights are asleep refuses it (nothing is touched)."""
+        self.updates_begun += 1
+        if (reason := unpushable(records)) is not None:
+            raise SyncError(409, f"cannot start a weight update: {reason}")
+        running = [r for r in records if push_verdict(r) == PAUSE_FOR_PUSH]
+        paused = await self.fleet.call_all(running, "/pause", query=_PAUSE_FOR_PUSH)
+        for record, reply in zip(running, paused):
+            if reply.ok:
+                self.registry.record_call(record, "pause")
+            elif record.up:
+                # It may have paused all the same: asked, so that the update's end resumes it if so.
+                await self._control.reread(record, "pause")
+            if record.paused:
+                self.update.current.paused_for_push.append(record)
+        self.update.step(Phase.RECEIVING)  # from here on, weights may be part new
+        await self._settle("pausing engines for the push", running, paused)
+        replies = await self.fleet.call_all(records, "/start_weight_update")
+        for record, reply in zip(records, replies):
+            record.mid_update = reply.ok or reply.status >= 500  # one that did not answer may have started
+        await self._settle("start_weight_update", records, replies)
+
+    async def _finish(
+        self,
+        records: list[EngineRecord],
+        version: str,
+        verify: bool,
+        expected: Checksums | None,
+        kv: KvRule = "recompute",
+    ) -> dict:
+        """Every engine takes the update and serves ``version``: the fleet's account of it, and the
+        update's end. Called with the registry's lock held."""
+        path = self._path()
+        if self.update.phase is Phase.STAGING:
+            if (reason := unpushable(records)) is not None:
+                reason = f"cannot swap the staged push in: {reason}"
+                await self.end_abandoned(reason)  # no live weight was touched
+                raise SyncError(409, reason)
+            self.updates_begun += 1
+        replies, extras = await path.apply(records, version, kv)
+        await self._settle(path.apply_step, records, replies)
+        if path is self.staged:
+            self.last_update_s = extras["swap_seconds"]
+        self.registry.fleet_weight_version = version
+        self.fleet.metrics.push_seconds.observe(time.monotonic() - self.update.current.started_at)
+        missing = self.fleet.missing(self.update.received)
+        for record in records:
+            record.weight_version = version
+            record.mid_update = False
+            record.push_failures = 0
+            if not record.up or record.stale is None:
+                continue
+            # Its weights were not the fleet's before (discarded by a sleep, mixed by an abort,
+            # another version): only a push of every tensor makes them so.
+            self.registry.set_stale(record, _partly_covered(version, missing) if missing else None)
+        self._checks.forget()
+        try:
+            if verify:
+                self._checks.raise_unless_verified(*await self._checks.verify(records, expected))
+        finally:
+            await self.end()
+        log.info("weight version %s on %d engine(s)%s", version, len(records), ", verified" if verify else "")
+        answer = {
+            "status": "finished",
+            "weight_version": version,
+            "kv": kv,
+            "engines": [rep.as_json() for rep in replies],
+            **extras,
+        }
+        return {**answer, "verified": True} if verify else answer
+
+    async def _settle(
+        self, step: str, records: list[EngineRecord], replies: list[EngineReply], collective: bool = False
+    ) -> None:
+        """Go on after a step, or abort the whole update if any engine failed it; an engine that
+        fails pushes by itself ``--max-push-failures`` times in a row is retired."""
+        failed = failure(step, replies)
+        if failed is None:
+            return
+        at_fault = self._at_fault(records, replies, collective)
+        for record in at_fault:
+            record.push_failures += 1
+        await self._abort(failed[1])
+        for record in at_fault:
+            if record.push_failures >= self._max_failures and record.up:
+                self._supervisor.retire(
+                    record,
+                    f"it failed {record.push_failures} pushes in a row (--max-push-failures"
+                    f" {self._max_failures}), the last at {step}",
+                )
+        raise SyncError(*failed, [rep.as_json() for rep in replies])
+
+    @staticmethod
+    def _at_fault(records: list[EngineRecord], replies: list[EngineReply], collective: bool) -> list[EngineRecord]:
+        """The engines that failed a step by themselves. A step of the engine's own (pause, start,
+        finish) is its own failure; one of a collective with the trainer is, when another engine
+        did its part (else the trainer, or the group, failed them all)."""
+        if collective and not any(reply.ok for reply in replies):
+            return []
+        return [record for record, reply in zip(records, replies) if not reply.ok and not reply.cut_short]
+
+    async def end_abandoned(self, reason: str) -> None:
+        """The server ends an update its trainer left, or that cannot go on: engines that began it
+        abort it; if none had, the update ends without touching their weights."""
+        if self.update.phase is Phase.RECEIVING:
+            await self._abort(reason)
+        else:
+            await self.end(abandoned_because=reason)
+
+    async def _abort(self, reason: str) -> None:
+        """End the update on every engine that may have begun it: each keeps its process and serves
+        nothing (stale) until the next push; one that cannot even end it is restarted. Called with
+        the registry's lock held."""
+        self.fleet.metrics.push_failures.inc()
+        began = [r for r in self.registry.records if r.mid_update]
+        for record in began:
+            if record.up:
+                self.registry.set_stale(record, ABORTED)  # out of routing now, not once it answers
+        # An engine still inside a broken collective answers once the group's own timeout ends it.
+        group = self.fleet.transport.transport.group
+        timeout_s = self.fleet.group_timeout_s + 30 if group else self.fleet.timeout_s
+        replies = await self.fleet.call_all(began, "/abort_weight_update", timeout_s=timeout_s)
+        for record, reply in zip(began, replies):
+            record.mid_update = False
+            if record.up and not reply.ok:
+                self._supervisor.restart_in_background(
+                    record, f"a weight update was aborted ({reason}) and the engine could not end it: {reply.message}"
+                )
+        if group:
+            self.fleet.leave_group()
+        log.error("weight update aborted: %s; %d engine(s) held out until the next push", reason, len(began))
+        await self.end(abandoned_because=reason)
+
+    async def end(self, abandoned_because: str | None = None) -> None:
+        """An update is over, however: staging copies it left go, engines it paused run again, its
+        segments go. ``abandoned_because``: the server ended it, not its trainer (its later calls
+        are refused)."""
+        current = self.update.current
+        if current.copies_held:
+            await self._drop_copies(self.registry.members())
+        self.update.end(abandoned_because)
+        resumable = [
+            r
+            for r in current.paused_for_push
+            if r.up and r.residency.paused and not r.residency.sleeping and not r.mid_update
+        ]
+        if not self.registry.intent.paused:
+            replies = await self.fleet.call_all(resumable, "/resume")
+            for record, reply in zip(resumable, replies):
+                if reply.ok and record.up:
+                    self.registry.record_call(record, "resume")
+                elif record.up:
+                    await self._still_paused(record, reply.message)
+        if removed := self.fleet.transport.update_ended():
+            log.info("removed %d shared-memory segment(s) the trainer left", len(removed))
+
+    async def _drop_copies(self, records: list[EngineRecord]) -> None:
+        """Every engine throws its staging copy away; one that cannot is restarted (a copy left
+        behind holds a push's bytes for ever)."""
+        replies = await self.staged.drop(records)
+        for record, reply in zip(records, replies):
+            if not reply.ok and record.up:
+                self._supervisor.restart_in_background(
+                    record, f"it could not drop a staged push's copy: {reply.message}"
+                )
+
+    async def _still_paused(self, record: EngineRecord, why: str) -> None:
+        """A resume after the push failed: if vLLM still holds the engine paused, the requests routed
+        to it would wait for ever; it is restarted (they move to another engine)."""
+        log.warning("engine %d: resuming after the push failed: %s", record.engine_id, why)
+        await self._control.reread(record, "resume")
+        if record.up and record.residency.paused:
+            self._supervisor.restart_in_background(record, f"it could not be resumed after a push: {why}")
