@@ -25,6 +25,9 @@ from support import (
     two_float32_engines,
 )
 
+# Each module's time and the suite's peak memory, printed at the end (tests/suite_report.py).
+pytest_plugins = ("suite_report",)
+
 
 def pytest_addoption(parser) -> None:
     parser.addoption(

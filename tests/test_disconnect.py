@@ -77,9 +77,11 @@ async def test_non_streaming_disconnect_aborts_in_engine(server, model_name):
                 assert time.monotonic() < deadline and not request.done(), "request never reached an engine"
                 await asyncio.sleep(0.1)
             request.cancel()  # closes the connection
-            cancelled_at = time.monotonic()
+            # Aborted, it is gone in well under a second; kept (the engine is paused), it never
+            # ends. A 30 s deadline: generous on a busy machine.
+            deadline = time.monotonic() + 30
             while await total_unfinished() != 0:
-                assert time.monotonic() - cancelled_at < 5, "engine kept a request whose client left"
+                assert time.monotonic() < deadline, "engine kept a request whose client left"
                 await asyncio.sleep(0.1)
         finally:
             assert (await client.post(f"{server.url}/resume")).status_code == 200

@@ -3,8 +3,9 @@ concurrent admin calls under load, weights changed behind the front's back.
 
 Every case ends with the same three checks:
 (a) every request in flight at the fault completed with its full token count, or got an
-    OpenAI-shaped error (or, where the engines abort what they held, finish reason "abort")
-    within 5 s of the fault; none is left open;
+    OpenAI-shaped error (or, where the engines abort what they held, finish reason "abort");
+    none is left open: each has ended within 30 s (ENDED_WITHIN_S) of the fault, or of the
+    resume that lets it end;
 (b) every engine serves the old or the new weights under the right label (greedy logprobs
     within 0.05 of a transformers float32 forward of those weights), or serves nothing;
 (c) the next push succeeds at the first attempt.
@@ -36,6 +37,10 @@ from support import admit_while_paused, engine_of, engine_socket, restore_fleet,
 pytestmark = pytest.mark.usefixtures("restores_checkpoint")
 
 TOKENS = 32
+# Check (a)'s deadline. The requests a fault touches end in seconds (completed, failed or aborted);
+# one left open would wait for its 120 s HTTP timeout, one failed by a timeout of the front's would
+# take a minute or more.
+ENDED_WITHIN_S = 30
 
 
 @attrs.define
@@ -72,22 +77,21 @@ def request_body(model: str, i: int, stream: bool) -> dict:
     return {**body, "stream": True, "stream_options": {"include_usage": True}} if stream else body
 
 
-async def chat(http: httpx.AsyncClient, body: dict) -> tuple[int, dict, float]:
-    """One request to its end: status, outcome (finish reasons and token count, or the error), when it ended."""
+async def chat(http: httpx.AsyncClient, body: dict) -> tuple[int, dict]:
+    """One request to its end: status, outcome (finish reasons and token count, or the error)."""
     if not body.get("stream"):
         r = await http.post("/v1/chat/completions", json=body)
         payload = r.json()
         if r.status_code != 200:
-            return r.status_code, payload, time.monotonic()
+            return r.status_code, payload
         return (
             200,
             {"reasons": [payload["choices"][0]["finish_reason"]], "tokens": payload["usage"]["completion_tokens"]},
-            time.monotonic(),
         )
     reasons, tokens, error = [], None, None
     async with http.stream("POST", "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
-            return r.status_code, json.loads(await r.aread()), time.monotonic()
+            return r.status_code, json.loads(await r.aread())
         async for line in r.aiter_lines():
             if not line.startswith("data: {"):
                 continue
@@ -95,28 +99,35 @@ async def chat(http: httpx.AsyncClient, body: dict) -> tuple[int, dict, float]:
             error = chunk.get("error", error)
             reasons += [c["finish_reason"] for c in chunk.get("choices", []) if c.get("finish_reason")]
             tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
-    return 200, {"reasons": reasons, "tokens": tokens, "error": error}, time.monotonic()
+    return 200, {"reasons": reasons, "tokens": tokens, "error": error}
+
+
+async def ended(requests: list[asyncio.Task]) -> list[tuple[int, dict]]:
+    """Each request's outcome, once every one has ended: none may still be open ENDED_WITHIN_S on
+    (waited for once the fleet can end them: right after the fault, or once it is resumed)."""
+    _, still_open = await asyncio.wait(requests, timeout=ENDED_WITHIN_S)
+    for request in still_open:
+        request.cancel()
+    assert not still_open, f"{len(still_open)} of {len(requests)} requests still open {ENDED_WITHIN_S} s on"
+    return [request.result() for request in requests]
 
 
 def assert_ended(
-    outcomes: list[tuple[int, dict, float]],
-    fault_at: float,
+    outcomes: list[tuple[int, dict]],
     aborts_allowed: bool = False,
     aborted_by_fault: bool = False,
 ) -> None:
-    """Check (a): each request completed in full, or failed in the OpenAI shape within 5 s (or, where
-    the fault aborts what the engines held, ended with finish reason "abort" within 5 s)."""
-    for status, outcome, at in outcomes:
+    """Check (a): each request completed in full, or failed in the OpenAI shape (or, where the fault
+    aborts what the engines held, ended with finish reason "abort"); ``ended`` saw none left open."""
+    for status, outcome in outcomes:
         if status != 200:
             assert outcome["error"]["code"] == status and outcome["error"]["message"], outcome
-            assert at - fault_at < 5, f"a request failed {at - fault_at:.1f}s after the fault"
         elif outcome.get("error"):
-            assert at - fault_at < 5 and outcome["error"]["message"], outcome
+            assert outcome["error"]["message"], outcome
         else:
             assert len(outcome["reasons"]) == 1, f"a choice ended without one finish reason: {outcome}"
-            if aborted_by_fault and outcome["reasons"] == ["abort"]:
-                assert at - fault_at < 5, f"a request was aborted {at - fault_at:.1f}s after the fault"
-            elif not (aborts_allowed and outcome["reasons"] == ["abort"]):
+            aborted = outcome["reasons"] == ["abort"]
+            if not (aborted and (aborted_by_fault or aborts_allowed)):
                 assert outcome["reasons"] == ["length"] and outcome["tokens"] == TOKENS, outcome
 
 
@@ -163,7 +174,7 @@ async def test_trainer_killed_before_any_engine_is_touched(server, model_name, d
         assert trainer.returncode == 9, trainer.stdout + trainer.stderr
         assert (await http.get("/weight_info")).json()["update_phase"] == ("started" if phase == "start" else "idle")
         assert (await http.post("/resume")).status_code == 200
-        assert_ended(await asyncio.gather(*held), fault_at)
+        assert_ended(await ended(held))
         served_at = time.monotonic()
     await asyncio.to_thread(assert_engines_match, server, model_name, demo_model, fleet.weights, fleet.label)
     started = time.monotonic()
@@ -200,7 +211,7 @@ async def test_trainer_killed_mid_transfer_costs_no_restart(server, model_name, 
         trainer = await asyncio.to_thread(run_trainer, server, path, "never-served", "--die-after", "2")
         fault_at = time.monotonic()
         assert trainer.returncode == 9
-        assert_ended(await asyncio.gather(*held), fault_at, aborted_by_fault=True)
+        assert_ended(await ended(held), aborted_by_fault=True)
         ready_for_push = await stale_without_restart(server, http, model_name, pids, fault_at)
         for _ in range(2):
             r = await http.post("/pause", params={"mode": "keep"})
@@ -229,12 +240,13 @@ async def test_trainer_killed_before_finish_aborts_the_update_within_its_timeout
         )
         fault_at = time.monotonic()
         assert trainer.returncode == 9
-        # The silence limit (3 s), then the abort: within the 5 s of check (a).
-        assert_ended(await asyncio.gather(*held), fault_at, aborted_by_fault=True)
+        # The silence limit (3 s), then the abort: the held requests end with it, in seconds (check (a)).
+        assert_ended(await ended(held), aborted_by_fault=True)
         # An engine aborts what it held before it answers the front's abort; the update is over once
-        # every engine has answered.
+        # every engine has answered, moments later. One left open never ends: a 30 s deadline.
+        deadline = time.monotonic() + 30
         while (phase := (await http.get("/weight_info")).json()["update_phase"]) != "idle":
-            assert time.monotonic() - fault_at < 5, f"the update is still {phase!r} 5 s after the fault"
+            assert time.monotonic() < deadline, f"the update is still {phase!r} 30 s after the held requests ended"
             await asyncio.sleep(0.05)
         ready_for_push = await stale_without_restart(server, http, model_name, pids, fault_at)
         await restore_fleet(http)
@@ -279,7 +291,7 @@ async def test_concurrent_admin_calls_under_load_are_serialised(server, model_na
                 vllm_says = (await direct.get("/conditions")).json()
             assert vllm_says == {"paused": engine["paused"], "sleeping": engine["sleeping"]}, engine
         await restore_fleet(http)
-        assert_ended(await asyncio.gather(*requests), fault_at, aborts_allowed=True)
+        assert_ended(await ended(requests), aborts_allowed=True)
         served_at = time.monotonic()
     await asyncio.to_thread(assert_engines_match, server, model_name, demo_model, fleet.weights, fleet.label)
     await push_next(server, fleet, demo_model, tmp_path, "after-admin-race")

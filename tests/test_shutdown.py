@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import psutil
@@ -48,7 +48,6 @@ async def test_sigterm_lets_in_flight_requests_finish(stoppable):
         tasks = await admit_while_paused(http, (http.post("/v1/completions", json=body) for _ in range(8)))
         assert (await http.post("/resume")).status_code == 200
         srv.proc.send_signal(signal.SIGTERM)
-        signalled = time.monotonic()
         await asyncio.sleep(0.5)
         assert not any(t.done() for t in tasks), "the requests finished before the signal landed"
         # No longer accepting: a new connection is refused while the old ones finish.
@@ -59,18 +58,20 @@ async def test_sigterm_lets_in_flight_requests_finish(stoppable):
         except httpx.ConnectError:
             pass
         results = await asyncio.gather(*tasks)
+    # Finished in full, the requests were not cut off by the 60 s grace; the engines then exit
+    # within seconds (the wait is a deadline).
     for r in results:
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 600
     assert await asyncio.to_thread(srv.proc.wait, 60) == 0, srv.log_tail()
-    elapsed = time.monotonic() - signalled
-    assert elapsed < 60, f"shutdown took {elapsed:.1f}s"
     assert_nothing_left(tree)
 
 
 async def test_grace_period_bounds_the_shutdown(stoppable, demo_model):
-    """Requests that cannot finish (held by a pause) are cut off when the grace runs out, and a
-    push stuck mid-transfer (its trainer stopped sending) does not hold the shutdown up."""
+    """Requests that cannot finish (held by a pause) are waited for through their share of the
+    grace, then cut off (the server's log says so), and a push stuck mid-transfer (its trainer
+    stopped sending) does not hold the shutdown up: the server exits within seconds of the grace,
+    not at the push's 60 s timeout."""
     srv = stoppable["grace"]
     tree = process_tree(srv)
     trainer = subprocess.Popen(
@@ -85,14 +86,19 @@ async def test_grace_period_bounds_the_shutdown(stoppable, demo_model):
             assert await asyncio.to_thread(trainer.stdout.readline) == "hanging\n"
             assert (await http.get("/weight_info")).json()["update_phase"] == "receiving"
             srv.proc.send_signal(signal.SIGTERM)
-            signalled = time.monotonic()
-            code = await asyncio.to_thread(srv.proc.wait, 60)
-            elapsed = time.monotonic() - signalled
+            # A deadline, not a measure: the 8 s grace bounds the shutdown, and 30 s leaves room for
+            # a busy machine; held up by the stuck push, it would last the push's 60 s timeout (the
+            # trainer's) or more.
+            code = await asyncio.to_thread(srv.proc.wait, 30)
             outcomes = await asyncio.gather(*tasks, return_exceptions=True)
     finally:
         trainer.kill()
     assert code == 0, srv.log_tail()
-    # The requests had the in-flight share of the grace; the whole shutdown fits in it.
-    assert GRACE_S * 0.7 < elapsed < GRACE_S + 1, f"shutdown took {elapsed:.1f}s with a {GRACE_S}s grace"
+    # The requests had the in-flight share of the grace (all of it but the engines' quarter), and
+    # were cut off only when it ran out: the server's drain says so.
+    in_flight_s = GRACE_S - GRACE_S / 4
+    log = srv.log_path.read_text(errors="replace")
+    cut = re.findall(r"(\d+) request\(s\) still running after (\d+)s; cutting them off", log)
+    assert [int(after) for _, after in cut] == [in_flight_s] and int(cut[0][0]) >= len(tasks), cut or srv.log_tail()
     assert all(isinstance(o, httpx.HTTPError) or o.status_code >= 500 for o in outcomes), outcomes
     assert_nothing_left(tree)

@@ -134,22 +134,25 @@ async def test_trainer_that_never_joins_times_out_while_engines_serve(server, mo
         "timeout_s": 6,
     }
     async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
-        started = time.monotonic()
+        # The init ends at its own 6 s timeout; one that ignored it would wait out the front's
+        # default (120 s): a 60 s deadline tells the two apart on a busy machine.
+        deadline = time.monotonic() + 60
         init = asyncio.create_task(http.post("/init_weight_transfer", json={"init_info": init_info}))
         await asyncio.sleep(1)
         served = []
         while not init.done():
+            assert time.monotonic() < deadline, "the init still waits 60 s on, past its 6 s timeout"
             t = time.monotonic()
             r = await http.post("/v1/completions", json={"model": model_name, "prompt": "still here", "max_tokens": 4})
             assert r.status_code == 200
             served.append(time.monotonic() - t)
             await asyncio.sleep(0.2)
         r = await init
-        elapsed = time.monotonic() - started
     assert r.status_code == 504, r.text
-    assert "did not join" in r.json()["error"]["message"]
-    assert elapsed < 6 + 10
-    assert len(served) >= 3 and max(served) < 5, served
+    assert "did not join" in r.json()["error"]["message"] and "within 6s" in r.json()["error"]["message"], r.text
+    # Served while the init waited: each request but the last was answered before the init ended
+    # (the loop sends the next only then), where engines it blocked would answer none before it ended.
+    assert len(served) >= 3, served
 
 
 async def test_the_fleet_is_relabelled_without_a_transfer(server, model_name):

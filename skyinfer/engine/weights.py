@@ -69,19 +69,34 @@ async def _after_new_weights(request: web.Request, engine, kv) -> None:
     await engine.reset_prefix_cache(reset_running_requests=not keep_kv)
 
 
-async def _wait_for_rendezvous(engine, timeout_s: float) -> web.Response:
+class _WorkersFailed(Exception):
+    """A worker reported ``failed``: its error."""
+
+
+async def _until_every_worker(poll, ready: str, timeout_s: float, poll_s: float) -> list[dict] | None:
+    """Poll every worker's status (``poll()``) until each is ``ready``: their statuses, or None once
+    ``timeout_s`` passed (or a worker timed out itself); a worker that failed raises its error."""
     deadline = time.monotonic() + timeout_s
     while True:
-        statuses = await engine.collective_rpc(STATUS_RPC)
+        statuses = await poll()
         states = {s["state"] for s in statuses}
         if "failed" in states:
-            error = next(s["error"] for s in statuses if s["state"] == "failed")
-            return error_response(502, f"joining the trainer's group failed: {error}")
-        if states == {"ready"}:
-            return json_response({"status": "joined", "workers": len(statuses)})
+            raise _WorkersFailed(next(s["error"] for s in statuses if s["state"] == "failed"))
+        if states == {ready}:
+            return statuses
         if "timeout" in states or time.monotonic() > deadline:
-            return error_response(504, f"the trainer did not join the weight-transfer group within {timeout_s:.0f}s")
-        await asyncio.sleep(0.1)
+            return None
+        await asyncio.sleep(poll_s)
+
+
+async def _wait_for_rendezvous(engine, timeout_s: float) -> web.Response:
+    try:
+        statuses = await _until_every_worker(lambda: engine.collective_rpc(STATUS_RPC), "ready", timeout_s, 0.1)
+    except _WorkersFailed as failed:
+        return error_response(502, f"joining the trainer's group failed: {failed}")
+    if statuses is None:
+        return error_response(504, f"the trainer did not join the weight-transfer group within {timeout_s:.0f}s")
+    return json_response({"status": "joined", "workers": len(statuses)})
 
 
 async def init_weight_transfer(request: web.Request) -> web.Response:
@@ -125,25 +140,23 @@ async def stage_weights(request: web.Request) -> web.Response:
     body = parse_json_object(await request.read())
     timeout_s = float(request.query["timeout_s"])
     await on_every_worker(engine, STAGE_WEIGHTS_RPC, body["update_info"], int(body["update_nbytes"]))
-    deadline = time.monotonic() + timeout_s
-    while True:
-        statuses = await on_every_worker(engine, STAGING_STATUS_RPC)
-        failed = [s["error"] for s in statuses if s["state"] == "failed"]
-        if failed:
-            return error_response(502, f"staging the push failed: {failed[0]}")
-        if all(s["state"] == "staged" for s in statuses):
-            return json_response(
-                {
-                    "status": "staged",
-                    "bytes": sum(s["bytes"] for s in statuses),
-                    "tensors": sum(s["tensors"] for s in statuses),
-                    "seconds": max(s["seconds"] for s in statuses),
-                    "place": statuses[0]["place"],
-                }
-            )
-        if time.monotonic() > deadline:
-            return error_response(504, f"the push was not staged within {timeout_s:.0f}s")
-        await asyncio.sleep(_STAGING_POLL_S)
+    try:
+        statuses = await _until_every_worker(
+            lambda: on_every_worker(engine, STAGING_STATUS_RPC), "staged", timeout_s, _STAGING_POLL_S
+        )
+    except _WorkersFailed as failed:
+        return error_response(502, f"staging the push failed: {failed}")
+    if statuses is None:
+        return error_response(504, f"the push was not staged within {timeout_s:.0f}s")
+    return json_response(
+        {
+            "status": "staged",
+            "bytes": sum(s["bytes"] for s in statuses),
+            "tensors": sum(s["tensors"] for s in statuses),
+            "seconds": max(s["seconds"] for s in statuses),
+            "place": statuses[0]["place"],
+        }
+    )
 
 
 async def swap_staged(request: web.Request) -> web.Response:
