@@ -1,9 +1,9 @@
 """Shared fixtures: the demo model and a real skyinfer server with two vLLM engines.
 
-Engines take 30-45 s to start, so one two-engine server serves the whole
-session (modules that push weights into it restore the checkpoint after
-them), and a one-engine server with keys serves the security and load tests;
-tests that must stop or break a server start their own.
+Engines take 30-45 s to start, so one two-engine server serves every module that can share it
+(modules that push weights into it restore the checkpoint after them), and a one-engine server
+with keys serves the security and load tests; tests that must stop or break a server start their
+own. tests/server_plan.py orders the modules so that each shared server stops after its last user.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import pytest
 
 from skyinfer.demo_model import build_demo_model
 
+from server_plan import PLAN, session_server
 from support import (
     FRONT_WORKERS,
     WORKERS_ARGS,
@@ -25,8 +26,9 @@ from support import (
     two_float32_engines,
 )
 
-# Each module's time and the suite's peak memory, printed at the end (tests/suite_report.py).
-pytest_plugins = ("suite_report",)
+# The order modules run in and how long the session's servers live (tests/server_plan.py); each
+# module's time and the suite's peak memory, printed at the end (tests/suite_report.py).
+pytest_plugins = ("server_plan", "suite_report")
 
 
 def pytest_addoption(parser) -> None:
@@ -46,7 +48,9 @@ def fuzz_share(request) -> float:
 
 @pytest.fixture(scope="session")
 def demo_model(tmp_path_factory) -> Path:
-    return build_demo_model(tmp_path_factory.mktemp("demo-model"))
+    model = build_demo_model(tmp_path_factory.mktemp("demo-model"))
+    PLAN.demo_model, PLAN.tmp_path_factory = model, tmp_path_factory  # for launching servers ahead
+    return model
 
 
 @pytest.fixture(scope="session")
@@ -69,7 +73,8 @@ def one_front_server(request, demo_model, tmp_path_factory):
         request.getfixturevalue("_workers_process")
         if any("keyed_server" in item.fixturenames and f"[{FRONT_WORKERS}" in item.name for item in items):
             request.getfixturevalue("_keyed_workers_process")
-    with running(two_float32_engines(demo_model, tmp_path_factory.mktemp("logs") / "server.log")) as srv:
+    srv = two_float32_engines(demo_model, tmp_path_factory.mktemp("logs") / "server.log")
+    with running(session_server("one_front_server", srv)):
         yield srv
 
 
@@ -77,9 +82,8 @@ def one_front_server(request, demo_model, tmp_path_factory):
 def _workers_process(demo_model, tmp_path_factory):
     """The shared server's twin behind two front workers: what the modules that run both ways use
     the second time."""
-    yield from launched(
-        two_float32_engines(demo_model, tmp_path_factory.mktemp("workers") / "server.log", *WORKERS_ARGS)
-    )
+    srv = two_float32_engines(demo_model, tmp_path_factory.mktemp("workers") / "server.log", *WORKERS_ARGS)
+    yield from launched(session_server("_workers_process", srv))
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +96,8 @@ def restores_checkpoint(server):
 
 @pytest.fixture(scope="session")
 def _keyed_process(demo_model, tmp_path_factory):
-    yield from launched(keyed_one_engine(demo_model, tmp_path_factory.mktemp("keyed") / "server.log"))
+    srv = keyed_one_engine(demo_model, tmp_path_factory.mktemp("keyed") / "server.log")
+    yield from launched(session_server("_keyed_process", srv))
 
 
 @pytest.fixture(scope="session")
@@ -105,9 +110,8 @@ def keyed_server(_keyed_process):
 @pytest.fixture(scope="session")
 def _keyed_workers_process(demo_model, tmp_path_factory):
     """The keyed server behind two front workers (the load tests' second way)."""
-    yield from launched(
-        keyed_one_engine(demo_model, tmp_path_factory.mktemp("keyed-workers") / "server.log", *WORKERS_ARGS)
-    )
+    srv = keyed_one_engine(demo_model, tmp_path_factory.mktemp("keyed-workers") / "server.log", *WORKERS_ARGS)
+    yield from launched(session_server("_keyed_workers_process", srv))
 
 
 @pytest.fixture(scope="session")

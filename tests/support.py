@@ -10,7 +10,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
@@ -206,6 +208,39 @@ def launched(srv: ChildProcess):
         yield srv
     finally:
         srv.stop()
+
+
+# What a module's own servers are launched from (``module_servers``), by module name; and those
+# launched ahead of their module (tests/server_plan.py), waiting for it.
+LAUNCHERS: dict[str, Callable[[Path, Path], Any]] = {}
+PRESTARTED: dict[str, Any] = {}
+
+
+def _children(launched) -> list[ChildProcess]:
+    if isinstance(launched, dict):
+        return list(launched.values())
+    return list(launched) if isinstance(launched, (tuple, list)) else [launched]
+
+
+def module_servers(module: str, launch: Callable[[Path, Path], Any]):
+    """A module's own servers as a module-scoped fixture: ``launch(demo_model, log_dir)`` starts
+    them (a server, or a tuple or dict of them); they are ready before the module's first test and
+    stopped after its last. The suite launches them while the module before runs
+    (tests/server_plan.py), so that their start-up overlaps it."""
+    LAUNCHERS[module] = launch
+
+    @pytest.fixture(scope="module")
+    def servers(demo_model, tmp_path_factory):
+        launched = PRESTARTED.pop(module, None) or launch(demo_model, tmp_path_factory.mktemp(module))
+        with running(*_children(launched)):
+            yield launched
+
+    return servers
+
+
+def stop_all(launched) -> None:
+    for child in _children(launched):
+        child.stop()
 
 
 @contextlib.contextmanager

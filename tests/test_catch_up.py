@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 from fakes import calls, fake_fleet, kill, script, until
 
 from skyinfer.devices import EngineDevices
@@ -38,7 +37,7 @@ from pushes import (
     sessions_per_engine,
     start_trainer,
 )
-from support import ServerProcess, engine_socket, running, vllm_process
+from support import ServerProcess, engine_socket, module_servers, vllm_process
 
 
 def catch_up_files() -> list[str]:
@@ -129,12 +128,12 @@ async def test_over_fake_engines_a_restart_catches_up_refusals_say_why_and_pushe
 # -- real engines ------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def peer_server(demo_model, tmp_path_factory):
-    log = tmp_path_factory.mktemp("catch-up") / "server.log"
+def _launch(demo_model: Path, logs: Path) -> ServerProcess:
     extra = ("--dtype", "float32", "--health-interval", "1", "--hold-requests", "1")
-    with running(ServerProcess(demo_model, engines=2, log_path=log, extra_args=extra)) as srv:
-        yield srv
+    return ServerProcess(demo_model, engines=2, log_path=logs / "server.log", extra_args=extra)
+
+
+peer_server = module_servers(__name__, _launch)
 
 
 def greedy_answers(server, model_name) -> dict[int, list[tuple[list[int], list[float]]]]:

@@ -30,8 +30,8 @@ from support import (
     admit_while_paused,
     engine_socket,
     is_openai_error,
+    module_servers,
     run_example,
-    running,
     vllm_process,
 )
 
@@ -39,12 +39,11 @@ SKYRL_CLIENT = Path(__file__).with_name("skyrl_client.py")
 ABORTED = "a weight update was aborted"
 
 
-@pytest.fixture(scope="module")
-def colocated(demo_model, tmp_path_factory):
-    srv = ServerProcess(
+def _launch(demo_model: Path, logs: Path) -> ServerProcess:
+    return ServerProcess(
         demo_model,
         engines=2,
-        log_path=tmp_path_factory.mktemp("colocated") / "server.log",
+        log_path=logs / "server.log",
         # float32 for logprobs compared with transformers' float32 forward; a short transfer
         # timeout for the hung-engine case; probes fast enough for a test.
         extra_args=(
@@ -62,8 +61,9 @@ def colocated(demo_model, tmp_path_factory):
             "1",
         ),
     )
-    with running(srv):
-        yield srv
+
+
+colocated = module_servers(__name__, _launch)
 
 
 @attrs.define

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import orjson
@@ -21,19 +22,18 @@ from skyinfer.config import ServeConfig
 from skyinfer.registry import REGISTRY
 
 from pushes import sessions_per_engine
-from support import ServerProcess, running, vllm_process
+from support import ServerProcess, module_servers, vllm_process
 
 MAX_TOKENS = 300
 PROMPT = "Reinforcement learning from verifiable rewards"
 KINDS = [(route, stream) for route in ("completions", "chat", "tokens") for stream in (True, False)]
 
 
-@pytest.fixture(scope="module")
-def pair(demo_model, tmp_path_factory):
-    srv = ServerProcess(
+def _launch(demo_model: Path, logs: Path) -> ServerProcess:
+    return ServerProcess(
         demo_model,
         engines=2,
-        log_path=tmp_path_factory.mktemp("continuation") / "server.log",
+        log_path=logs / "server.log",
         # Sessions stay on their engine however loaded (the requests that die must be on engine 1).
         extra_args=(
             "--dtype",
@@ -46,8 +46,9 @@ def pair(demo_model, tmp_path_factory):
             "0",
         ),
     )
-    with running(srv):
-        yield srv
+
+
+pair = module_servers(__name__, _launch)
 
 
 def request_for(route: str, stream: bool, model: str, prompt_ids: list[int]) -> tuple[str, dict]:

@@ -17,6 +17,7 @@ import random
 import shutil
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -24,24 +25,19 @@ import torch
 
 from lora_support import LONG_PROMPT, assert_serves, complete, make_adapter, served_vs_reference, write_adapter
 from pushes import run_trainer, sessions_per_engine
-from support import ServerProcess, engine_socket, is_openai_error, run_example, running, vllm_process
+from support import ServerProcess, engine_socket, is_openai_error, module_servers, run_example, vllm_process
 
 pytestmark = pytest.mark.timeout(900)
 
 MAX_RANK = 16
 
 
-@pytest.fixture(scope="module")
-def adapter_store(tmp_path_factory):
-    return tmp_path_factory.mktemp("adapter-store")
-
-
-@pytest.fixture(scope="module")
-def lora_server(demo_model, tmp_path_factory, adapter_store):
-    srv = ServerProcess(
+def _launch(demo_model: Path, logs: Path) -> ServerProcess:
+    (logs / "adapter-store").mkdir()
+    return ServerProcess(
         demo_model,
         engines=2,
-        log_path=tmp_path_factory.mktemp("lora") / "server.log",
+        log_path=logs / "server.log",
         extra_args=(
             "--dtype",
             "float32",
@@ -51,14 +47,21 @@ def lora_server(demo_model, tmp_path_factory, adapter_store):
             "--max-loras",
             "2",
             "--adapter-dir",
-            str(adapter_store),
+            str(logs / "adapter-store"),
             # How long the hung-engine cases wait for the engine that does not answer.
             "--weight-transfer-timeout",
             "10",
         ),
     )
-    with running(srv):
-        yield srv
+
+
+lora_server = module_servers(__name__, _launch)
+
+
+@pytest.fixture(scope="module")
+def adapter_store(lora_server) -> Path:
+    """The server's --adapter-dir."""
+    return lora_server.log_path.parent / "adapter-store"
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from skyinfer.client import MultiNodeClient, SkyinferError
 
 from lora_support import assert_serves, make_adapter
 from pushes import assert_engines_match, modified_weights, run_trainer, save, sessions_per_engine
-from support import ChildProcess, ServerProcess, free_port, running, scrape, total
+from support import ChildProcess, ServerProcess, free_port, module_servers, running, scrape, total
 
 ROUTER = shutil.which("vllm-router", path=str(Path(sys.executable).parent))
 
@@ -42,12 +42,10 @@ class RouterProcess(ChildProcess):
         super().__init__(argv, log_path, port)
 
 
-@pytest.fixture(scope="module")
-def nodes(demo_model, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("nodes")
+def _launch(demo_model: Path, logs: Path) -> list[ServerProcess]:
     # Each node on a core of its own, as separate machines would be: nodes sharing
     # cores starve each other's weight-transfer threads.
-    servers = [
+    return [
         ServerProcess(
             demo_model,
             engines=1,
@@ -57,8 +55,9 @@ def nodes(demo_model, tmp_path_factory):
         )
         for k in range(2)
     ]
-    with running(servers[0]), running(servers[1]):
-        yield servers
+
+
+nodes = module_servers(__name__, _launch)
 
 
 @pytest.fixture(scope="module")

@@ -7,32 +7,31 @@ import re
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import psutil
-import pytest
 
-from support import TRAINER, ServerProcess, admit_while_paused, process_tree, running
+from support import TRAINER, ServerProcess, admit_while_paused, module_servers, process_tree
 
 GRACE_S = 8
 
 
-@pytest.fixture(scope="module")
-def stoppable(demo_model, tmp_path_factory):
+def _launch(demo_model: Path, logs: Path) -> dict[str, ServerProcess]:
     """One-engine servers for the SIGTERM tests, started together, each on a core of its own (an
     engine given both cores runs two OpenMP threads, and two such engines on two cores crawl);
     each test stops its own. The SIGKILL test is in test_supervision (it kills that module's server)."""
-    logs = tmp_path_factory.mktemp("sigterm")
-    servers = (
-        ServerProcess(
+    return {
+        "finish": ServerProcess(
             demo_model, engines=1, log_path=logs / "finish.log", extra_args=("--shutdown-grace", "60"), cpus={0}
         ),
-        ServerProcess(
+        "grace": ServerProcess(
             demo_model, engines=1, log_path=logs / "grace.log", extra_args=("--shutdown-grace", str(GRACE_S)), cpus={1}
         ),
-    )
-    with running(*servers):
-        yield dict(zip(("finish", "grace"), servers))
+    }
+
+
+stoppable = module_servers(__name__, _launch)
 
 
 def assert_nothing_left(tree: list[psutil.Process]) -> None:

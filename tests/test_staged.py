@@ -12,6 +12,7 @@ import asyncio
 import json
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -19,20 +20,18 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pushes import assert_engines_match, modified_weights, run_trainer, save, start_trainer
-from support import running, two_float32_engines, vllm_process
+from support import ServerProcess, module_servers, two_float32_engines, vllm_process
 
 # Tokens each request in flight generates: enough to be running across the push.
 TOKENS = 1200
 
 
-@pytest.fixture(scope="module")
-def staged_server(demo_model, tmp_path_factory):
+def _launch(demo_model: Path, logs: Path) -> ServerProcess:
     # A trainer that hangs holds the collective this long before the group's own timeout ends it.
-    srv = two_float32_engines(
-        demo_model, tmp_path_factory.mktemp("staged") / "server.log", "--weight-transfer-timeout", "60"
-    )
-    with running(srv):
-        yield srv
+    return two_float32_engines(demo_model, logs / "server.log", "--weight-transfer-timeout", "60")
+
+
+staged_server = module_servers(__name__, _launch)
 
 
 def engines(server) -> list[dict]:

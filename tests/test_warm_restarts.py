@@ -16,6 +16,7 @@ import re
 import signal
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import psutil
@@ -26,26 +27,25 @@ from skyinfer.config import ServeConfig
 from skyinfer.registry import REGISTRY
 from skyinfer.supervisor import SUPERVISOR
 
-from support import ChildProcess, ServerProcess, engine_socket, free_port, running, vllm_process
+from support import ChildProcess, ServerProcess, engine_socket, free_port, module_servers, vllm_process
 
 # A spare imports torch and vLLM on one busy core: it may take a while.
 SPARE_TIMEOUT_S = 300
 
 
-@pytest.fixture(scope="module")
-def servers(demo_model, tmp_path_factory):
+def _launch(demo_model: Path, logs: Path) -> dict[str, ServerProcess]:
     """One-engine servers, started together, each on a core of its own: spares on (the default)
     and off. Health probes fast enough for a test."""
-    logs = tmp_path_factory.mktemp("warm-restarts")
     probes = ("--health-interval", "1", "--health-timeout", "4")
-    pair = (
-        ServerProcess(demo_model, engines=1, log_path=logs / "warm.log", extra_args=probes, cpus={0}),
-        ServerProcess(
+    return {
+        "warm": ServerProcess(demo_model, engines=1, log_path=logs / "warm.log", extra_args=probes, cpus={0}),
+        "cold": ServerProcess(
             demo_model, engines=1, log_path=logs / "cold.log", extra_args=(*probes, "--warm-spares", "0"), cpus={1}
         ),
-    )
-    with running(*pair):
-        yield dict(zip(("warm", "cold"), pair))
+    }
+
+
+servers = module_servers(__name__, _launch)
 
 
 def spares_of(srv: ServerProcess) -> list[psutil.Process]:

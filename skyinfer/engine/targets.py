@@ -183,9 +183,16 @@ class ShadowTarget(torch.nn.Module):
                 retired.append(live_module.__dict__.get("cpu_linear"))
                 live_module.cpu_linear = shadow_module.cpu_linear
         threading.Thread(target=retired.clear, daemon=True, name="skyinfer-retire-weights").start()
+        # The live model holds the new weights now. Each shadow parameter's loader refers to this
+        # target, a cycle that would keep the shadows, and through them the weights the next push
+        # retires, alive until a full garbage collection, which a busy engine rarely reaches.
+        self._release()
 
     def drop(self) -> None:
         self.dropped = True
+        self._release()
+
+    def _release(self) -> None:
         self._params_of.clear()
         self._modules_of.clear()
         object.__setattr__(self, "_root", None)

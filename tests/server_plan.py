@@ -1,0 +1,116 @@
+"""The order the suite runs in, and how long the session's servers live, so that no more servers
+run at once than the machine's memory holds (2 cores, 24 GiB; an engine holds about 2.3 GiB).
+
+Modules run in three stages, each in file order within it:
+
+1. the modules that use the shared server's twins (behind front workers, behind keys): the twins
+   start with the shared server and stop after the last test that uses them;
+2. the modules that use the shared server itself (and the fake-engine modules): it stops after its
+   last user;
+3. the modules that start servers of their own, with nothing else left running: the next one's
+   servers start while the module before it runs (``prestarted`` in tests/support.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from support import FRONT_WORKERS, LAUNCHERS, PRESTARTED, ChildProcess, stop_all
+
+__all__ = ("LAUNCHED", "PLAN", "servers_used", "session_server")
+
+# The session's servers, by fixture name; each registers its process here when it launches.
+SHARED = "one_front_server"
+TWINS = ("_workers_process", "_keyed_process", "_keyed_workers_process")
+LAUNCHED: dict[str, ChildProcess] = {}
+
+
+def session_server(name: str, srv: ChildProcess) -> ChildProcess:
+    """A session server, launched: stopped after its last user (or at the session's end)."""
+    LAUNCHED[name] = srv
+    return srv
+
+
+def servers_used(item: pytest.Item) -> set[str]:
+    """The session's servers a test runs against: its fixtures, and for the modules that run both
+    ways (``both_fronts``), the server of its way."""
+    names = set(item.fixturenames)
+    behind_workers = f"[{FRONT_WORKERS}" in item.name
+    used = names & {SHARED, *TWINS}
+    if "keyed_server" in names:
+        used.add("_keyed_workers_process" if behind_workers else "_keyed_process")
+    if "server" in names:
+        used.add("_workers_process" if behind_workers else SHARED)
+    return used
+
+
+def _stage(module_items: list[pytest.Item]) -> int:
+    used = set().union(*(servers_used(item) for item in module_items))
+    if used & set(TWINS):
+        return 1
+    return 2 if SHARED in used else 3
+
+
+class ServerPlan:
+    def __init__(self):
+        # After which test each session server stops (its last user's node id).
+        self.last_user: dict[str, str] = {}
+        # Each module, in the order the suite runs them; the one whose tests run now.
+        self.modules: list[str] = []
+        self.running_module: str | None = None
+        # Where the session's demo model and temporary directories are (conftest's demo_model).
+        self.demo_model = None
+        self.tmp_path_factory = None
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        modules: dict[str, list[pytest.Item]] = {}
+        for item in items:
+            modules.setdefault(item.nodeid.split("::")[0], []).append(item)
+        ordered = sorted(modules.values(), key=_stage)  # stable: file order within a stage
+        items[:] = [item for module in ordered for item in module]
+
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        for item in session.items:
+            for name in servers_used(item):
+                self.last_user[name] = item.nodeid
+            if item.module.__name__ not in self.modules:
+                self.modules.append(item.module.__name__)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_setup(self, item: pytest.Item):
+        yield
+        module = item.module.__name__
+        if module != self.running_module:
+            self.running_module = module
+            self._prestart_after(module)
+
+    def _prestart_after(self, module: str) -> None:
+        """Once a module's servers are up, the next module with servers of its own launches them,
+        unless the twins still run (memory: the shared server, its twins and two more engines
+        would not fit)."""
+        if self.demo_model is None or any(name in LAUNCHED for name in TWINS):
+            return
+        later = self.modules[self.modules.index(module) + 1 :]
+        upcoming = next((m for m in later if m in LAUNCHERS), None)
+        if upcoming is not None and upcoming not in PRESTARTED:
+            log_dir = self.tmp_path_factory.mktemp(upcoming)
+            PRESTARTED[upcoming] = LAUNCHERS[upcoming](self.demo_model, log_dir)
+
+    def pytest_sessionfinish(self) -> None:
+        for launched in PRESTARTED.values():  # a module that never ran (deselected, or the run stopped)
+            stop_all(launched)
+        PRESTARTED.clear()
+
+    @pytest.hookimpl(trylast=True)  # after the test's own fixtures: a module's may still use the server
+    def pytest_runtest_teardown(self, item: pytest.Item) -> None:
+        for name, last in self.last_user.items():
+            if last == item.nodeid and name in LAUNCHED:
+                LAUNCHED.pop(name).stop()
+
+
+PLAN = ServerPlan()
+
+
+def pytest_configure(config) -> None:
+    config.pluginmanager.register(PLAN, "server-plan")
