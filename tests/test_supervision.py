@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import psutil
@@ -33,7 +34,7 @@ from support import (
     ServerProcess,
     admit_while_paused,
     engine_of,
-    launched,
+    module_servers,
     process_tree,
     running,
     scrape,
@@ -71,21 +72,21 @@ def crash_process(demo_model, log_path, *more_args: str) -> ServerProcess:
     )
 
 
-@pytest.fixture(scope="module")
-def crash_server(request, demo_model, tmp_path_factory):
-    if any(f"[{FRONT_WORKERS}]" in item.name for item in request.session.items if item.module is request.module):
-        # Its twin behind front workers starts beside it (one engine process after another: two
-        # servers starting together are ready in about the time of one).
-        request.getfixturevalue("_crash_workers_process")
-    with running(crash_process(demo_model, tmp_path_factory.mktemp("crash") / "server.log")) as srv:
-        yield srv
+def _launch(demo_model: Path, logs: Path) -> dict[str, ServerProcess]:
+    # Its twin behind front workers starts beside it (one engine process after another: two
+    # servers starting together are ready in about the time of one); the first test stops it.
+    return {
+        ONE_FRONT: crash_process(demo_model, logs / "server.log"),
+        FRONT_WORKERS: crash_process(demo_model, logs / "workers.log", *WORKERS_ARGS),
+    }
+
+
+crash_servers = module_servers(__name__, _launch)
 
 
 @pytest.fixture(scope="module")
-def _crash_workers_process(demo_model, tmp_path_factory):
-    yield from launched(
-        crash_process(demo_model, tmp_path_factory.mktemp("crash-workers") / "server.log", *WORKERS_ARGS)
-    )
+def crash_server(crash_servers) -> ServerProcess:
+    return crash_servers[ONE_FRONT]
 
 
 def pids(server) -> list[tuple[int, int]]:
@@ -129,12 +130,12 @@ async def _stream_past_first_token(http: httpx.AsyncClient, body: dict) -> tuple
 
 # First: engine 1 dies; the next test kills it again as it comes back.
 @pytest.mark.parametrize("front", FRONTS)
-async def test_requests_on_a_killed_engine_are_answered_by_the_other(front, request, crash_server):
+async def test_requests_on_a_killed_engine_are_answered_by_the_other(front, crash_servers):
     """Against one front process, and against front workers (the twin server, stopped after)."""
     if front == ONE_FRONT:
-        await _requests_on_a_killed_engine_are_answered_by_the_other(crash_server)
+        await _requests_on_a_killed_engine_are_answered_by_the_other(crash_servers[ONE_FRONT])
         return
-    with running(request.getfixturevalue("_crash_workers_process")) as srv:
+    with running(crash_servers[FRONT_WORKERS]) as srv:
         await _requests_on_a_killed_engine_are_answered_by_the_other(srv)
 
 

@@ -24,7 +24,7 @@ import pytest
 
 from lora_support import assert_serves, make_adapter
 from pushes import assert_engines_match, modified_weights, run_trainer, save, start_trainer
-from support import ServerProcess, free_port, running, vllm_process
+from support import ServerProcess, free_port, module_servers, vllm_process
 
 TP2 = ("--tensor-parallel-size", "2", "--dtype", "float32", "--hold-requests", "1")
 MAX_LORA_RANK = 16
@@ -46,27 +46,29 @@ def until_engine(server: ServerProcess, predicate, timeout_s: float = 240) -> di
     return engine
 
 
+def _launch(demo_model: Path, logs: Path) -> dict[str, ServerProcess]:
+    """The module's two servers, one engine of tp 2 each, started together (each worker on its own
+    core): group pushes (with LoRA) and a colocated one."""
+    (logs / "adapters").mkdir()
+    lora = ("--enable-lora", "--max-lora-rank", str(MAX_LORA_RANK), "--adapter-dir", str(logs / "adapters"))
+    return {
+        "pushes": ServerProcess(
+            demo_model, engines=1, log_path=logs / "tp2.log", extra_args=(*TP2, *lora, "--health-interval", "1")
+        ),
+        "colocated": ServerProcess(
+            demo_model, engines=1, log_path=logs / "tp2-colocated.log", extra_args=(*TP2, "--colocate")
+        ),
+    }
+
+
+tp2_servers = module_servers(__name__, _launch)
+
+
 class TestGroupPushes:
     @pytest.fixture(scope="class")
     @classmethod
-    def tp2(cls, demo_model, tmp_path_factory):
-        srv = ServerProcess(
-            demo_model,
-            engines=1,
-            log_path=tmp_path_factory.mktemp("tp2") / "server.log",
-            extra_args=(
-                *TP2,
-                "--enable-lora",
-                "--max-lora-rank",
-                str(MAX_LORA_RANK),
-                "--adapter-dir",
-                str(tmp_path_factory.mktemp("tp2-adapters")),
-                "--health-interval",
-                "1",
-            ),
-        )
-        with running(srv):
-            yield srv
+    def tp2(cls, tp2_servers) -> ServerProcess:
+        return tp2_servers["pushes"]
 
     @pytest.fixture(scope="class")
     @classmethod
@@ -170,15 +172,8 @@ class TestGroupPushes:
 class TestColocated:
     @pytest.fixture(scope="class")
     @classmethod
-    def colocated_tp2(cls, demo_model, tmp_path_factory):
-        srv = ServerProcess(
-            demo_model,
-            engines=1,
-            log_path=tmp_path_factory.mktemp("tp2-colocated") / "server.log",
-            extra_args=(*TP2, "--colocate"),
-        )
-        with running(srv):
-            yield srv
+    def colocated_tp2(cls, tp2_servers) -> ServerProcess:
+        return tp2_servers["colocated"]
 
     def test_a_colocated_step_pushes_through_shared_memory_into_both_workers(
         self, colocated_tp2, model_name, demo_model, tmp_path
