@@ -228,4 +228,4 @@ def add_control_routes(app: web.Application) -> None:
     app.router.add_post("/inference/v1/abort_requests", _abort_requests)
     # A sleeping engine is paused too (vLLM pauses its scheduler before sleeping).
     app.router.add_get("/is_paused", _flag_view("is_paused", "paused"))
-    app.router.add_get("/is_sleeping", _flag_view("is_sleeping", "sleeping"))
+    app.router.add_get("/is_sleeping", _flag_view("is_sleeping", "vllm_is_sleeping"))

@@ -26,9 +26,13 @@ from support import (
     two_float32_engines,
 )
 
-# The order modules run in and how long the session's servers live (tests/server_plan.py); each
-# module's time and the suite's peak memory, printed at the end (tests/suite_report.py).
-pytest_plugins = ("server_plan", "suite_report")
+# Each module's time and the suite's peak memory, printed at the end (tests/suite_report.py).
+pytest_plugins = ("suite_report",)
+
+
+def pytest_configure(config) -> None:
+    # The order modules run in and how long the session's servers live (tests/server_plan.py).
+    config.pluginmanager.register(PLAN, "server-plan")
 
 
 def pytest_addoption(parser) -> None:

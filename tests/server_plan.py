@@ -109,8 +109,5 @@ class ServerPlan:
                 LAUNCHED.pop(name).stop()
 
 
+# Registered by conftest.py, whose session fixtures tell it what they launch.
 PLAN = ServerPlan()
-
-
-def pytest_configure(config) -> None:
-    config.pluginmanager.register(PLAN, "server-plan")
