@@ -76,7 +76,7 @@ def test_verdicts_keep_half_loaded_engines_paused_and_pushes_off_sleeping_weight
     running, paused = record(), record(residency=Residency(paused=True))
     asleep = record(residency=walk(("sleep", {"level": 1})))
     weights_awake = record(residency=walk(("sleep", {"level": 1}), ("wake_up", {"tags": ["weights"]})))
-    receiving = record(residency=Residency(paused=True), receiving=True)
+    receiving = record(residency=Residency(paused=True), mid_update=True)
     assert [push_verdict(r) for r in (running, paused, weights_awake)] == [PAUSE_FOR_PUSH, APPLY, APPLY]
     assert "wake_up?tags=weights first" in push_verdict(asleep)
     # Nothing resumes an engine inside a weight update; pausing it again is harmless.
@@ -87,7 +87,7 @@ def test_verdicts_keep_half_loaded_engines_paused_and_pushes_off_sleeping_weight
     # A wait-mode pause lets vLLM's scheduler step until its requests drain: on half-loaded layers.
     with pytest.raises(ApiError, match=r"receiving a weight update.*mode=keep"):
         control_targets("pause", [receiving], mode="wait")
-    receiving_asleep = record(residency=weights_awake.residency, receiving=True)
+    receiving_asleep = record(residency=weights_awake.residency, mid_update=True)
     with pytest.raises(ApiError, match="receiving a weight update"):
         control_targets("wake_up", [receiving_asleep], tags=["kv_cache"])
     # vLLM wakes a paused engine; one that is running has nothing to wake.
