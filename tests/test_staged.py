@@ -70,8 +70,10 @@ def next_staged_push_lands(server, demo_model, fleet: dict, tmp_path, seed: int,
 
 
 async def hanging_staged_push(server, path, version: str):
-    """A trainer process that sends 3 tensors of a staged push and hangs, holding the transfer open."""
-    trainer = start_trainer(server, path, version, "--staged", "--hang-after", "3")
+    """A trainer process that sends 3 tensors of a staged push and hangs, holding the transfer open
+    for its group's timeout (20 s: the silence that abandons its update, and what a receive the
+    engines dropped stays blocked in)."""
+    trainer = start_trainer(server, path, version, "--staged", "--hang-after", "3", "--timeout", "20")
     line = await asyncio.wait_for(asyncio.to_thread(trainer.stdout.readline), 120)
     assert line.strip() == "hanging", line + trainer.stderr.read()
     return trainer
