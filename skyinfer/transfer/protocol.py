@@ -12,7 +12,6 @@ import math
 import os
 import re
 import secrets
-from collections.abc import Iterator
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, model_validator
@@ -30,16 +29,6 @@ FLOATING = frozenset(n for n in DTYPE_SIZES if n.startswith(("float", "bfloat"))
 Dim = Annotated[int, Field(ge=0, strict=True)]
 # vLLM's default packed buffer (its packed_tensor module): 1 GiB.
 DEFAULT_BUFFER_SIZE_BYTES = 1024**3
-
-
-def rendezvous_delays(first_s: float = 0.05, longest_s: float = 1.0) -> Iterator[float]:
-    """How long to wait between looks for a trainer that does not listen yet: doubling from
-    ``first_s`` to ``longest_s``, so that a trainer that comes late is met within a second (c10d's
-    own connect retries wait random delays of a minute and more)."""
-    delay = first_s
-    while True:
-        yield delay
-        delay = min(2 * delay, longest_s)
 
 
 def _known_dtype(name: str) -> str:

@@ -6,14 +6,22 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
-from .protocol import rendezvous_delays
-
-__all__ = ["CONNECT_TIMEOUT_S", "wait_until_listening"]
+__all__ = ["CONNECT_TIMEOUT_S", "rendezvous_delays", "wait_until_listening"]
 
 # How long one look may wait for the trainer's store to take the connection.
 CONNECT_TIMEOUT_S = 2.0
+
+
+def rendezvous_delays(first_s: float = 0.05, longest_s: float = 1.0) -> Iterator[float]:
+    """How long to wait between looks for a trainer that does not listen yet: doubling from
+    ``first_s`` to ``longest_s``, so that a trainer that comes late is met within a second (c10d's
+    own connect retries wait random delays of a minute and more)."""
+    delay = first_s
+    while True:
+        yield delay
+        delay = min(2 * delay, longest_s)
 
 
 def wait_until_listening(host: str, port: int, deadline: float, still_wanted: Callable[[], bool]) -> bool:
