@@ -14,7 +14,7 @@ import json
 import socket
 
 import pytest
-from fakes import calls, fake_fleet, script, states, until
+from fakes import calls, fake_fleet, kill, script, states, until
 
 from skyinfer.registry import REGISTRY
 from skyinfer.weights.checkpoint import safetensors_shapes
@@ -379,6 +379,69 @@ async def test_an_engine_that_fails_every_push_by_itself_is_retired_and_the_flee
     r = await client.post("/engines/1/restart")
     assert r.status == 200 and (await r.json())["engine"]["state"] == "stale"
     await pushes_and_serves(client, demo_model, group_init, "back")
+
+
+async def test_a_staged_push_fails_as_a_live_one_does_and_counts_against_the_engine_that_failed_it(
+    aiohttp_client, demo_model, tmp_path, group_init
+):
+    """Engine 1 fails to stage a push by itself (engine 0 staged it): every copy is dropped, no
+    engine is held out (no live weight was touched), the group is gone, and the failure counts
+    against engine 1; at --max-push-failures it is retired, and a staged push lands on engine 0.
+    Then engine 0's process is SIGKILLed while it stages: the push fails, the engine comes back, and
+    the next staged push lands."""
+    app, client = await fake_fleet(aiohttp_client, demo_model, tmp_path, max_push_failures=2)
+    push = {"update_info": whole_checkpoint(demo_model), "weight_version": "staged-v", "staged": True}
+    # Engine 1 answers after engine 0 has: a failure of its own, not one a peer's cut short.
+    await script(app, 1, {"fail": {"/stage_weights": 500}, "delay_s": {"/stage_weights": 0.5}})
+    for attempt in (1, 2):
+        assert (await client.post("/init_weight_transfer", json={"init_info": group_init})).status == 200
+        r = await client.post("/update_weights", json=push)
+        assert r.status == 500 and "staging the push failed on 1 of 2" in (await r.json())["error"]["message"]
+        info = await weight_info(client)
+        assert info["update_phase"] == "idle" and info["weight_version"] is None, info
+        assert [(e["stale_reason"], e["in_transfer_group"]) for e in info["engines"]] == [(None, False)] * 2
+        for engine in (0, 1) if attempt == 1 else (0,):  # engine 1 is retired after the second
+            assert (await calls(app, engine)).get("/drop_staged") == attempt
+            assert (await calls(app, engine)).get("/swap_staged") is None
+        if attempt == 1:
+            assert await states(client) == ["ready", "ready"]
+            assert [e["push_failures"] for e in info["engines"]] == [0, 1]
+    assert await states(client) == ["ready", "retired"]
+    assert (
+        await client.post("/init_weight_transfer", json={"init_info": {**group_init, "world_size": 2}})
+    ).status == 200
+    r = await client.post("/update_weights", json=push)
+    assert r.status == 200 and (await r.json())["weight_version"] == "staged-v", await r.text()
+    assert (await calls(app, 0)).get("/swap_staged") == 1
+
+    await script(app, 0, {"hang": ["/stage_weights"]})
+    assert (
+        await client.post("/init_weight_transfer", json={"init_info": {**group_init, "world_size": 2}})
+    ).status == 200
+    staging = asyncio.ensure_future(client.post("/update_weights", json={**push, "weight_version": "lost"}))
+    await until(lambda: _staging_shown(client), timeout_s=15)
+    pid = kill(app, 0)
+    r = await staging
+    assert r.status >= 500, await r.text()
+    await until(lambda: _serving_again(client, pid), timeout_s=30)
+    info = await weight_info(client)
+    assert info["update_phase"] == "idle" and info["weight_version"] == "staged-v", info
+    assert (
+        await client.post("/init_weight_transfer", json={"init_info": {**group_init, "world_size": 2}})
+    ).status == 200
+    r = await client.post("/update_weights", json={**push, "weight_version": "after-kill"})
+    assert r.status == 200, await r.text()
+    assert (await weight_info(client))["weight_version"] == "after-kill"
+
+
+async def _staging_shown(client) -> bool:
+    engines = (await (await client.get("/engines")).json())["engines"]
+    return engines[0]["staging"] is not None and engines[0]["staging"]["state"] == "receiving"
+
+
+async def _serving_again(client, old_pid: int) -> bool:
+    engine = (await (await client.get("/engines")).json())["engines"][0]
+    return engine["pid"] != old_pid and engine["state"] in ("ready", "stale")
 
 
 async def test_a_new_transfer_after_an_aborted_push_shuts_the_old_transfer_engine_down(

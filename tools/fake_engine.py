@@ -19,6 +19,7 @@ Its behaviour comes from the environment, or from ``POST /fake/script`` at any t
   carries it (engine/continuation.py). ``GET /fake/went_on`` lists the records of the requests it
   went on with.
 
+A staged push's chunks are kept as names (``/stage_weights``), swapped in or dropped.
 ``GET /fake/calls`` says how many times each route was called; ``GET /fake/bodies`` the last JSON
 body each of its weight, adapter-receive, reset and abort routes got (``{path: body}``: the
 rank_offset an ``/init_weight_transfer`` told it, say); ``GET /fake/args`` the vLLM arguments it
@@ -69,6 +70,8 @@ class FakeEngine:
         self.asleep: set[str] = set()
         self.weight_version = "default"
         self.updating = False
+        # A staged push's copy: the tensor names it holds, and their bytes.
+        self.staged: dict[str, int] = {}
         self.unfinished = 0
         self.resumed = asyncio.Event()
         self.resumed.set()
@@ -289,6 +292,23 @@ def _step(status: str, then=None):
     return handler
 
 
+async def _stage_weights(request: web.Request) -> web.Response:
+    """A staged push's chunk, kept as names and bytes: what the front checks before a swap."""
+    body = await _body(request)
+    engine = request.app[STATE]
+    engine.bodies[request.path] = body
+    names = body["update_info"]["names"]
+    for name in names:
+        engine.staged[name] = body["update_nbytes"] // len(names)
+    staged = {"bytes": sum(engine.staged.values()), "tensors": len(engine.staged), "seconds": 0.0, "place": "cpu"}
+    return json_response({"status": "staged", **staged})
+
+
+def _swap_staged(engine: FakeEngine, body: dict) -> None:
+    engine.staged = {}
+    engine.weight_version = body["weight_version"]
+
+
 def _finish(engine: FakeEngine, body: dict) -> None:
     engine.updating = False
     if body.get("weight_version") is not None:
@@ -388,6 +408,9 @@ def create_fake_engine_app(
         "/load_checkpoint": _step("loaded"),
         "/finish_weight_update": _step("finished", _finish),
         "/abort_weight_update": _step("aborted", lambda e, b: setattr(e, "updating", False)),
+        "/stage_weights": _stage_weights,
+        "/swap_staged": _step("swapped", _swap_staged),
+        "/drop_staged": _step("dropped", lambda e, b: setattr(e, "staged", {})),
         "/update_weight_version": _step("relabelled", lambda e, b: setattr(e, "weight_version", b["new_version"])),
         "/export_weights": _export_weights,
         "/import_weights": _import_weights,

@@ -46,5 +46,5 @@ def transport_for(device_kind: str, colocate: bool) -> Transport:
     return SHM if colocate else GLOO
 
 
-# The backends skyinfer registers into vLLM in every worker (engine/worker_extension.py).
+# The backends skyinfer registers into vLLM in every worker (engine/backends.py, imported by the worker extension).
 SKYINFER_BACKENDS = (GLOO.backend, SHM.backend, IPC.backend)

@@ -288,7 +288,7 @@ class IPCTrainer(Trainer):
 
 class IpcReceiver:
     """vLLM's ``ipc`` backend taking skyinfer's JSON handles (or, where the server allows it, vLLM's
-    pickled ones); mixed with vLLM's ``IPCWeightTransferEngine`` by the worker extension."""
+    pickled ones); mixed with vLLM's ``IPCWeightTransferEngine`` in engine/backends.py."""
 
     init_info_cls = IpcInitInfo
     update_info_cls = IpcUpdateInfo

@@ -1,6 +1,6 @@
 """What the engines' receivers share: checkpoint-format tensors loaded through vLLM's layerwise reload.
 
-A receiver is a mixin of vLLM's weight-transfer backend interface: the worker extension mixes it
+A receiver is a mixin of vLLM's weight-transfer backend interface: engine/backends.py mixes it
 with vLLM's ``WeightTransferEngine`` when it registers the backend, so that the transport modules,
 which trainers import too, never import vLLM.
 """
