@@ -5,10 +5,9 @@ Modules run in three stages, each in file order within it:
 
 1. the modules that use the shared server's twins (behind front workers, behind keys): the twins
    start with the shared server and stop after the last test that uses them;
-2. the modules that use the shared server itself (and the fake-engine modules): it stops after its
-   last user;
-3. the modules that start servers of their own, with nothing else left running: the next one's
-   servers start while the module before it runs (``prestarted`` in tests/support.py).
+2. the modules that use the shared server itself: it stops after its last user;
+3. the rest: modules with servers of their own (``module_servers`` in tests/support.py), each
+   started while the module before it runs, and the modules over fake engines.
 """
 
 from __future__ import annotations
