@@ -62,7 +62,9 @@ class Fleet:
             )
         return members
 
-    def check_group(self, records: list[EngineRecord]) -> None:
+    def engines_in_group(self) -> list[EngineRecord]:
+        """Every engine of the fleet, each in the trainer's group (409s say which is not)."""
+        records = self.engines()
         missing = [r.engine_id for r in records if not r.in_transfer_group]
         if missing:
             raise SyncError(
@@ -70,6 +72,7 @@ class Fleet:
                 f"engines {missing} are not in the trainer's group; POST /init_weight_transfer first",
                 code=TRANSFER_GROUP_GONE,
             )
+        return records
 
     def leave_group(self) -> None:
         """Whatever broke a transfer broke the collective: the trainer must form a new group."""

@@ -135,9 +135,7 @@ class TransferGroup:
                 "adapter pushes travel over a transfer group; a colocated server loads adapters from a path"
                 " (POST /v1/load_lora_adapter)",
             )
-        records = self.fleet.engines()
-        self.fleet.check_group(records)
-        return records
+        return self.fleet.engines_in_group()
 
     def broken(self, reason: str) -> None:
         """A transfer that touched no weights failed: the group is gone, the engines serve on."""

@@ -104,8 +104,7 @@ class Push:
 
     def start(self, update_info: dict | None, staged: bool = False) -> dict:
         self.fleet.refuse_unless(Phase.IDLE)
-        records = self.fleet.engines()
-        self.fleet.check_group(records)
+        records = self.fleet.engines_in_group()
         if update_info is not None:
             meta = self.fleet.check_metadata(update_info, carries_data=False)
             (self.staged if staged else self.live).fits(records, meta.total_bytes())
@@ -130,8 +129,7 @@ class Push:
                         "kv and staged belong to a one-call push: for an open update, staged goes to its"
                         " /start_weight_update and kv to its /finish_weight_update",
                     )
-                records = self.fleet.engines()
-                self.fleet.check_group(records)
+                records = self.fleet.engines_in_group()
                 if one_shot:
                     self.update.current.staged = staged
                     self._path().fits(records, meta.total_bytes())
