@@ -39,9 +39,8 @@ PASSED_ON = "/{path:.*}"
 _PASSED_ON_CANONICAL = web.DynamicResource(PASSED_ON).canonical
 CONTROL = web.AppKey("control", aiohttp.ClientSession)
 # Hop-by-hop headers, what aiohttp sets again on the answer it writes, and Expect (the worker answered it).
-_NOT_PASSED = frozenset(
-    {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade", "expect"}
-)
+# Host is passed on as it came: the control process checks a browser's Origin against it (security.py).
+_NOT_PASSED = frozenset({"content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade", "expect"})
 
 
 @attrs.frozen
