@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import math
 import os
 import shutil
 import signal
@@ -15,6 +17,7 @@ from pathlib import Path
 
 import aiohttp
 
+from skyinfer.demo_model import VOCAB_SIZE, build_demo_model
 from skyinfer.devices import detect_device_kind
 from skyinfer.engine_wire import CPU_WORKER_PATH, EXTENSION_PATH
 
@@ -152,3 +155,50 @@ async def wait_servers(servers: list[tuple[str, subprocess.Popen]], path: str = 
     async with aiohttp.ClientSession() as session:
         for url, proc in servers:
             await wait_healthy(session, url, proc, timeout_s=600, path=path)
+
+
+def sized_demo_model(base: Path, mib: float, bytes_per_param: int = 2, **shape) -> Path:
+    """The demo model (``mib`` 0), or the demo model of ``shape`` (hidden_size, intermediate_size,
+    num_attention_heads, num_key_value_heads, head_dim) as deep as it takes for ``mib`` MiB of
+    weights at ``bytes_per_param`` (2: bf16, as written; 4: served and pushed in float32)."""
+    if mib <= 0:
+        return build_demo_model(base / "demo")
+    hidden, q_dim = shape["hidden_size"], shape["num_attention_heads"] * shape["head_dim"]
+    kv_dim = shape["num_key_value_heads"] * shape["head_dim"]
+    layer = hidden * (q_dim + 2 * kv_dim) + q_dim * hidden + 3 * hidden * shape["intermediate_size"]
+    layers = max(1, math.ceil((mib * 2**20 / bytes_per_param - VOCAB_SIZE * hidden) / layer))
+    return build_demo_model(base / f"sized-{layers}", num_hidden_layers=layers, **shape)
+
+
+def tree_processes(pid: int) -> dict[int, tuple[str, float]]:
+    """A process and all its descendants (an engine: its process, EngineCore, workers): each one's
+    name and resident memory, MiB, by pid."""
+    import psutil
+
+    root = psutil.Process(pid)
+    out = {}
+    for proc in (root, *root.children(recursive=True)):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            out[proc.pid] = (proc.name(), proc.memory_info().rss / 2**20)
+    return out
+
+
+def gpu_memory_mib(pids: set[int]) -> float | None:
+    """The GPU memory NVML counts for ``pids`` on every GPU, MiB; None without NVML (a CPU host)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # no nvidia-ml-py, or no driver
+        return None
+    used = 0
+    for index in range(pynvml.nvmlDeviceGetCount()):
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        used += sum(p.usedGpuMemory or 0 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle) if p.pid in pids)
+    return used / 2**20
+
+
+def tree_memory_mib(pid: int) -> tuple[float, float | None]:
+    """A process tree's (``tree_processes``) resident memory and GPU memory (None without NVML), MiB."""
+    processes = tree_processes(pid)
+    return sum(rss for _, rss in processes.values()), gpu_memory_mib(set(processes))

@@ -19,6 +19,10 @@ same way, so that memory figures mean something:
 - restart: EngineCore SIGKILLed; the engine restarts on the GPU, comes back to the fleet's state
   (asleep as the fleet was, stale until a push), and the dead process's memory is released.
 - throughput: output tokens/s at 64 concurrent token-route requests, skyinfer / ``vllm serve``.
+- soak: 20 staged pushes (``--soak-pushes``) from a trainer process into a colocated engine (CUDA
+  IPC) while 4 callers send completions without a break; the engine's device memory (NVML) and
+  resident memory after each push, the last within 10% of the first; every request whole; the last
+  weights' prompt logprobs within 0.05 of transformers float32 (``tools/bench_soak.py``'s pieces).
 
 With ``--tensor-parallel-size N`` every engine (and the ``vllm serve`` it is compared with) spans N
 GPUs, or N CPU workers: the same checks on the shape a multi-GPU node runs; the restart check
@@ -48,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from skyinfer.demo_model import build_demo_model
 
-from benchlib import free_port, start_reference, start_skyinfer, stop, wait_servers
+from benchlib import free_port, start_reference, start_skyinfer, stop, tree_memory_mib, wait_servers
 
 PROMPTS = ["The quick brown fox", "Reinforcement learning updates a policy", "def main():"]
 TOLERANCE = 0.05
@@ -489,11 +493,48 @@ def check_throughput(c: Check, device: str, model_dir: Path, rounds: int = 3) ->
     )
 
 
+def check_soak(c: Check, device: str, model_dir: Path, pushes: int) -> None:
+    from bench_soak import Load, Pusher, last_weights_gaps
+
+    server = Server(model_dir, ["--colocate"], device, "soak")
+    pusher = load = None
+    try:
+        pusher = Pusher(server.url, model_dir, "ipc" if device == "cuda" else "shm")
+        load = Load(server.url, server.model)
+        memory = []
+        for push in range(1, pushes + 1):
+            seconds = pusher.push(push % 2, f"soak-{push}", "staged")
+            memory.append(tree_memory_mib(server.engines()[0]["pid"]))
+            rss, gpu = memory[-1]
+            device_mib = "no NVML" if gpu is None else f"{gpu:.0f} MiB"
+            c.say(
+                f"  soak push {push:3d}: {seconds:.2f} s; engine device {device_mib}, RSS {rss:.0f} MiB;"
+                f" requests {load.done} whole, {load.failed} failed"
+            )
+            time.sleep(0.5)  # the load goes on between pushes too
+        load.stop()
+        gaps = last_weights_gaps(server.url, server.model, model_dir, pushes % 2, 1, device)
+    finally:
+        if load is not None:
+            load.stop()
+        if pusher is not None:
+            pusher.close()
+        server.close()
+    (rss0, gpu0), (rss1, gpu1) = memory[0], memory[-1]
+    ratio = gpu1 / gpu0 if gpu0 else rss1 / rss0
+    what = "device" if gpu0 else "resident"
+    c.line("soak.memory", abs(ratio - 1) <= 0.1, f"{what} memory after push {pushes} / after push 1: {ratio:.3f}")
+    c.line("soak.requests", load.failed == 0 and load.done > 0, f"{load.done} whole, {load.failed} failed")
+    ((gap, other),) = gaps.values()
+    c.line("soak.last_weights", gap <= TOLERANCE < other, f"max gap {gap:.4f} (the set before: {other:.4f})")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--log", default="gpu-check.log")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    p.add_argument("--only", nargs="*", help="serve sleep ipc_push vllm_ipc restart throughput")
+    p.add_argument("--only", nargs="*", help="serve sleep ipc_push vllm_ipc restart throughput soak")
+    p.add_argument("--soak-pushes", type=int, default=20, metavar="N", help="the soak check's staged pushes")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N", help="GPUs (or CPU workers) per engine")
     p.add_argument("--trainer", nargs=4, metavar=("KIND", "URL", "WEIGHTS", "VERSION"), help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -527,6 +568,7 @@ def main() -> int:
             "vllm_ipc": lambda: check_vllm_ipc(c, args.device, demo),
             "restart": lambda: check_restart(c, args.device, wide),
             "throughput": lambda: check_throughput(c, args.device, demo),
+            "soak": lambda: check_soak(c, args.device, wide, args.soak_pushes),
         }
         for name, run in checks.items():
             if args.only and name not in args.only:
