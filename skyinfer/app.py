@@ -112,6 +112,7 @@ def create_app(config: ServeConfig) -> web.Application:
         supervisor.restart_in_background,
     )
     app[CATCH_UP] = CatchUp(registry, app[WEIGHT_SYNC], config.weight_transfer_timeout_s)
+    app[WEIGHT_SYNC].push.catch_up_later = app[CATCH_UP].after_restart
     supervisor.bring_up = Bringup(registry, app[CONTROL], app[ADAPTERS], app[WEIGHT_SYNC], app[CATCH_UP]).bring
 
     async def engines_ctx(_app: web.Application):

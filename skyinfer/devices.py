@@ -56,6 +56,23 @@ def detect_device_kind() -> str:
         pynvml.nvmlShutdown()
 
 
+def gpu_free_bytes(ids: tuple[int | str, ...]) -> list[int]:
+    """Each GPU's free memory (NVML's figure: every process on it counted), GPUs named as
+    ``EngineDevices`` names them (indices or UUIDs)."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        handles = [
+            pynvml.nvmlDeviceGetHandleByUUID(i) if isinstance(i, str) and not i.isdigit() else
+            pynvml.nvmlDeviceGetHandleByIndex(int(i))
+            for i in ids
+        ]  # fmt: skip
+        return [int(pynvml.nvmlDeviceGetMemoryInfo(h).free) for h in handles]
+    finally:
+        pynvml.nvmlShutdown()
+
+
 # CUDA_VISIBLE_DEVICES names GPUs by index, by UUID (GPU-...) or, for MIG instances, by MIG UUID.
 _GPU_UUID = re.compile(r"^GPU-[0-9a-fA-F-]{36}$")
 _MIG_UUID = re.compile(r"^MIG-(?:GPU-)?[0-9a-fA-F-]+(?:/\d+/\d+)?$")

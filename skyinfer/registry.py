@@ -93,6 +93,7 @@ class EngineRegistry:
         else:
             # Whatever the old process was, the next one starts fresh.
             record.residency, record.stale, record.mid_update = Residency(), None, False
+            record.staging = None  # a staging copy lives and dies with its process
             record.adapters = {}
             record.in_transfer_group = record.transfer_engine_open = False
         log.info("engine %d: %s -> %s", record.engine_id, old.value, new.value)

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import socket
 
 import pytest
 from fakes import calls, fake_fleet, kill, script, states, until
 
 from skyinfer.registry import REGISTRY
+from skyinfer.weights import staged
 from skyinfer.weights.checkpoint import safetensors_shapes
 
 from lora_support import make_adapter
@@ -328,12 +330,9 @@ async def test_a_sleep_that_failed_counts_as_asleep_not_paused(aiohttp_client, d
     assert all("level-2 sleep" in reason for reason in stale), stale
 
 
-async def test_only_a_push_of_the_whole_checkpoint_brings_stale_engines_back(
-    aiohttp_client, demo_model, tmp_path, group_init
-):
-    """After a level-2 sleep discarded the weights, a push of one tensor finishes but serves
-    nothing: the engines stay stale, saying what was left out; a push of every tensor brings them back."""
-    _app, client = await fake_fleet(aiohttp_client, demo_model, tmp_path, hold_requests_s=0)
+async def a_partial_push_leaves_discarded_weights_stale(client, group_init, why: str) -> None:
+    """A level-2 sleep discards both engines' weights; a push of one tensor finishes, and both
+    engines stay stale, their reason saying ``why``."""
     assert (await client.post("/sleep", params={"level": "2"})).status == 200
     assert (await client.post("/wake_up")).status == 200
     assert await states(client) == ["stale", "stale"]
@@ -342,7 +341,16 @@ async def test_only_a_push_of_the_whole_checkpoint_brings_stale_engines_back(
     assert r.status == 200, await r.text()
     engines = (await (await client.get("/engines")).json())["engines"]
     assert [e["state"] for e in engines] == ["stale", "stale"]
-    assert all("carried only part of the checkpoint" in e["stale_reason"] for e in engines), engines
+    assert all(why in e["stale_reason"] for e in engines), engines
+
+
+async def test_only_a_push_of_the_whole_checkpoint_brings_stale_engines_back(
+    aiohttp_client, demo_model, tmp_path, group_init
+):
+    """After a level-2 sleep discarded the weights, a push of one tensor finishes but serves
+    nothing: the engines stay stale, saying what was left out; a push of every tensor brings them back."""
+    _app, client = await fake_fleet(aiohttp_client, demo_model, tmp_path, hold_requests_s=0)
+    await a_partial_push_leaves_discarded_weights_stale(client, group_init, "carried only part of the checkpoint")
     assert (await client.post("/v1/completions", json={"model": str(demo_model), "prompt": "x"})).status == 503
     await pushes_and_serves(client, demo_model, group_init, "whole")
 
@@ -551,3 +559,70 @@ async def test_bringing_an_engine_up_holds_no_admin_call_of_the_others_back(
     assert [(e["engine"], e["status"]) for e in (await r.json())["engines"]] == [(0, 200), (1, 503)]
     assert (await asyncio.wait_for(restart, timeout=30)).status == 200
     assert await states(client) == ["ready", "ready"]
+
+
+async def test_a_refused_call_keeps_no_silent_trainers_update_open(aiohttp_client, demo_model, tmp_path, group_init):
+    """A trainer starts an update and falls silent. An operator retries a call the open update
+    refuses (``/reload_weights``, 409) every half second: the refusals do not count as the trainer's
+    calls, and the update is abandoned at the group's timeout all the same."""
+    _app, client = await fake_fleet(aiohttp_client, demo_model, tmp_path)
+    r = await client.post("/init_weight_transfer", json={"init_info": {**group_init, "timeout_s": 2}})
+    assert r.status == 200
+    assert (await client.post("/start_weight_update")).status == 200
+    refused = 0
+    for _ in range(20):  # 10 s at most: five times the trainer's timeout
+        if (await weight_info(client))["update_phase"] == "idle":
+            break
+        r = await client.post("/reload_weights")
+        if r.status == 409:
+            refused += 1
+        await asyncio.sleep(0.5)
+    info = await weight_info(client)
+    assert info["update_phase"] == "idle" and "sent nothing" in info["update_abandoned"], (refused, info)
+    assert 2 <= refused <= 8, refused
+    r = await client.post("/reload_weights")  # no update open now: the operator's call runs
+    assert r.status == 200, await r.text()
+
+
+async def test_a_staged_push_is_sized_by_both_copies_it_takes_with_or_without_metadata(
+    aiohttp_client, demo_model, tmp_path, group_init, monkeypatch
+):
+    """The host has room for one copy of the checkpoint per engine, not the two a staged push takes
+    on CPU (a shadow and its packed kernels): a one-call staged push, a staged start with the
+    push's metadata and one without any are each refused with a 409 that gives the figures, before
+    any engine is asked; a push that is not staged lands."""
+    checkpoint = whole_checkpoint(demo_model)
+    one_copy = sum(math.prod(shape) * 4 for shape in checkpoint["shapes"])
+    headroom = 1 << 30
+    monkeypatch.setattr(staged, "host_memory_available", lambda: headroom + 3 * one_copy)  # 2 engines
+    app, client = await fake_fleet(aiohttp_client, demo_model, tmp_path)
+    assert (await client.post("/init_weight_transfer", json={"init_info": group_init})).status == 200
+    for path, body in (
+        ("/update_weights", {"update_info": checkpoint, "staged": True, "weight_version": "too-big"}),
+        ("/start_weight_update", {"update_info": checkpoint, "staged": True}),
+        ("/start_weight_update", {"staged": True}),
+    ):
+        r = await client.post(path, json=body)
+        error = (await r.json())["error"]
+        assert r.status == 409 and error["code"] == "staging_does_not_fit", (path, body, error)
+        assert "2 copies per engine" in error["message"] and "GiB available" in error["message"], error
+    for engine in (0, 1):
+        assert (await calls(app, engine)).get("/stage_weights") is None
+    info = await weight_info(client)
+    assert info["update_phase"] == "idle" and info["weight_version"] is None, info
+    r = await client.post("/update_weights", json={"update_info": checkpoint, "weight_version": "live"})
+    assert r.status == 200, await r.text()
+
+
+async def test_a_push_brings_no_stale_engine_back_while_the_checkpoints_names_are_unknown(
+    aiohttp_client, demo_model, tmp_path, group_init
+):
+    """``--model`` a hub id that is not in the local cache: which tensors the checkpoint has is
+    unknown, so no push can show it covered them all. Engines whose weights a level-2 sleep
+    discarded stay stale after a push, saying why; ``/reload_weights`` brings them back."""
+    hub_id = "skyinfer-tests/not-in-any-cache"
+    _app, client = await fake_fleet(aiohttp_client, hub_id, tmp_path, hold_requests_s=0)
+    await a_partial_push_leaves_discarded_weights_stale(client, group_init, "tensor names are unknown")
+    assert (await client.post("/reload_weights")).status == 200
+    assert await states(client) == ["ready", "ready"]
+    assert (await client.post("/v1/completions", json={"model": hub_id, "prompt": "x", "max_tokens": 2})).status == 200

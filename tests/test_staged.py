@@ -229,6 +229,55 @@ async def test_an_engine_core_killed_mid_staging_costs_only_that_engine(staged_s
     next_staged_push_lands(staged_server, demo_model, fleet, tmp_path, seed=9, version="staged-3")
 
 
+async def test_an_engine_restarted_between_staging_and_the_swap_costs_only_that_engine(
+    staged_server, demo_model, fleet, tmp_path
+):
+    """Every chunk of a staged push is staged on both engines; then engine 1's EngineCore is
+    SIGKILLed, and the trainer finishes once engine 1 is back: /engines shows its new process with
+    no staging copy; the finish swaps the push in on engine 0, which never stops serving and is
+    never stale; engine 1, left behind, catches up with the new version from engine 0. Both then
+    serve it exactly."""
+    before = engines(staged_server)
+    new = modified_weights(demo_model, seed=10)
+    trainer = start_trainer(
+        staged_server, save(new, tmp_path / "new.safetensors"), "swapped-alone", "--staged", "--hold-before-finish"
+    )
+    try:
+        line = await asyncio.wait_for(asyncio.to_thread(trainer.stdout.readline), 120)
+        assert line.strip() == "before finish", line + trainer.stderr.read()
+        staged = engines(staged_server)
+        assert [e["staging"]["state"] for e in staged] == ["staged", "staged"], staged
+        vllm_process(before[1]["pid"], "EngineCore").send_signal(signal.SIGKILL)
+        back = wait_engines(
+            staged_server,
+            lambda es: es[1]["pid"] != before[1]["pid"] and es[1]["state"] in ("ready", "stale"),
+            "engine 1 back",
+        )
+        assert back[1]["staging"] is None, back[1]  # a new process holds no copy
+        assert back[0]["staging"]["state"] == "staged"
+        trainer.stdin.write("finish\n")
+        trainer.stdin.flush()
+        out, err = await asyncio.to_thread(trainer.communicate, timeout=120)
+        assert trainer.returncode == 0 and "pushed swapped-alone" in out, out + err
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()
+    info = weight_info(staged_server)
+    assert info["engines"][0]["stale_reason"] is None and info["engines"][0]["weight_version"] == "swapped-alone"
+    caught_up = wait_engines(
+        staged_server,
+        lambda es: (
+            [e["state"] for e in es] == ["ready", "ready"]
+            and [e["weight_version"] for e in es] == ["swapped-alone"] * 2
+        ),
+        "engine 1 caught up with the swapped version",
+    )
+    assert (caught_up[0]["pid"], caught_up[0]["restarts"]) == (before[0]["pid"], before[0]["restarts"])
+    assert_engines_match(staged_server, staged_server.model, demo_model, new, "swapped-alone")
+    fleet.update(version="swapped-alone", weights=new)
+
+
 def kept_kv_logprobs(demo_model, old, new, ids: list[int], first_new: int) -> torch.Tensor:
     """Next-token logprobs from position ``first_new`` on, as an engine that kept its KV computes
     them: positions before it hold the old weights' keys and values, the rest the new weights'."""

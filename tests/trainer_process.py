@@ -12,6 +12,8 @@ With ``--more`` it stays up after its push, as a training loop would: each line 
 on its stdin is one more push with the same trainer, answered ``pushed VERSION`` (or a refusal).
 With ``--hold-before-update`` it prints ``before update`` once its update is started and makes
 the update call only when a line arrives on its stdin, then prints how long that call took.
+With ``--hold-before-finish`` it prints ``before finish`` once every chunk was sent and makes the
+finish call only when a line arrives on its stdin.
 With ``--listen-late S`` it sends its init and only S seconds later listens as the group's rank 0
 (a trainer that loads its model meanwhile).
 
@@ -97,6 +99,7 @@ def main() -> int:
         "--stop-before-update", type=int, metavar="PID", help="SIGSTOP this process right before the update call"
     )
     p.add_argument("--hold-before-update", action="store_true", help="wait for a line on stdin before the update call")
+    p.add_argument("--hold-before-finish", action="store_true", help="wait for a line on stdin before the finish")
     p.add_argument("--more", action="store_true", help="then push WEIGHTS VERSION from each line of stdin")
     p.add_argument(
         "--listen-late", type=float, metavar="S", help="send the init, then take S seconds (loading a model) to listen"
@@ -179,6 +182,14 @@ def main() -> int:
         with open(args.expect) as f:
             expected = json.load(f)
         client.finish_weight_update = lambda version, verify, kv: finishing(version, verify, expected, kv)
+    elif args.hold_before_finish:
+        # Whoever runs it does something to the fleet between the last chunk and the finish.
+        def finish_when_told(*a, **kw):
+            print("before finish", flush=True)
+            sys.stdin.readline()
+            return finishing(*a, **kw)
+
+        client.finish_weight_update = finish_when_told
     if stop_after is not None:
         sent = 0
         real_send = trainer._send_one

@@ -11,22 +11,28 @@ import time
 
 import torch
 
+from ..memory import DEVICE_HEADROOM_BYTES, HOST_HEADROOM_BYTES, host_memory_available
 from .targets import CopyTarget, ShadowTarget, WeightTarget
 
 __all__ = ["StagedPush"]
 
 log = logging.getLogger("skyinfer.engine.staging")
 
-# Free device memory a staging copy leaves for the engine's own needs (activations, graphs).
-_DEVICE_HEADROOM_BYTES = 2 << 30
-
 
 def _staging_place(update_nbytes: int) -> tuple[torch.device, bool]:
+    """Where a GPU worker keeps a push of ``update_nbytes`` (the whole push, decided at its first
+    chunk): its GPU if it has room, else pinned host memory if the host has; else refused."""
     if not torch.cuda.is_available():
         return torch.device("cpu"), False
     free, _total = torch.cuda.mem_get_info()
-    if free - update_nbytes > _DEVICE_HEADROOM_BYTES:
+    if free - update_nbytes > DEVICE_HEADROOM_BYTES:
         return torch.device("cuda", torch.cuda.current_device()), False
+    available = host_memory_available()
+    if available - update_nbytes <= HOST_HEADROOM_BYTES:
+        raise RuntimeError(
+            f"no room for a staging copy of {update_nbytes / 2**30:.2f} GiB: the GPU has {free / 2**30:.2f} GiB free,"
+            f" the host {available / 2**30:.2f} GiB available: push without staged"
+        )
     return torch.device("cpu"), True
 
 

@@ -23,6 +23,13 @@ request_amx_permission()
 keep_cpu_gemm_weights()
 
 
+def _give_back_device_cache() -> None:
+    """A staging copy on a GPU leaves its blocks in torch's caching allocator once freed: given
+    back to the device, or the engine's next sleep, KV cache or staged push finds less free."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 class SkyinferWorkerExtension:
     """Mixed into vLLM's worker class; ``self`` is the worker."""
 
@@ -142,6 +149,7 @@ class SkyinferWorkerExtension:
                 # Layers that received nothing get their old tensors back (a failed swap's engine is stale).
                 self.finish_weight_update()
         self._skyinfer_staged = None
+        _give_back_device_cache()
         return {"tensors": swapped}
 
     @answers_every_rank
@@ -153,6 +161,7 @@ class SkyinferWorkerExtension:
         if not staged.receiving:
             self._skyinfer_staged = None
         # else kept (dropped) until its receive ends, so that no new one starts meanwhile
+        _give_back_device_cache()
         return {"dropped": True}
 
     @answers_every_rank

@@ -64,6 +64,9 @@ class UpdateMetadata(WireModel):
     def total_bytes(self) -> int:
         return sum(self.nbytes(i) for i in range(len(self.names)))
 
+    def elements(self) -> int:
+        return sum(math.prod(shape) for shape in self.shapes)
+
 
 # How long a trainer may be silent during an update before the server abandons it (and, for
 # a group, how long its collectives may take).

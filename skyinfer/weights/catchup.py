@@ -117,8 +117,9 @@ class CatchUp:
 
     # -- when ----------------------------------------------------------------------------------
     def after_restart(self, record: EngineRecord) -> None:
-        """A new process joined the fleet behind its weights (bringup.py, under the fleet's lock):
-        catch it up beside the caller, once no weight update is in progress."""
+        """An engine is behind the fleet's weights, under the fleet's lock: a new process joined
+        (bringup.py), or a staged swap left it behind (push.py). Catch it up beside the caller,
+        once no weight update is in progress."""
         task = asyncio.create_task(self._after_restart(record, record.pid))
         self._scheduled.add(task)
         task.add_done_callback(self._scheduled.discard)

@@ -7,6 +7,7 @@ file, no tensor data), so bad metadata is refused before any byte moves.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from pathlib import Path
 
@@ -46,6 +47,24 @@ class CheckpointSpec:
     def missing(self, received: set[str]) -> list[str]:
         """The checkpoint's tensors a push did not carry (none: it replaced every weight)."""
         return sorted(self.names - received)
+
+    @property
+    def elements(self) -> int:
+        """The elements of every tensor a push of the whole model carries (a tied lm_head included)."""
+        return sum(math.prod(shape) for shape in self.shapes.values())
+
+    @classmethod
+    def find(cls, model: str) -> CheckpointSpec | None:
+        """The served checkpoint's tensors: ``model`` a local directory, or a hub id whose snapshot
+        is in the local Hugging Face cache (where the engines downloaded it); None until then."""
+        if Path(model).is_dir():
+            return cls.read(model)
+        try:
+            from huggingface_hub import snapshot_download
+
+            return cls.read(snapshot_download(model, local_files_only=True))
+        except Exception:  # not a hub id, not downloaded (yet), no huggingface_hub: unknown for now
+            return None
 
     @classmethod
     def read(cls, model_dir: str | Path) -> CheckpointSpec | None:

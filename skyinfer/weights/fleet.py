@@ -43,8 +43,17 @@ class Fleet:
         # The group's own timeout (from its init_info): a trainer silent this long between calls
         # of an update has gone, and an engine inside a broken collective answers after it.
         self.group_timeout_s = timeout_s
-        self.spec = CheckpointSpec.read(model)
+        self._model = model
+        self._spec = CheckpointSpec.find(model)
         self.update = UpdateMachine(metrics.set_update_phase)
+
+    @property
+    def spec(self) -> CheckpointSpec | None:
+        """The served checkpoint's tensors, or None while they are unknown (a hub id the engines
+        have not downloaded yet): looked for again until found."""
+        if self._spec is None:
+            self._spec = CheckpointSpec.find(self._model)
+        return self._spec
 
     def workers(self, records: list[EngineRecord]) -> tuple[int, ...]:
         return tuple(self.transport.workers_per_engine[r.engine_id] for r in records)
@@ -85,16 +94,17 @@ class Fleet:
     def check_metadata(self, update_info: dict, *, carries_data: bool = True) -> UpdateMetadata:
         """Refuse (400) metadata that is malformed or does not fit the served checkpoint, before any byte moves."""
         meta = self.transport.parse_update(update_info, carries_data=carries_data)
-        if self.spec is not None:
+        if (spec := self.spec) is not None:
             try:
-                self.spec.check(meta)
+                spec.check(meta)
             except ValueError as exc:
                 raise SyncError(400, f"update_info rejected before any transfer: {exc}") from None
         return meta
 
-    def missing(self, received: set[str]) -> list[str]:
-        """The checkpoint's tensors an update left out (none known without a checkpoint)."""
-        return self.spec.missing(received) if self.spec is not None else []
+    def missing(self, received: set[str]) -> list[str] | None:
+        """The checkpoint's tensors an update left out; None where the checkpoint's names are unknown."""
+        spec = self.spec
+        return spec.missing(received) if spec is not None else None
 
     async def call_all(
         self, records: list[EngineRecord], path: str, *, timeout_s: float | None = None, **call: Any

@@ -84,14 +84,25 @@ class OpenUpdate:
     # The engines hold staging copies of it (the staged path's receive); its swap consumes them,
     # its end drops them.
     copies_held: bool = False
+    # A staged push's bytes per GPU worker, as far as known at its start (its metadata, else the
+    # checkpoint's): each engine places its copy for the whole push, not its first chunk.
+    staging_bytes: int = 0
     # Engines it paused itself (the live path's begin), resumed when it ends.
     paused_for_push: list[EngineRecord] = attrs.Factory(list)
     # The tensors it carried (``receive``/``stage``): its finish knows whether it covered the checkpoint.
     received: set[str] = attrs.Factory(set)
+    # It loads the whole checkpoint on disk (``/reload_weights``), whatever its names.
+    whole_checkpoint: bool = False
     # Opened by /start_weight_update: its trainer makes further calls that belong to it.
     opened_by_trainer: bool = False
-    # Fires when its trainer has been silent too long between calls (``expect_trainer``).
+    # When its trainer's next call is due: set by each weight call the server accepted, never by
+    # a refused one (an operator retrying a refused call must not keep a dead trainer's update open).
+    silence_deadline: float | None = None
+    # Fires at ``silence_deadline`` while no weight call runs (``call_ended``).
     silence_timer: asyncio.TimerHandle | None = None
+    # Each engine that holds a staging copy of it, and the process that holds it (the staged
+    # path's receive): a process that replaced it since holds none.
+    stagers: dict[int, int | None] = attrs.Factory(dict)
 
 
 class UpdateMachine:
@@ -100,6 +111,8 @@ class UpdateMachine:
         self.abandoned: str | None = None
         self.current = OpenUpdate()
         self._on_step = on_step
+        # Weight calls running (or waiting for the fleet): no silence timer runs meanwhile.
+        self._calls_running = 0
 
     @property
     def received(self) -> set[str]:
@@ -116,7 +129,7 @@ class UpdateMachine:
         if old is Phase.IDLE:
             self.current.started_at = time.monotonic()
         if new is Phase.IDLE:
-            self.hold_silence()
+            self._disarm()
             self.current = OpenUpdate()
         self._on_step(new)
 
@@ -127,17 +140,29 @@ class UpdateMachine:
         self.current.staged = staged
         self.step(Phase.STARTED)
 
-    def hold_silence(self) -> None:
-        """A call of the trainer's is running (or the update ended): no silence timer runs."""
+    def call_began(self) -> None:
+        """A weight call is running, or waits for the fleet: no silence timer runs meanwhile."""
+        self._calls_running += 1
+        self._disarm()
+
+    def call_ended(self, accepted: bool, limit_s: float, on_silent: Callable[[], None]) -> None:
+        """A weight call is over. One the server accepted shows the trainer alive: during an update,
+        its next call is due within ``limit_s``. A refused one (4xx) shows nothing: the deadline
+        stays where the last accepted call put it, and the timer runs on to it."""
+        self._calls_running -= 1
+        if self.phase is Phase.IDLE:
+            return
+        if accepted:
+            self.current.silence_deadline = time.monotonic() + limit_s
+        deadline = self.current.silence_deadline
+        if self._calls_running == 0 and deadline is not None:
+            delay = max(0.0, deadline - time.monotonic())
+            self.current.silence_timer = asyncio.get_running_loop().call_later(delay, self._silent, on_silent)
+
+    def _disarm(self) -> None:
         if self.current.silence_timer is not None:
             self.current.silence_timer.cancel()
             self.current.silence_timer = None
-
-    def expect_trainer(self, limit_s: float, on_silent: Callable[[], None]) -> None:
-        """A trainer's call is over: during an update, its next one is due within ``limit_s``."""
-        self.hold_silence()
-        if self.phase is not Phase.IDLE:
-            self.current.silence_timer = asyncio.get_running_loop().call_later(limit_s, self._silent, on_silent)
 
     def _silent(self, on_silent: Callable[[], None]) -> None:
         self.current.silence_timer = None
@@ -145,8 +170,14 @@ class UpdateMachine:
 
     @property
     def silence_timed_out(self) -> bool:
-        """The silence timer fired and no call of the trainer's came since."""
-        return self.phase is not Phase.IDLE and self.current.silence_timer is None
+        """The trainer's next call is overdue, and no weight call runs."""
+        deadline = self.current.silence_deadline
+        return (
+            self.phase is not Phase.IDLE
+            and self._calls_running == 0
+            and deadline is not None
+            and time.monotonic() >= deadline
+        )
 
     def receive(self, names: Iterable[str]) -> None:
         self.received.update(names)

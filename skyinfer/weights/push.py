@@ -41,7 +41,18 @@ def _version(weight_version: str | None) -> str:
     return weight_version if weight_version is not None else f"update-{int(time.time())}"
 
 
-def _partly_covered(version: str, missing: list[str]) -> str:
+def _not_covered(version: str, missing: list[str] | None) -> str | None:
+    """Why an engine whose weights were not the fleet's stays stale after the push of ``version``
+    (``missing``: the checkpoint's tensors it left out; None: the checkpoint's names are unknown),
+    or None: the push replaced every weight."""
+    if missing is None:
+        return (
+            f"its weights were not the fleet's, and the checkpoint's tensor names are unknown here (--model"
+            f" is neither a local directory nor in the local Hugging Face cache), so the push of {version}"
+            " cannot be shown to cover every weight: POST /engines/{id}/catch_up, or /reload_weights"
+        )
+    if not missing:
+        return None
     shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
     return (
         f"its weights were not the fleet's, and the push of {version} carried only part of the checkpoint"
@@ -60,7 +71,7 @@ class LivePath:
         self.fleet = fleet
         self._begin = begin
 
-    def fits(self, records: list[EngineRecord], nbytes: int) -> None:
+    def fits(self, records: list[EngineRecord], meta: UpdateMetadata | None) -> None:
         """The live weights take the bytes in place: nothing more to hold."""
 
     async def receive(
@@ -98,6 +109,8 @@ class Push:
         # Updates that began touching engines (or a reload): a peer catch-up that sees this move
         # while it copies gives way to the push (catchup.py).
         self.updates_begun = 0
+        # Schedules a peer catch-up for an engine a staged swap left behind (catchup.py, set by the app).
+        self.catch_up_later: Callable[[EngineRecord], None] | None = None
 
     def _path(self) -> LivePath | StagedPath:
         return self.staged if self.update.current.staged else self.live
@@ -105,9 +118,8 @@ class Push:
     def start(self, update_info: dict | None, staged: bool = False) -> dict:
         self.fleet.refuse_unless(Phase.IDLE)
         records = self.fleet.engines_in_group()
-        if update_info is not None:
-            meta = self.fleet.check_metadata(update_info, carries_data=False)
-            (self.staged if staged else self.live).fits(records, meta.total_bytes())
+        meta = None if update_info is None else self.fleet.check_metadata(update_info, carries_data=False)
+        (self.staged if staged else self.live).fits(records, meta)
         self.update.open(staged)
         return {"status": "started", "staged": staged}
 
@@ -132,7 +144,6 @@ class Push:
                 records = self.fleet.engines_in_group()
                 if one_shot:
                     self.update.current.staged = staged
-                    self._path().fits(records, meta.total_bytes())
                 path = self._path()
                 started = time.monotonic()
                 replies, answer = await path.receive(records, update_info, meta)
@@ -161,7 +172,9 @@ class Push:
         self.fleet.refuse_unless(Phase.RECEIVING, Phase.STAGING)
         async with self.registry.fleet_change():
             self.fleet.refuse_unless(Phase.RECEIVING, Phase.STAGING)
-            return await self._finish(self.fleet.engines(), _version(weight_version), verify, expected, kv)
+            # A staged update swaps on the engines that hold its copies (``_finish``), whoever is down.
+            records = self.fleet.engines() if self.update.phase is Phase.RECEIVING else []
+            return await self._finish(records, _version(weight_version), verify, expected, kv)
 
     async def reload(self) -> dict:
         """Every engine of the fleet loads the checkpoint on disk again, in place, as a push would
@@ -173,7 +186,8 @@ class Push:
             self.update.start_over()
             records = self.fleet.engines()
             await self._begin(records)
-            self.update.receive(self.fleet.spec.names if self.fleet.spec is not None else ())
+            self.update.receive(())
+            self.update.current.whole_checkpoint = True
             replies = await self.fleet.call_all(records, "/load_checkpoint")
             await self._settle("loading the checkpoint", records, replies)
             return await self._finish(records, CHECKPOINT_VERSION, verify=False, expected=None)
@@ -212,7 +226,13 @@ class Push:
         """Every engine takes the update and serves ``version``: the fleet's account of it, and the
         update's end. Called with the registry's lock held."""
         path = self._path()
+        left_behind: list[EngineRecord] = []
         if self.update.phase is Phase.STAGING:
+            records, left_behind = self.staged.holders()
+            if not records:
+                reason = "no engine holds the staged push any more: each restarted since it staged it"
+                await self.end_abandoned(reason)
+                raise SyncError(409, f"{reason}; push again")
             if (reason := unpushable(records)) is not None:
                 reason = f"cannot swap the staged push in: {reason}"
                 await self.end_abandoned(reason)  # no live weight was touched
@@ -224,7 +244,7 @@ class Push:
             self.last_update_s = extras["swap_seconds"]
         self.registry.fleet_weight_version = version
         self.fleet.metrics.push_seconds.observe(time.monotonic() - self.update.current.started_at)
-        missing = self.fleet.missing(self.update.received)
+        missing = [] if self.update.current.whole_checkpoint else self.fleet.missing(self.update.received)
         for record in records:
             record.weight_version = version
             record.mid_update = False
@@ -233,7 +253,8 @@ class Push:
                 continue
             # Its weights were not the fleet's before (discarded by a sleep, mixed by an abort,
             # another version): only a push of every tensor makes them so.
-            self.registry.set_stale(record, _partly_covered(version, missing) if missing else None)
+            self.registry.set_stale(record, _not_covered(version, missing))
+        self._leave_behind(left_behind, version)
         self._checks.forget()
         try:
             if verify:
@@ -249,6 +270,20 @@ class Push:
             **extras,
         }
         return {**answer, "verified": True} if verify else answer
+
+    def _leave_behind(self, records: list[EngineRecord], version: str) -> None:
+        """Engines that lost their staging copy (a new process since they staged it) serve the old
+        weights: held out, each catches up with ``version`` from a peer. One still coming up finds
+        itself behind the fleet when it joins (bringup.py), and catches up then."""
+        for record in records:
+            if not record.up:
+                continue
+            log.warning("engine %d: its process restarted since it staged %s: it catches up", record.engine_id, version)
+            self.registry.set_stale(
+                record, f"it restarted while the staged push of {version} was received, and holds no copy of it"
+            )
+            if self.catch_up_later is not None:
+                self.catch_up_later(record)
 
     async def _settle(
         self, step: str, records: list[EngineRecord], replies: list[EngineReply], collective: bool = False

@@ -8,7 +8,7 @@ from typing import Any
 
 from aiohttp import web
 
-from ..errors import admin_json_body, json_response
+from ..errors import ApiError, admin_json_body, json_response
 from ..wire import (
     FinishRequest,
     InitRequest,
@@ -28,10 +28,15 @@ def _sync_route(request_type: type[WireModel], handler: Callable[[WeightSync, An
     async def call(sync: WeightSync, body: Any) -> dict:
         # No silence while a weight call runs, or waits for the registry's lock.
         sync.call_began()
+        accepted = True
         try:
             return await handler(sync, body)
+        except ApiError as exc:
+            # Refused (bad input, wrong order): the trainer's silence is not broken by it.
+            accepted = exc.status >= 500
+            raise
         finally:
-            sync.call_ended()
+            sync.call_ended(accepted)
 
     @takes(request_type)
     async def route(request: web.Request) -> web.Response:

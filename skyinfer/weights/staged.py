@@ -5,27 +5,26 @@ from __future__ import annotations
 
 import time
 
+from ..devices import gpu_free_bytes
 from ..engine_calls import EngineReply, call_engine, gather_until_failure
 from ..errors import STAGING_DOES_NOT_FIT
+from ..memory import DEVICE_HEADROOM_BYTES, HOST_HEADROOM_BYTES, host_memory_available
 from ..state import EngineRecord
-from ..transfer.protocol import UpdateMetadata
+from ..transfer.protocol import DTYPE_SIZES, UpdateMetadata
 from ..wire import KvRule
 from .fleet import Fleet, SyncError
 from .phases import Phase
 
-__all__ = ("StagedPath", "host_memory_available")
+__all__ = ("StagedPath",)
 
-# Host memory a staged push leaves free beside its staging copies.
-_STAGING_HEADROOM_BYTES = 1 << 30
+# On CPU a staging copy holds the push twice: the shadow's tensors in the served dtype, and the
+# kernels packed from them (engine/targets.py ShadowTarget); an engine's tp workers each hold their
+# shards, so an engine holds this many copies of the push in all, whatever its tp.
+_CPU_COPIES = 2
 
 
-def host_memory_available() -> int:
-    """The kernel's estimate of the memory new allocations can take without swapping (MemAvailable)."""
-    with open("/proc/meminfo") as meminfo:
-        for line in meminfo:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/meminfo has no MemAvailable")
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB"
 
 
 def _staged_copy(reply: EngineReply) -> dict:
@@ -44,19 +43,36 @@ class StagedPath:
     def __init__(self, fleet: Fleet):
         self.fleet = fleet
 
-    def fits(self, records: list[EngineRecord], nbytes: int) -> None:
-        """On CPU every worker keeps a whole copy of the push in host memory until the swap."""
-        if self.fleet.registry.records[0].devices.kind != "cpu":
-            return  # a GPU worker stages in device memory, or in pinned host memory if it has no room
-        workers = sum(self.fleet.workers(records))
-        needed = nbytes * workers
+    def fits(self, records: list[EngineRecord], meta: UpdateMetadata | None) -> None:
+        """Refuse (409, with the figures) a staged push whose copies would not fit beside what the
+        engines hold: ``meta`` the tensors of a chunk (or of the whole push, at its start), or None
+        for a start without metadata, which may carry the whole checkpoint."""
+        if meta is None and self.fleet.spec is None:
+            return  # nothing to size it by yet: each chunk is checked as it comes
+        elements = meta.elements() if meta is not None else self.fleet.spec.elements
+        served = DTYPE_SIZES.get(records[0].model_dtype or "", 4)
+        if records[0].devices.kind == "cpu":
+            self._host_fits(_CPU_COPIES * elements * served * len(records), f"{_CPU_COPIES} copies per engine")
+            return
+        # A GPU worker keeps the tensors as pushed, whole (every tp worker), on its GPU, or in pinned
+        # host memory where its GPU has no room (the engine decides so for the whole push).
+        per_worker = meta.total_bytes() if meta is not None else elements * served
+        first_gpus = [group[0] for r in records for group in r.devices.worker_ids]
+        spilled = sum(free - per_worker <= DEVICE_HEADROOM_BYTES for free in gpu_free_bytes(tuple(first_gpus)))
+        if spilled:
+            self._host_fits(per_worker * spilled, f"pinned, for {spilled} worker(s) whose GPU has no room")
+        current = self.fleet.update.current
+        current.staging_bytes = max(current.staging_bytes, per_worker)
+
+    @staticmethod
+    def _host_fits(needed: int, what: str) -> None:
         available = host_memory_available()
-        if needed > available - _STAGING_HEADROOM_BYTES:
+        if needed > available - HOST_HEADROOM_BYTES:
             raise SyncError(
                 409,
-                f"a staged push of {nbytes / 2**30:.2f} GiB needs a staging copy per worker ({workers} workers:"
-                f" {needed / 2**30:.2f} GiB), but the host has {available / 2**30:.2f} GiB available"
-                f" (less {_STAGING_HEADROOM_BYTES >> 30} GiB kept free): push without staged",
+                f"a staged push needs {_gib(needed)} of host memory for its staging copies ({what}), but the host"
+                f" has {_gib(available)} available (less {_gib(HOST_HEADROOM_BYTES)} kept free): push without"
+                " staged",
                 code=STAGING_DOES_NOT_FIT,
             )
 
@@ -65,6 +81,12 @@ class StagedPath:
     ) -> tuple[list[EngineReply], dict]:
         """Every engine receives a chunk into its staging copy, while it serves on."""
         update = self.fleet.update
+        # An engine whose process was replaced since it staged the update's first chunks holds no
+        # copy: it takes no more of the update (its peers' swap goes on, and it catches up after).
+        records = [r for r in records if update.current.stagers.get(r.engine_id, r.pid) == r.pid]
+        if not records:
+            raise SyncError(409, "every engine restarted since the staged push began: start it again")
+        self.fits(records, meta)
         update.stage(meta.names)
         update.current.copies_held = True
         nbytes = meta.total_bytes()
@@ -73,7 +95,8 @@ class StagedPath:
             held = (record.staging or {}).get("bytes", 0)
             expected = held + nbytes * workers[record.engine_id]
             record.staging = {"state": "receiving", "bytes": held, "bytes_expected": expected}
-        body = {"update_info": update_info, "update_nbytes": nbytes}
+        # A GPU engine places its copy for the whole push at the first chunk.
+        body = {"update_info": update_info, "update_nbytes": max(nbytes, update.current.staging_bytes)}
         query = {"timeout_s": self.fleet.timeout_s}
         timeout_s = self.fleet.timeout_s + 30
         replies = await gather_until_failure(
@@ -81,6 +104,8 @@ class StagedPath:
         )
         for index, (record, reply) in enumerate(zip(records, replies)):
             record.staging = {"state": "staged", **_staged_copy(reply)} if reply.ok else None
+            if reply.ok:
+                update.current.stagers[record.engine_id] = record.pid
             expected = len(update.received) * workers[record.engine_id]
             if reply.ok and reply.body["tensors"] != expected:
                 # Never swap in a copy that lacks a tensor: the layers it misses would serve part new.
@@ -95,6 +120,14 @@ class StagedPath:
             "place": copies[0]["place"],
         }
         return replies, {"status": "staged", **summary}
+
+    def holders(self) -> tuple[list[EngineRecord], list[EngineRecord]]:
+        """The engines whose process holds its staging copy of the update (they swap it in), and
+        those of the fleet that hold none: restarted since they staged it, or restarting."""
+        stagers = self.fleet.update.current.stagers
+        members = self.fleet.registry.members()
+        holding = [r for r in members if r.up and stagers.get(r.engine_id) == r.pid]
+        return holding, [r for r in members if all(r is not h for h in holding)]
 
     async def apply(self, records: list[EngineRecord], version: str, kv: KvRule) -> tuple[list[EngineReply], dict]:
         """One call per engine: the swap, the new version and the KV rule, handled by its EngineCore

@@ -79,12 +79,12 @@ class WeightSync:
     # -- the trainer's silence -----------------------------------------------------------
     def call_began(self) -> None:
         """A weight call is running (or waits for the fleet): the update's silence timer stops."""
-        self.update.hold_silence()
+        self.update.call_began()
 
-    def call_ended(self) -> None:
+    def call_ended(self, accepted: bool) -> None:
         """A weight call is over: during an update, the trainer's next call is due within the
-        group's timeout, or the update is abandoned."""
-        self.update.expect_trainer(self.fleet.group_timeout_s, self._trainer_silent)
+        group's timeout of its last accepted one, or the update is abandoned."""
+        self.update.call_ended(accepted, self.fleet.group_timeout_s, self._trainer_silent)
 
     def _trainer_silent(self) -> None:
         phase = self.update.phase
