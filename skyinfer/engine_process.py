@@ -18,6 +18,7 @@ from .devices import platform_engine_args
 from .engine.output import read_tail
 from .engine_calls import unix_client
 from .engine_wire import EXTENSION_PATH
+from .shm_leftovers import mapped_segments, remove_segments
 from .state import EngineRecord
 from .transfer import transport_for
 
@@ -59,6 +60,8 @@ class EngineProcess:
         # For the restart backoff: consecutive crashes, and when it last became ready (0: not up since).
         self.crashes = 0
         self.ready_since = 0.0
+        # vLLM's segments in /dev/shm that its processes map: removed once they are gone (shm_leftovers.py).
+        self.shm_segments: set[str] = set()
 
     def argv(self, lifeline_fd: int, report_fd: int | None = None) -> list[str]:
         """Its command line; with ``report_fd``, a spare's (spares.py), which reports there."""
@@ -168,6 +171,7 @@ class EngineProcess:
                     ) as resp:
                         if resp.status == 200:
                             info = await resp.json()
+                            self.shm_segments |= mapped_segments(self.proc.pid)
                             log.info("engine %d: up in %.1fs", self.record.engine_id, time.monotonic() - started)
                             return client, info
                 except (aiohttp.ClientError, asyncio.TimeoutError):
@@ -194,6 +198,8 @@ class EngineProcess:
             return
         pgid = self.proc.pid
         if self.proc.returncode is None:
+            # Those made since it came up too (its group is still its own: its leader is not reaped).
+            self.shm_segments |= mapped_segments(pgid)
             with contextlib.suppress(ProcessLookupError):
                 self.proc.send_signal(signal.SIGTERM)
             try:
@@ -204,3 +210,9 @@ class EngineProcess:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, signal.SIGKILL)
         await self.proc.wait()
+        # Nothing of its group runs again: what vLLM's processes did not unlink goes now.
+        segments, self.shm_segments = self.shm_segments, set()
+        if removed := remove_segments(segments):
+            log.info(
+                "engine %d: removed %d segment(s) its processes left in /dev/shm", self.record.engine_id, len(removed)
+            )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -273,6 +274,27 @@ def vllm_process(engine_pid: int, role: str) -> psutil.Process:
     """vLLM's EngineCore or worker process under one engine."""
     (proc,) = [p for p in psutil.Process(engine_pid).children(recursive=True) if role in " ".join(p.cmdline())]
     return proc
+
+
+def engine_tree(engine_pid: int) -> list[psutil.Process]:
+    """An engine's process and every process beneath it (vLLM's EngineCore, workers)."""
+    engine = psutil.Process(engine_pid)
+    return [engine, *engine.children(recursive=True)]
+
+
+def shm_segments(procs: list[psutil.Process]) -> set[str]:
+    """vLLM's segments in /dev/shm (``psm_*``: its message queues between EngineCore and its
+    workers) that these processes map, read from their /proc/<pid>/maps while they run."""
+    names: set[str] = set()
+    for proc in procs:
+        with contextlib.suppress(OSError):
+            names |= set(re.findall(r"/dev/shm/(psm_\w+)$", Path(f"/proc/{proc.pid}/maps").read_text(), re.M))
+    return names
+
+
+def left_in_shm(segments: set[str]) -> list[str]:
+    """Those of ``segments`` still in /dev/shm."""
+    return sorted(name for name in segments if os.path.exists(f"/dev/shm/{name}"))
 
 
 def engine_socket(srv: ServerProcess, engine: int) -> str:

@@ -1,4 +1,5 @@
-"""SIGTERM: stop accepting, let in-flight requests finish within the grace, leave no process."""
+"""SIGTERM: stop accepting, let in-flight requests finish within the grace, leave no process, and
+nothing of vLLM's in /dev/shm."""
 
 from __future__ import annotations
 
@@ -12,7 +13,15 @@ from pathlib import Path
 import httpx
 import psutil
 
-from support import TRAINER, ServerProcess, admit_while_paused, module_servers, process_tree
+from support import (
+    TRAINER,
+    ServerProcess,
+    admit_while_paused,
+    left_in_shm,
+    module_servers,
+    process_tree,
+    shm_segments,
+)
 
 GRACE_S = 8
 
@@ -34,14 +43,19 @@ def _launch(demo_model: Path, logs: Path) -> dict[str, ServerProcess]:
 stoppable = module_servers(__name__, _launch)
 
 
-def assert_nothing_left(tree: list[psutil.Process]) -> None:
+def assert_nothing_left(tree: list[psutil.Process], segments: set[str]) -> None:
+    """No process of the server's lives on, and none of the segments they mapped is left in /dev/shm
+    (vLLM's shutdown force-kills its processes before they unlink theirs)."""
     _, alive = psutil.wait_procs(tree, timeout=5)
     assert not alive, f"left behind: {[(p.pid, p.name()) for p in alive]}"
+    assert segments, "vLLM's processes mapped no segment in /dev/shm: nothing to check"
+    assert not left_in_shm(segments), f"left in /dev/shm: {left_in_shm(segments)} of {sorted(segments)}"
 
 
 async def test_sigterm_lets_in_flight_requests_finish(stoppable):
     srv = stoppable["finish"]
     tree = process_tree(srv)
+    segments = shm_segments(tree)
     body = {"model": srv.model, "prompt": "finish me", "max_tokens": 600, "ignore_eos": True}
     async with httpx.AsyncClient(base_url=srv.url, timeout=120) as http:
         tasks = await admit_while_paused(http, (http.post("/v1/completions", json=body) for _ in range(8)))
@@ -63,7 +77,7 @@ async def test_sigterm_lets_in_flight_requests_finish(stoppable):
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 600
     assert await asyncio.to_thread(srv.proc.wait, 60) == 0, srv.log_tail()
-    assert_nothing_left(tree)
+    assert_nothing_left(tree, segments)
 
 
 async def test_grace_period_bounds_the_shutdown(stoppable, demo_model):
@@ -73,6 +87,7 @@ async def test_grace_period_bounds_the_shutdown(stoppable, demo_model):
     not at the push's 60 s timeout."""
     srv = stoppable["grace"]
     tree = process_tree(srv)
+    segments = shm_segments(tree)
     trainer = subprocess.Popen(
         [sys.executable, str(TRAINER), srv.url, str(demo_model / "model.safetensors"), "v-stuck", "--hang-after", "2"],
         stdout=subprocess.PIPE,
@@ -100,4 +115,4 @@ async def test_grace_period_bounds_the_shutdown(stoppable, demo_model):
     cut = re.findall(r"(\d+) request\(s\) still running after (\d+)s; cutting them off", log)
     assert [int(after) for _, after in cut] == [in_flight_s] and int(cut[0][0]) >= len(tasks), cut or srv.log_tail()
     assert all(isinstance(o, httpx.HTTPError) or o.status_code >= 500 for o in outcomes), outcomes
-    assert_nothing_left(tree)
+    assert_nothing_left(tree, segments)

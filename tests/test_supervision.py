@@ -34,10 +34,13 @@ from support import (
     ServerProcess,
     admit_while_paused,
     engine_of,
+    engine_tree,
+    left_in_shm,
     module_servers,
     process_tree,
     running,
     scrape,
+    shm_segments,
     total,
     vllm_process,
 )
@@ -200,8 +203,8 @@ async def test_an_engine_that_cannot_come_back_is_retired_and_rejoins_on_request
     """Engine 1 is killed each time it comes up: after its one allowed restart in a row it is
     retired. The other serves on; /ready is 200; a trainer's push over the remaining engine
     succeeds. POST /engines/1/restart brings it back while engine 0's process is SIGKILLed at rest:
-    both come back stale (from the checkpoint on disk), and 16 requests sent meanwhile are held,
-    not refused. The trainer, still up, finds its group gone, forms it again by itself, and its push
+    both come back stale (from the checkpoint on disk), with none of the segments the killed
+    processes mapped left in /dev/shm, and 16 requests sent meanwhile are held, not refused. The trainer, still up, finds its group gone, forms it again by itself, and its push
     covers both engines; then the held requests are answered, on its weights. Prints how long the
     fleet took to be ready for a push and to serve again."""
     async with httpx.AsyncClient(base_url=crash_server.url, timeout=HOLD_S + 60) as http:
@@ -241,6 +244,7 @@ async def test_an_engine_that_cannot_come_back_is_retired_and_rejoins_on_request
             while (await http.get("/engines")).json()["engines"][1]["state"] == "retired":
                 await asyncio.sleep(0.05)
             engine_0 = (await http.get("/engines")).json()["engines"][0]
+            segments = shm_segments(engine_tree(engine_0["pid"]))
             os.killpg(engine_0["pid"], signal.SIGKILL)
             killed_at = time.monotonic()
             while (await http.get("/engines")).json()["engines"][0]["state"] == "ready":
@@ -258,6 +262,8 @@ async def test_an_engine_that_cannot_come_back_is_retired_and_rejoins_on_request
             engines = await wait_up(http)
             ready_at = time.monotonic()
             assert engines[0]["pid"] != engine_0["pid"] and [e["state"] for e in engines] == ["stale", "stale"]
+            # What the killed processes left in /dev/shm went before the restart.
+            assert segments and not left_in_shm(segments), (left_in_shm(segments), segments)
             assert not any(task.done() for task in held), "a request was answered by an engine no push had reached"
             assert (await http.get("/get_world_size")).json()["world_size"] == 2
 
@@ -373,8 +379,9 @@ async def test_engine_core_killed_mid_receive_aborts_the_update_on_every_engine(
     new: it ends the update in its own process and drops what it held; the update is aborted for
     the whole fleet at once, not left to the group's 60 s timeout: 16 or more end within 30 s), or
     waits, as a request that finds no engine serving does. Engine 0 keeps its process; engine 1
-    comes back paused, as the fleet is; both serve nothing (stale) until the next push, which works
-    at once, and then what waited is answered in full on the pushed weights."""
+    comes back paused, as the fleet is, with none of the segments its old processes mapped left in
+    /dev/shm; both serve nothing (stale) until the next push, which works at once, and then what
+    waited is answered in full on the pushed weights."""
     body = {"model": crash_server.model, "prompt": "under load", "max_tokens": 600, "ignore_eos": True}
     weights = modified_weights(demo_model, seed=31)
     path = save(weights, tmp_path / "w31.safetensors")
@@ -390,6 +397,7 @@ async def test_engine_core_killed_mid_receive_aborts_the_update_on_every_engine(
         try:
             assert (await asyncio.to_thread(trainer.stdout.readline)).strip() == "hanging"
             assert (await http.get("/weight_info")).json()["update_phase"] == "receiving"
+            segments = shm_segments(engine_tree(before[1]))
             vllm_process(before[1], "EngineCore").send_signal(signal.SIGKILL)
             killed_at = time.monotonic()
             requests = [asyncio.ensure_future(_timed(t)) for t in tasks]
@@ -412,6 +420,8 @@ async def test_engine_core_killed_mid_receive_aborts_the_update_on_every_engine(
             await asyncio.sleep(0.5)
         ready_at = time.monotonic()
         assert engines[0]["pid"] == before[0] and [e["paused"] for e in engines] == [True, True]
+        # What engine 1's processes left in /dev/shm (its EngineCore's message queues) went before its restart.
+        assert segments and not left_in_shm(segments), (left_in_shm(segments), segments)
         late = asyncio.ensure_future(_timed(http.post("/v1/completions", json={**body, "prompt": "late"})))
         await asyncio.sleep(1)
         # Engine 0's own, and engine 1's sent there once more before it was held out, were aborted
