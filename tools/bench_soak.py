@@ -84,20 +84,8 @@ def soak_weights(model_dir: Path, which: int) -> list[tuple[str, torch.Tensor]]:
 def _trainer(transport: str, url: str, admin_key: str | None):
     """``gloo``: engines on devices of their own (CPU); ``shm``, ``ipc``: colocated on CPU, on GPUs."""
     from skyinfer.trainer import GlooTrainer, IPCTrainer, SharedMemoryTrainer
-    from skyinfer.transfer.pushing import Trainer
 
-    class StagedIPCTrainer(IPCTrainer):
-        """IPCTrainer.push takes neither ``staged`` nor ``kv``: the base push with both, then the
-        IPC push's clean-up."""
-
-        def push(self, named_tensors, version, one_call=False, verify=False, staged=False, kv="recompute"):
-            try:
-                Trainer.push(self, named_tensors, version, one_call, verify, staged, kv)
-            finally:
-                self._keep, self._handles = [], []
-                self._release_exported()
-
-    kinds = {"gloo": GlooTrainer, "shm": SharedMemoryTrainer, "ipc": StagedIPCTrainer}
+    kinds = {"gloo": GlooTrainer, "shm": SharedMemoryTrainer, "ipc": IPCTrainer}
     return kinds[transport](url, admin_key=admin_key, timeout_s=600)
 
 
@@ -321,6 +309,9 @@ def soak(args, url: str, pusher: Pusher, load: Load, table: Table) -> tuple[dict
             failures.append(f"push {push} ({mode}): {exc}")
             print(f"push {push} ({mode}) failed: {exc}", flush=True)
         if push % args.every == 0 or push == args.pushes:
+            # A push's finish answers before the weights it replaced are freed (on a thread of each
+            # worker): read once they had time to go, as the memory the engine holds between pushes.
+            time.sleep(args.settle_s)
             table.row(url, push, mode, seconds, load)
         time.sleep(args.gap_s)
     return times, failures
@@ -383,6 +374,7 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--every", type=int, default=10, help="the memory after every N-th push")
     p.add_argument("--gap-s", type=float, default=0.5, help="between two pushes (the load goes on)")
+    p.add_argument("--settle-s", type=float, default=2.0, help="after a push, before its memory is read")
     p.add_argument("--tolerance", type=float, default=0.05, help="logprobs: served vs transformers float32")
     p.add_argument("--memory-tolerance", type=float, default=0.10, help="last / every-th memory, either way")
     args = p.parse_args()

@@ -18,3 +18,5 @@ EXPORT_WEIGHTS_RPC, IMPORT_WEIGHTS_RPC = "skyinfer_export_weights", "skyinfer_im
 # Staged pushes (engine/staging.py): receive into a staging copy while generating, then swap it in or drop it.
 STAGE_WEIGHTS_RPC, STAGING_STATUS_RPC = "skyinfer_stage_weights", "skyinfer_staging_status"
 SWAP_STAGED_RPC, DROP_STAGED_RPC = "skyinfer_swap_staged", "skyinfer_drop_staged"
+# After a push's finish: the memory it freed goes back to the kernel (and the GPU).
+GIVE_BACK_MEMORY_RPC = "skyinfer_give_back_memory"

@@ -11,10 +11,17 @@ from typing import Protocol
 
 import torch
 
+from ..memory import give_back_freed_memory
 from ..vllm_api import default_weight_loader
 from .cpu_setup import pack_cpu_gemms
 
 __all__ = ["CopyTarget", "ShadowTarget", "WeightTarget"]
+
+
+def _retire(tensors: list) -> None:
+    """Free a swapped-out model's tensors, and give the memory back to the kernel."""
+    tensors.clear()
+    give_back_freed_memory()
 
 
 class WeightTarget(Protocol):
@@ -182,7 +189,7 @@ class ShadowTarget(torch.nn.Module):
             if "cpu_linear" in shadow_module.__dict__:
                 retired.append(live_module.__dict__.get("cpu_linear"))
                 live_module.cpu_linear = shadow_module.cpu_linear
-        threading.Thread(target=retired.clear, daemon=True, name="skyinfer-retire-weights").start()
+        threading.Thread(target=_retire, args=(retired,), daemon=True, name="skyinfer-retire-weights").start()
         # The live model holds the new weights now. Each shadow parameter's loader refers to this
         # target, a cycle that would keep the shadows, and through them the weights the next push
         # retires, alive until a full garbage collection, which a busy engine rarely reaches.

@@ -15,6 +15,7 @@ from . import (
     DROP_STAGED_RPC,
     END_WEIGHT_UPDATE_RPC,
     EXPORT_WEIGHTS_RPC,
+    GIVE_BACK_MEMORY_RPC,
     IMPORT_WEIGHTS_RPC,
     LOAD_CHECKPOINT_RPC,
     RECEIVE_OUTCOME_RPC,
@@ -130,6 +131,7 @@ async def finish_weight_update(request: web.Request) -> web.Response:
     body = parse_json_object(await request.read())
     await engine.finish_weight_update(body.get("weight_version"))
     await _after_new_weights(request, engine, body.get("kv"))
+    await on_every_worker(engine, GIVE_BACK_MEMORY_RPC)
     return json_response({"status": "finished", "weight_version": await engine.get_weight_version()})
 
 

@@ -10,24 +10,18 @@ import torch
 from safetensors.torch import save_file
 
 from ..engine_wire import ADAPTER_WEIGHTS_FILE
+from ..memory import give_back_freed_memory
 from . import backends  # noqa: F401 - registers skyinfer's backends with vLLM's factory
 from .catchup_files import catch_up_file, export_tensors, import_tensors, served_tensors
 from .cpu_setup import keep_cpu_gemm_weights, pack_cpu_gemms, request_amx_permission
 from .staging import StagedPush
-from .targets import CopyTarget
+from .targets import CopyTarget, ShadowTarget
 from .worker_calls import answers_every_rank
 
 __all__ = ["SkyinferWorkerExtension"]
 
 request_amx_permission()
 keep_cpu_gemm_weights()
-
-
-def _give_back_device_cache() -> None:
-    """A staging copy on a GPU leaves its blocks in torch's caching allocator once freed: given
-    back to the device, or the engine's next sleep, KV cache or staged push finds less free."""
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 class SkyinferWorkerExtension:
@@ -52,6 +46,11 @@ class SkyinferWorkerExtension:
         self.weight_transfer_engine.receive_failure = None
         if failure is not None:
             raise failure
+
+    @answers_every_rank
+    def skyinfer_give_back_memory(self) -> None:
+        """After a push's finish: what it freed goes back to the kernel (and the GPU)."""
+        give_back_freed_memory()
 
     @answers_every_rank
     def skyinfer_end_weight_update(self) -> None:
@@ -149,7 +148,8 @@ class SkyinferWorkerExtension:
                 # Layers that received nothing get their old tensors back (a failed swap's engine is stale).
                 self.finish_weight_update()
         self._skyinfer_staged = None
-        _give_back_device_cache()
+        if not isinstance(staged.target, ShadowTarget):  # a shadow's old tensors go on their own thread
+            give_back_freed_memory()
         return {"tensors": swapped}
 
     @answers_every_rank
@@ -161,7 +161,7 @@ class SkyinferWorkerExtension:
         if not staged.receiving:
             self._skyinfer_staged = None
         # else kept (dropped) until its receive ends, so that no new one starts meanwhile
-        _give_back_device_cache()
+        give_back_freed_memory()
         return {"dropped": True}
 
     @answers_every_rank
