@@ -71,6 +71,8 @@ class Leases(Protocol):
 
     def note_retried(self, engine_id: int) -> None: ...
 
+    def note_second_death(self, engine_id: int) -> None: ...
+
     def remember_response(self, response_id: str, engine_id: int) -> None: ...
 
 
@@ -124,6 +126,9 @@ class LocalLeases:
 
     def note_retried(self, engine_id: int) -> None:
         self.registry.records[engine_id].retried_elsewhere += 1
+
+    def note_second_death(self, engine_id: int) -> None:
+        self.registry.records[engine_id].ended_at_second_death += 1
 
     def remember_response(self, response_id: str, engine_id: int) -> None:
         self.registry.stored_responses.record(response_id, engine_id)

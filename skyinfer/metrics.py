@@ -73,6 +73,12 @@ class _EngineCollector:
             "requests sent to another engine because this one died under them",
             labels=["engine"],
         )
+        second_deaths = CounterMetricFamily(
+            "skyinfer_engine_requests_ended_at_second_death",
+            "requests in flight when this engine died that an engine had died under before: ended, not sent"
+            " to a third (the log names each: request id, route, body hash)",
+            labels=["engine"],
+        )
         for r in self.registry.records:
             engine = str(r.engine_id)
             for s in EngineState:
@@ -86,7 +92,8 @@ class _EngineCollector:
             version.add_metric([engine, r.weight_version or ""], 1)
             moves.add_metric([engine], self.registry.router.moves.get(r.engine_id, 0))
             retried.add_metric([engine], r.retried_elsewhere)
-        return [state, paused, sleeping, in_flight, queued, refused, restarts, version, moves, retried]
+            second_deaths.add_metric([engine], r.ended_at_second_death)
+        return [state, paused, sleeping, in_flight, queued, refused, restarts, version, moves, retried, second_deaths]
 
 
 class RequestMetrics:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import re
 import zlib
@@ -297,9 +298,11 @@ async def forward(request: web.Request) -> web.StreamResponse:
     try:
         return await _send(request, ask, body, headers, retried_from=dead, going_on=first_death.going_on)
     except _EngineDied as again:
-        return again.answer
+        message = _second_death(request, body, dead, again.engine_id)
+        return error_response(500, message, headers={ENGINE_HEADER: str(again.engine_id)})
     except _StreamBrokeOff as broke:
-        return await _end_with_error(broke.response, None, f"engine {broke.going_on.engine_id} died mid-stream too")
+        message = _second_death(request, body, dead, broke.going_on.engine_id)
+        return await _end_with_error(broke.response, None, message, status=500)
 
 
 # The id of a stored response: the top-level "id" of an answer, or in a stream the "id" of the
@@ -500,10 +503,10 @@ async def _end(response: web.StreamResponse, answer: stream_relay.EngineAnswer) 
 
 
 async def _end_with_error(
-    response: web.StreamResponse, answer: stream_relay.EngineAnswer | None, message: str
+    response: web.StreamResponse, answer: stream_relay.EngineAnswer | None, message: str, status: int = 503
 ) -> web.StreamResponse:
     """End a stream whose status line is sent with the front's own error event, and its [DONE]."""
-    await response.write(b"data: " + orjson.dumps(error_body(503, message)) + b"\n\ndata: [DONE]\n\n")
+    await response.write(b"data: " + orjson.dumps(error_body(status, message)) + b"\n\ndata: [DONE]\n\n")
     if answer is not None:
         answer.delivered = True  # all there is
     with contextlib.suppress(ConnectionResetError):  # the caller had all there is, and left
@@ -511,51 +514,73 @@ async def _end_with_error(
     return response
 
 
+def _second_death(request: web.Request, body: bytes, first: int, second: int) -> str:
+    """A request in flight at two engine deaths is not sent to a third: one that kills engines (a
+    grammar, a sampling corner, a long-context bug) would otherwise take the whole fleet down, each
+    engine coming back tens of seconds later. Counted, and logged so that an operator finds it;
+    what the caller is told."""
+    request.app[LEASES].note_second_death(second)
+    digest = hashlib.sha256(body).hexdigest()[:16]
+    request_id = request.headers.get("X-Request-Id", "-")
+    log.error(
+        "request in flight at two engine deaths (engines %d and %d), ended: request id %s, %s %s, body sha256 %s",
+        first,
+        second,
+        request_id,
+        request.method,
+        request.path,
+        digest,
+    )
+    return (
+        f"the request was in flight when engine {first} died, and again when engine {second} died: it is not"
+        f" sent to a third engine, in case it is what kills them (body sha256 {digest}, in the server's log)"
+    )
+
+
 async def _go_on_streaming(
     request: web.Request, ask: Ask, body: bytes, headers: dict, broke: _StreamBrokeOff
 ) -> web.StreamResponse:
     """The engine of a stream died after the caller had events: an engine serving the same weights
-    goes on with it, its events relayed on the same answer, for as long as engines remain; else
-    the caller gets the front's error event, as before."""
+    goes on with it, its events relayed on the same answer; if that one dies too, or none can, the
+    caller gets the front's error event."""
     leases, response, going_on = request.app[LEASES], broke.response, broke.going_on
-    dead: tuple[int, ...] = ()
-    while True:
-        dead += (going_on.engine_id,)
-        log.warning("engine %d died mid-stream on %s: going on on another engine", going_on.engine_id, request.path)
-        leases.note_retried(going_on.engine_id)
-        message = f"engine {going_on.engine_id} died mid-stream"
-        if (len(dead) == 1 and not leases.has_other_member(dead[0])) or request.transport is None:
-            return await _end_with_error(response, None, f"{message}, and no other engine serves")
-        try:
-            async with leases.lease(ask, dead) as grant:
-                engine = grant.engine
-                if engine.weight_version != going_on.weight_version:
-                    return await _end_with_error(
-                        response, None, f"{message}; engine {engine.engine_id} serves other weights"
-                    )
-                answer = await request.app[ENGINE_CONNECTIONS].send(
-                    engine.socket_path, request.method, request.raw_path, going_on.body(body), headers
+    dead = going_on.engine_id
+    log.warning("engine %d died mid-stream on %s: going on on another engine", dead, request.path)
+    leases.note_retried(dead)
+    message = f"engine {dead} died mid-stream"
+    if not leases.has_other_member(dead) or request.transport is None:
+        return await _end_with_error(response, None, f"{message}, and no other engine serves")
+    try:
+        async with leases.lease(ask, (dead,)) as grant:
+            engine = grant.engine
+            if engine.weight_version != going_on.weight_version:
+                return await _end_with_error(
+                    response, None, f"{message}; engine {engine.engine_id} serves other weights"
                 )
-                try:
-                    head = await answer.head()
-                    first = await answer.first_chunk() if head.status == 200 and head.event_stream else None
-                    if first is not None:
-                        await response.write(first)
-                        await answer.relay_to(request.transport)
-                    if answer.continuation is not None:
-                        going_on = _GoingOn(engine.engine_id, engine.weight_version, answer.continuation)
-                        continue
-                    if first is None:
-                        return await _end_with_error(
-                            response, answer, f"{message}; engine {engine.engine_id} answered {head.status}"
-                        )
-                    return await _end(response, answer)
-                finally:
-                    answer.finish()
-        except (NoEngineAvailable, EngineBusy, NotConnected, OSError, asyncio.TimeoutError) as exc:
-            return await _end_with_error(response, None, f"{message}; no engine could go on with it: {exc}")
-        except stream_relay.EngineHangUp as exc:
-            return await _end_with_error(response, None, f"{message}; the next engine broke off too: {exc!r}")
+            answer = await request.app[ENGINE_CONNECTIONS].send(
+                engine.socket_path, request.method, request.raw_path, going_on.body(body), headers
+            )
+            try:
+                head = await answer.head()
+                first = await answer.first_chunk() if head.status == 200 and head.event_stream else None
+                if first is not None:
+                    await response.write(first)
+                    await answer.relay_to(request.transport)
+                if answer.continuation is not None:
+                    message = _second_death(request, body, dead, engine.engine_id)
+                    return await _end_with_error(response, answer, message, status=500)
+                if first is None:
+                    return await _end_with_error(
+                        response, answer, f"{message}; engine {engine.engine_id} answered {head.status}"
+                    )
+                return await _end(response, answer)
+            finally:
+                answer.finish()
+    except (NoEngineAvailable, EngineBusy, NotConnected, OSError, asyncio.TimeoutError) as exc:
+        return await _end_with_error(response, None, f"{message}; no engine could go on with it: {exc}")
+    except stream_relay.EngineHangUp:
+        # The next engine's process went away under it: a second death all the same.
+        return await _end_with_error(response, None, _second_death(request, body, dead, engine.engine_id), status=500)
 
 
 def _record_of(payload: bytes) -> bytes | None:

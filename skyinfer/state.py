@@ -315,6 +315,9 @@ class EngineRecord:
     refused: int = 0
     # Requests sent to another engine because this one died under them.
     retried_elsewhere: int = 0
+    # Requests in flight at its death that another engine had died under before: ended, not sent to
+    # a third (a request that kills engines must not walk through the fleet).
+    ended_at_second_death: int = 0
     # HTTP client over this engine's Unix socket; set once it is ready.
     client: aiohttp.ClientSession | None = None
     # The weights it serves, as the engine reports them ("default": as loaded).

@@ -9,6 +9,7 @@ counting every token, and a field (streams) or header (the rest) saying where it
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import time
 from pathlib import Path
@@ -16,9 +17,11 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
-from fakes import fake_fleet, script, serve_fakes
+from fakes import calls, fake_fleet, script, serve_fakes
 
+import skyinfer.app
 from skyinfer.config import ServeConfig
+from skyinfer.devices import split_cores
 from skyinfer.registry import REGISTRY
 
 from pushes import sessions_per_engine
@@ -255,3 +258,44 @@ async def test_a_stream_no_engine_can_go_on_with_ends_with_an_error_event(aiohtt
     r = await alone.post("/v1/completions", json={"prompt": "x", "max_tokens": 20, "stream": True})
     events = await _events(r)
     assert len(events) == 5 and b"no other engine serves" in events[3], events
+
+
+async def test_a_request_in_flight_at_two_engine_deaths_is_not_sent_to_a_third(
+    aiohttp_client, demo_model, tmp_path, monkeypatch, caplog
+):
+    """Four engines, every one of which dies under whatever it serves (a request that kills engines):
+    a stream dies on its engine and again on the engine that went on with it, and ends with the
+    front's error event saying so; a request that is not streamed, the same, with a 500 in the
+    OpenAI shape. Neither reaches a third engine; both are counted, and logged with their body's hash."""
+    # Four fake engines on this machine's two cores: two to a core, as no real engine may be.
+    two_engines = split_cores(sorted(os.sched_getaffinity(0))[:2], (1, 1), 1)
+    monkeypatch.setattr(skyinfer.app, "plan_engine_devices", lambda *_args: two_engines * 2)
+    config = ServeConfig(model=str(demo_model), engines=4, device="cpu", socket_dir=str(tmp_path), hold_requests_s=0)
+    app, client = await serve_fakes(aiohttp_client, config)
+    for engine in range(4):
+        await script(app, engine, {"die_after_events": 3})
+
+    async def received(send) -> tuple:
+        """What ``send()`` answered, and how many engines received its request."""
+        before = [(await calls(app, engine)).get("/v1/completions", 0) for engine in range(4)]
+        r = await send()
+        after = [(await calls(app, engine)).get("/v1/completions", 0) for engine in range(4)]
+        return r, [b - a for a, b in zip(before, after)]
+
+    r, got = await received(
+        lambda: client.post("/v1/completions", json={"prompt": "x", "max_tokens": 20, "stream": True})
+    )
+    events = await _events(r)
+    error = orjson.loads(events[-2][6:])["error"]
+    assert error["code"] == 500 and "not sent to a third engine" in error["message"], events
+    assert events[-1] == b"data: [DONE]" and len(events) >= 3 + 2, events
+    assert sorted(got) == [0, 0, 1, 1], got
+    r, got = await received(lambda: client.post("/v1/completions", json={"prompt": "y", "max_tokens": 20}))
+    assert r.status == 500 and "not sent to a third engine" in (await r.json())["error"]["message"]
+    assert sorted(got) == [0, 0, 1, 1], got
+    ended = [r.ended_at_second_death for r in app[REGISTRY].records]
+    assert sum(ended) == 2, ended
+    metrics = await (await client.get("/metrics")).text()
+    assert "skyinfer_engine_requests_ended_at_second_death_total" in metrics
+    logged = [m for m in caplog.messages if "in flight at two engine deaths" in m]
+    assert len(logged) == 2 and all("body sha256" in m and "/v1/completions" in m for m in logged), logged

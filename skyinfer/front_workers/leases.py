@@ -131,6 +131,8 @@ class _WorkerLink(_Lines):
                 task.cancel()
         elif op == "retried":
             self.hub.registry.records[message["engine"]].retried_elsewhere += 1
+        elif op == "second_death":
+            self.hub.registry.records[message["engine"]].ended_at_second_death += 1
         elif op == "response":
             self.hub.registry.stored_responses.record(message["response_id"], message["engine"])
         elif op == "metrics":
@@ -310,6 +312,9 @@ class RemoteLeases(_Lines):
 
     def note_retried(self, engine_id: int) -> None:
         self.send({"op": "retried", "engine": engine_id})
+
+    def note_second_death(self, engine_id: int) -> None:
+        self.send({"op": "second_death", "engine": engine_id})
 
     def remember_response(self, response_id: str, engine_id: int) -> None:
         self.send({"op": "response", "response_id": response_id, "engine": engine_id})

@@ -3,6 +3,7 @@ it serves on, and the finish swaps them in, each engine stopping for the swap al
 
 from __future__ import annotations
 
+import logging
 import time
 
 from ..devices import gpu_free_bytes
@@ -16,6 +17,8 @@ from .fleet import Fleet, SyncError
 from .phases import Phase
 
 __all__ = ("StagedPath",)
+
+log = logging.getLogger("skyinfer.weights")
 
 # On CPU a staging copy holds the push twice: the shadow's tensors in the served dtype, and the
 # kernels packed from them (engine/targets.py ShadowTarget); an engine's tp workers each hold their
@@ -58,7 +61,12 @@ class StagedPath:
         # host memory where its GPU has no room (the engine decides so for the whole push).
         per_worker = meta.total_bytes() if meta is not None else elements * served
         first_gpus = [group[0] for r in records for group in r.devices.worker_ids]
-        spilled = sum(free - per_worker <= DEVICE_HEADROOM_BYTES for free in gpu_free_bytes(tuple(first_gpus)))
+        try:
+            free_bytes = gpu_free_bytes(tuple(first_gpus))
+        except Exception as exc:  # NVML unavailable: each worker still checks its own GPU and the host
+            log.warning("staged push: no GPU memory figures from NVML (%s): the engines place their copies", exc)
+            free_bytes = []
+        spilled = sum(free - per_worker <= DEVICE_HEADROOM_BYTES for free in free_bytes)
         if spilled:
             self._host_fits(per_worker * spilled, f"pinned, for {spilled} worker(s) whose GPU has no room")
         current = self.fleet.update.current
