@@ -238,22 +238,10 @@ class IPCTrainer(Trainer):
     def _init_engines(self) -> None:
         self.client.init_weight_transfer_engine({"packed": False, "timeout_s": self.timeout_s})
 
-    def push(
-        self,
-        named_tensors: NamedTensors,
-        version: str,
-        one_call: bool = False,
-        verify: bool = False,
-        staged: bool = False,
-        kv: str = "recompute",
-    ) -> None:
-        """Every rank's tensors, from its own GPU, to the engines in one update; afterwards they serve
-        ``version``. ``one_call``, ``verify``, ``staged`` and ``kv`` as ``Trainer.push``."""
-        try:
-            super().push(named_tensors, version, one_call, verify, staged, kv)
-        finally:
-            self._keep, self._handles = [], []
-            self._release_exported()
+    def _pushed(self) -> None:
+        # Every rank's tensors and handles, held for the engines while they copied them.
+        self._keep, self._handles = [], []
+        self._release_exported()
 
     def _prepare(self, named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
         tensors: list[tuple[str, torch.Tensor]] = []

@@ -75,12 +75,18 @@ class Trainer:
         """
         if one_call and verify:
             raise ValueError("verify needs the finish call: push with one_call=False")
-        tensors = self._prepare(named_tensors)
-        if one_call:
-            send = OneCall(version, staged, kv)
-            self._in_group(lambda: self._send(tensors, tensor_list(tensors), send))
-        else:
-            self._in_group(lambda: self._push(tensors, version, verify, kv, staged))
+        try:
+            tensors = self._prepare(named_tensors)
+            if one_call:
+                send = OneCall(version, staged, kv)
+                self._in_group(lambda: self._send(tensors, tensor_list(tensors), send))
+            else:
+                self._in_group(lambda: self._push(tensors, version, verify, kv, staged))
+        finally:
+            self._pushed()
+
+    def _pushed(self) -> None:
+        """The push is over, however it ended: let go of what it held for the engines."""
 
     def _in_group(self, send: Callable[[], None]) -> None:
         """``send``, and if the server refuses it (before any byte moved) because its engines left
