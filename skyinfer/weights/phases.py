@@ -98,7 +98,7 @@ class OpenUpdate:
     # When its trainer's next call is due: set by each weight call the server accepted, never by
     # a refused one (an operator retrying a refused call must not keep a dead trainer's update open).
     silence_deadline: float | None = None
-    # Fires at ``silence_deadline`` while no weight call runs (``call_ended``).
+    # Fires at ``silence_deadline`` (armed as a weight call ends, stopped while one runs).
     silence_timer: asyncio.TimerHandle | None = None
     # Each engine that holds a staging copy of it, and the process that holds it (the staged
     # path's receive): a process that replaced it since holds none.
@@ -111,8 +111,9 @@ class UpdateMachine:
         self.abandoned: str | None = None
         self.current = OpenUpdate()
         self._on_step = on_step
-        # Weight calls running (or waiting for the fleet): no silence timer runs meanwhile.
-        self._calls_running = 0
+        # Weight calls begun, and how many had when the silence timer last fired.
+        self._calls_begun = 0
+        self._calls_at_silence = -1
 
     @property
     def received(self) -> set[str]:
@@ -141,21 +142,21 @@ class UpdateMachine:
         self.step(Phase.STARTED)
 
     def call_began(self) -> None:
-        """A weight call is running, or waits for the fleet: no silence timer runs meanwhile."""
-        self._calls_running += 1
+        """A weight call is running, or waits for the fleet: the silence timer stops meanwhile."""
+        self._calls_begun += 1
         self._disarm()
 
     def call_ended(self, accepted: bool, limit_s: float, on_silent: Callable[[], None]) -> None:
         """A weight call is over. One the server accepted shows the trainer alive: during an update,
         its next call is due within ``limit_s``. A refused one (4xx) shows nothing: the deadline
         stays where the last accepted call put it, and the timer runs on to it."""
-        self._calls_running -= 1
         if self.phase is Phase.IDLE:
             return
         if accepted:
             self.current.silence_deadline = time.monotonic() + limit_s
         deadline = self.current.silence_deadline
-        if self._calls_running == 0 and deadline is not None:
+        if deadline is not None:
+            self._disarm()
             delay = max(0.0, deadline - time.monotonic())
             self.current.silence_timer = asyncio.get_running_loop().call_later(delay, self._silent, on_silent)
 
@@ -166,17 +167,19 @@ class UpdateMachine:
 
     def _silent(self, on_silent: Callable[[], None]) -> None:
         self.current.silence_timer = None
+        self._calls_at_silence = self._calls_begun
         on_silent()
 
     @property
     def silence_timed_out(self) -> bool:
-        """The trainer's next call is overdue, and no weight call runs."""
+        """The trainer's next call is overdue, and no weight call began since the timer fired (one
+        that did, waiting for the fleet, may be the trainer's: it is judged when it ends)."""
         deadline = self.current.silence_deadline
         return (
             self.phase is not Phase.IDLE
-            and self._calls_running == 0
             and deadline is not None
             and time.monotonic() >= deadline
+            and self._calls_at_silence == self._calls_begun
         )
 
     def receive(self, names: Iterable[str]) -> None:
