@@ -4,6 +4,7 @@ checkpoint's names, and one call made to many engines at once."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from ..engine_calls import EngineReply, call_engine, failure
@@ -16,6 +17,9 @@ from .phases import Phase, UpdateMachine
 from .transports import FrontTransport
 
 __all__ = ("Fleet", "SyncError", "unpushable")
+
+# How often an unknown checkpoint (a hub id not downloaded yet) is looked for in the local cache.
+_SPEC_LOOK_AGAIN_S = 10.0
 
 
 class SyncError(ApiError):
@@ -45,14 +49,17 @@ class Fleet:
         self.group_timeout_s = timeout_s
         self._model = model
         self._spec = CheckpointSpec.find(model)
+        self._spec_looked_at = time.monotonic()
         self.update = UpdateMachine(metrics.set_update_phase)
 
     @property
     def spec(self) -> CheckpointSpec | None:
         """The served checkpoint's tensors, or None while they are unknown (a hub id the engines
-        have not downloaded yet): looked for again until found."""
-        if self._spec is None:
+        have not downloaded yet): looked for again until found, at most once every
+        ``_SPEC_LOOK_AGAIN_S`` (a cache lookup is file I/O, and every chunk's check asks)."""
+        if self._spec is None and time.monotonic() - self._spec_looked_at >= _SPEC_LOOK_AGAIN_S:
             self._spec = CheckpointSpec.find(self._model)
+            self._spec_looked_at = time.monotonic()
         return self._spec
 
     def workers(self, records: list[EngineRecord]) -> tuple[int, ...]:
