@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -332,6 +332,19 @@ def is_openai_error(r: httpx.Response) -> bool:
         and isinstance(err.get("message"), str)
         and (code == r.status_code or isinstance(code, str))
     )
+
+
+async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:
+    """A streamed answer's lines, split at "\\n" only. httpx's ``aiter_lines`` also splits at U+0085,
+    U+2028 and the like, which JSON carries unescaped inside a token's text: a random model's
+    answer has them now and then, and the event comes out cut in two."""
+    buffer = ""
+    async for text in response.aiter_text():
+        *lines, buffer = (buffer + text).split("\n")
+        for line in lines:
+            yield line.removesuffix("\r")
+    if buffer:
+        yield buffer
 
 
 def engine_of(response) -> int:

@@ -32,6 +32,7 @@ from support import (
     is_openai_error,
     module_servers,
     run_example,
+    sse_lines,
     vllm_process,
 )
 
@@ -222,7 +223,7 @@ async def test_a_push_into_running_engines_holds_their_requests(colocated, demo_
             body = {**chat, "messages": [{"role": "user", "content": f"stream {i}"}]}
             async with http.stream("POST", "/v1/chat/completions", json=body) as r:
                 assert r.status_code == 200
-                async for line in r.aiter_lines():
+                async for line in sse_lines(r):
                     if line.startswith("data: {"):
                         chunk = json.loads(line[6:])
                         assert "error" not in chunk, chunk

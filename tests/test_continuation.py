@@ -25,7 +25,7 @@ from skyinfer.devices import split_cores
 from skyinfer.registry import REGISTRY
 
 from pushes import sessions_per_engine
-from support import ServerProcess, module_servers, vllm_process
+from support import ServerProcess, module_servers, sse_lines, vllm_process
 
 MAX_TOKENS = 300
 PROMPT = "Reinforcement learning from verifiable rewards"
@@ -115,7 +115,7 @@ async def run(http: httpx.AsyncClient, route: str, stream: bool, session: str, p
     async with http.stream("POST", path, json=body, headers=headers) as r:
         outcome.headers = dict(r.headers)
         assert r.status_code == 200, await r.aread()
-        async for line in r.aiter_lines():
+        async for line in sse_lines(r):
             if line.startswith("data: {"):
                 outcome.events += 1
                 outcome.take(orjson.loads(line[len("data: ") :]))

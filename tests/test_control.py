@@ -8,7 +8,15 @@ import json
 import httpx
 import pytest
 
-from support import admit_while_paused, both_fronts, engine_of, restore_fleet, total_unfinished, wait_unfinished
+from support import (
+    admit_while_paused,
+    both_fronts,
+    engine_of,
+    restore_fleet,
+    sse_lines,
+    total_unfinished,
+    wait_unfinished,
+)
 
 # Against one front process, then against front workers.
 server = both_fronts("one_front_server", "_workers_process")
@@ -261,7 +269,7 @@ async def test_abort_requests_by_response_id(http, model_name, path):
         else {"messages": [{"role": "user", "content": "abort by id"}]}
     )
     async with http.stream("POST", path, json=body) as r:
-        lines = r.aiter_lines()
+        lines = sse_lines(r)
         async for line in lines:
             if line.startswith("data: {"):
                 request_id = json.loads(line[len("data: ") :])["id"]

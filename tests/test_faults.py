@@ -32,7 +32,7 @@ import torch
 from safetensors.torch import load_file
 
 from pushes import assert_engines_match, modified_weights, run_trainer, save
-from support import admit_while_paused, engine_of, engine_socket, restore_fleet, scrape, total
+from support import admit_while_paused, engine_of, engine_socket, restore_fleet, scrape, sse_lines, total
 
 pytestmark = pytest.mark.usefixtures("restores_checkpoint")
 
@@ -92,7 +92,7 @@ async def chat(http: httpx.AsyncClient, body: dict) -> tuple[int, dict]:
     async with http.stream("POST", "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             return r.status_code, json.loads(await r.aread())
-        async for line in r.aiter_lines():
+        async for line in sse_lines(r):
             if not line.startswith("data: {"):
                 continue
             chunk = json.loads(line[6:])

@@ -18,7 +18,7 @@ import httpx
 import psutil
 import pytest
 
-from support import ChildProcess, free_port, scrape, total
+from support import ChildProcess, free_port, scrape, sse_lines, total
 
 BENCH_FRONT = str(Path(__file__).resolve().parent.parent / "tools" / "bench_front.py")
 MODEL = "bench-front-model"  # what bench_front's fake engines serve
@@ -96,7 +96,7 @@ async def _stream(http: httpx.AsyncClient, i: int, max_tokens: int = 100) -> tup
     events = 0
     try:
         async with http.stream("POST", "/v1/chat/completions", json=body) as r:
-            async for line in r.aiter_lines():
+            async for line in sse_lines(r):
                 events += line.startswith('data: {"id"')
                 if line == "data: [DONE]":
                     return "done", events

@@ -69,7 +69,7 @@ async def test_plain_client_without_retries(keyed_server):
             "/v1/chat/completions", data=orjson.dumps(body), headers={"Content-Type": "application/json"}
         ) as r:
             assert r.status == 200, await r.text()
-            events = [line[6:] for line in (await r.text()).splitlines() if line.startswith("data: ")]
+            events = [line[6:] for line in (await r.text()).split("\n") if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
         return orjson.loads(events[-2])["usage"]["completion_tokens"]
 

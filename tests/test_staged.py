@@ -20,7 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pushes import assert_engines_match, modified_weights, run_trainer, save, start_trainer
-from support import ServerProcess, module_servers, two_float32_engines, vllm_process
+from support import ServerProcess, module_servers, sse_lines, two_float32_engines, vllm_process
 
 # Tokens each request in flight generates: enough to be running across the push.
 TOKENS = 1200
@@ -116,7 +116,7 @@ async def stream_to_its_end(http: httpx.AsyncClient, model: str, i: int) -> list
     reasons = []
     async with http.stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200
-        async for line in r.aiter_lines():
+        async for line in sse_lines(r):
             if line.startswith("data: {"):
                 chunk = json.loads(line[6:])
                 assert "error" not in chunk, chunk
@@ -142,6 +142,8 @@ async def test_a_staged_push_under_32_requests_serves_the_new_weights_from_one_s
         await asyncio.sleep(0.5)
         trainer = await asyncio.to_thread(run_trainer, staged_server, path, "staged-1", "--staged")
         assert trainer.returncode == 0, trainer.stdout + trainer.stderr
+        # What the engines serve from here on, whatever this test finds below: the next tests start from it.
+        fleet.update(version="staged-1", weights=new)
         results = await asyncio.wait_for(asyncio.gather(*requests), 240)
         ended = await asyncio.wait_for(asyncio.gather(*streams), 240)
     assert [(e["pid"], e["restarts"]) for e in engines(staged_server)] == before
@@ -163,7 +165,6 @@ async def test_a_staged_push_under_32_requests_serves_the_new_weights_from_one_s
             assert abs(got[k] - reference) < 0.05, f"token {k} (boundary {boundary}): {got[k]} vs {reference}"
     assert crossed, "no request ran across the push"
     assert_engines_match(staged_server, staged_server.model, demo_model, new, "staged-1")
-    fleet.update(version="staged-1", weights=new)
 
 
 async def test_a_trainer_killed_mid_staging_costs_the_live_weights_nothing_and_the_next_push_lands(
@@ -308,6 +309,8 @@ async def test_a_staged_push_that_keeps_the_kv_goes_on_over_the_old_keys_and_val
         await asyncio.sleep(0.5)
         trainer = await asyncio.to_thread(run_trainer, staged_server, path, "kept-1", "--staged", "--kv", "keep")
         assert trainer.returncode == 0, trainer.stdout + trainer.stderr
+        # What the engines serve from here on, whatever this test finds below: the next tests start from it.
+        fleet.update(version="kept-1", weights=new)
         results = await asyncio.wait_for(asyncio.gather(*requests), 240)
         first = results[0]
         after = await generate(http, 0, first["prompt"] + first["token_ids"][:600], max_tokens=32)
@@ -331,7 +334,6 @@ async def test_a_staged_push_that_keeps_the_kv_goes_on_over_the_old_keys_and_val
     got = [entry["logprob"] for entry in after["logprobs"]["content"]]
     prompt = len(after["prompt"])
     assert max(abs(g - whole[prompt - 1 + k, t].item()) for k, (g, t) in enumerate(zip(got, after["token_ids"]))) < 0.05
-    fleet.update(version="kept-1", weights=new)
 
 
 def test_a_staged_push_of_part_of_two_fused_projections_keeps_the_rest_as_served(
@@ -345,5 +347,5 @@ def test_a_staged_push_of_part_of_two_fused_projections_keeps_the_rest_as_served
     pushed = run_trainer(staged_server, save(part, tmp_path / "part.safetensors"), "part-1", "--staged")
     assert pushed.returncode == 0 and "pushed part-1" in pushed.stdout, pushed.stdout + pushed.stderr
     served = {**fleet["weights"], **part}
-    assert_engines_match(staged_server, staged_server.model, demo_model, served, "part-1")
     fleet.update(version="part-1", weights=served)
+    assert_engines_match(staged_server, staged_server.model, demo_model, served, "part-1")

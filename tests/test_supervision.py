@@ -41,6 +41,7 @@ from support import (
     running,
     scrape,
     shm_segments,
+    sse_lines,
     total,
     vllm_process,
 )
@@ -119,7 +120,7 @@ async def _timed(task) -> tuple[httpx.Response, float]:
 async def _stream_past_first_token(http: httpx.AsyncClient, body: dict) -> tuple[int, asyncio.Task]:
     """A chat stream that has sent the caller a token: its engine, and a task reading the rest."""
     r = await http.send(http.build_request("POST", "/v1/chat/completions", json=body), stream=True)
-    lines = r.aiter_lines()
+    lines = sse_lines(r)
     first = await anext(line async for line in lines if line.startswith("data: {"))
 
     async def rest() -> list[str]:
