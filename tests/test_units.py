@@ -504,3 +504,24 @@ def test_stored_responses_remember_the_newest_per_engine():
     stored.record("resp_a", 0)  # used again: newest
     stored.record("resp_c", 1)
     assert [stored.engine_of(r) for r in ("resp_a", "resp_b", "resp_c", "resp_x")] == [0, None, 1, None]
+
+
+async def test_the_silence_timer_firing_is_the_verdict_even_a_moment_early():
+    """The event loop may run the silence timer up to a millisecond before its deadline (uvloop's
+    resolution): a dead trainer's update must be abandoned all the same. A weight call begun since,
+    or one the server accepted (the deadline moved), clears the verdict."""
+    from skyinfer.weights.phases import Phase, UpdateMachine
+
+    machine = UpdateMachine(lambda phase: None)
+    machine.open(staged=False)
+    silent = []
+    machine.call_ended(True, 100.0, lambda: silent.append(1))
+    assert not machine.silence_timed_out
+    machine._silent(lambda: silent.append(1))  # as the loop runs it, well before the deadline
+    assert silent == [1] and machine.silence_timed_out
+    machine.call_began()
+    assert not machine.silence_timed_out  # the trainer may be back: judged when the call ends
+    machine.call_ended(True, 100.0, lambda: None)
+    assert not machine.silence_timed_out and machine.current.silence_timer is not None
+    machine.end()
+    assert machine.phase is Phase.IDLE and not machine.silence_timed_out

@@ -111,9 +111,10 @@ class UpdateMachine:
         self.abandoned: str | None = None
         self.current = OpenUpdate()
         self._on_step = on_step
-        # Weight calls begun, and how many had when the silence timer last fired.
+        # Weight calls begun; how many had when the silence timer last fired, and the deadline it fired for.
         self._calls_begun = 0
         self._calls_at_silence = -1
+        self._deadline_at_silence: float | None = None
 
     @property
     def received(self) -> set[str]:
@@ -168,17 +169,21 @@ class UpdateMachine:
     def _silent(self, on_silent: Callable[[], None]) -> None:
         self.current.silence_timer = None
         self._calls_at_silence = self._calls_begun
+        self._deadline_at_silence = self.current.silence_deadline
         on_silent()
 
     @property
     def silence_timed_out(self) -> bool:
-        """The trainer's next call is overdue, and no weight call began since the timer fired (one
-        that did, waiting for the fleet, may be the trainer's: it is judged when it ends)."""
+        """The silence timer fired for the deadline that still stands, and no weight call began
+        since (one that did, waiting for the fleet, may be the trainer's: it is judged when it
+        ends). The timer's firing is the verdict, not a reading of the clock against the deadline:
+        the event loop runs a timer up to a millisecond before its time (uvloop's resolution), and
+        an update whose timer fired then was never abandoned (a dead trainer's, in test_colocated)."""
         deadline = self.current.silence_deadline
         return (
             self.phase is not Phase.IDLE
             and deadline is not None
-            and time.monotonic() >= deadline
+            and deadline == self._deadline_at_silence
             and self._calls_at_silence == self._calls_begun
         )
 
