@@ -84,14 +84,50 @@ def _build_tokenizer(seed: int):
     return tokenizer
 
 
+# Mixtures of experts of the demo model's size (tools and tests of MoE pushes). Qwen3-MoE's
+# expert width, 48, is one vLLM's CPU kernel pads (to 64): the padded layout is part of what a push
+# must land in. Qwen2-MoE adds a shared expert and its gate beside the routed ones.
+MOE_CONFIGS = {
+    "qwen3_moe": dict(
+        moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=False
+    ),
+    "qwen2_moe": dict(
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=128,
+        num_experts=4,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
+    ),
+}
+
+
 def build_demo_model(out_dir: str | Path, seed: int = 0, **config_overrides) -> Path:
     """Write the demo checkpoint (config, safetensors weights, tokenizer) to ``out_dir``.
 
     ``config_overrides`` change the architecture (e.g. ``num_hidden_layers``)
     for benchmarks that need a bigger model; keep ``head_dim`` at 64.
     """
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return _write_checkpoint(out_dir, seed, Qwen2Config, Qwen2ForCausalLM, config_overrides)
+
+
+def build_demo_moe_model(
+    out_dir: str | Path, architecture: str = "qwen3_moe", seed: int = 0, **config_overrides
+) -> Path:
+    """The demo model as a mixture of experts (``MOE_CONFIGS``' architectures), with its tokenizer."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    classes = {"qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM), "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM)}
+    config_class, model_class = classes[architecture]
+    return _write_checkpoint(
+        out_dir, seed, config_class, model_class, {**MOE_CONFIGS[architecture], **config_overrides}
+    )
+
+
+def _write_checkpoint(out_dir: str | Path, seed: int, config_class, model_class, config_overrides: dict) -> Path:
     import torch
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import PreTrainedTokenizerFast
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -108,11 +144,11 @@ def build_demo_model(out_dir: str | Path, seed: int = 0, **config_overrides) -> 
 
     eos_id = hf_tokenizer.convert_tokens_to_ids("<|im_end|>")
     pad_id = hf_tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    config = Qwen2Config(
+    config = config_class(
         **{**MODEL_CONFIG, **config_overrides}, eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None
     )
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config)
+    model = model_class(config)
     with torch.no_grad():
         # Sharpens the output distribution (the top logit usually leads by
         # more than bf16 noise), so greedy decoding is reproducible.

@@ -61,6 +61,13 @@ NAMES: dict[str, tuple[str, ...]] = {
     # What loads a parameter whose layer names no loader of its own (a staged push's shadow, engine/targets.py).
     "default_weight_loader": ("vllm.model_executor.model_loader.weight_utils",),
     "initialize_layerwise_reload": ("vllm.model_executor.model_loader.reload",),
+    # What a reload reads and does of a layer: its shapes as created (before processing packed them)
+    # and the count of elements a loader wrote (a staged push's shadow of a CPU MoE layer, engine/targets.py).
+    "get_layerwise_info": ("vllm.model_executor.model_loader.reload.layerwise",),
+    "CopyCounter": ("vllm.model_executor.model_loader.reload.meta",),
+    # Mixture-of-experts layers whose CPU kernel packs the experts (transfer/receiving.py).
+    "UnquantizedFusedMoEMethod": ("vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method",),
+    "set_current_vllm_config": ("vllm.config",),
     "finalize_layerwise_reload": ("vllm.model_executor.model_loader.reload",),
     # The loader that read the checkpoint at start-up: a reload from disk reads it again.
     "get_model_loader": ("vllm.model_executor.model_loader",),

@@ -92,8 +92,11 @@ def sessions_per_engine(server, model_name) -> dict[int, str]:
     return found
 
 
-def greedy_completion(server, model_name: str, prompt: str, session: str, max_tokens: int = 16) -> httpx.Response:
-    """A greedy completion of ``prompt`` with its token ids and logprobs, on ``session``'s engine."""
+def greedy_completion(
+    server, model_name: str, prompt: str, session: str, max_tokens: int = 16, **more
+) -> httpx.Response:
+    """A greedy completion of ``prompt`` with its token ids and logprobs, on ``session``'s engine
+    (``more``: other fields of the request)."""
     r = httpx.post(
         f"{server.url}/v1/completions",
         json={
@@ -104,6 +107,7 @@ def greedy_completion(server, model_name: str, prompt: str, session: str, max_to
             "logprobs": 1,
             "return_token_ids": True,
             "ignore_eos": True,
+            **more,
         },
         headers={"X-Session-ID": session},
         timeout=120,

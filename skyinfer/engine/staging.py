@@ -45,8 +45,8 @@ class StagedPush:
     to point an update elsewhere, as adapter pushes do); ``status`` says how it goes, and
     ``swap_into`` and ``drop`` each take one worker call.
 
-    ``shadow_of``: the live model, to stage into a shadow of it (CPU, unquantized); else the
-    checkpoint's tensors are kept."""
+    ``shadow_of``: the live model, to stage into a shadow of it (CPU, unquantized; ``vllm_config``
+    is the worker's, which vLLM's processing of a layer reads); else the checkpoint's tensors are kept."""
 
     def __init__(
         self,
@@ -55,12 +55,13 @@ class StagedPush:
         update_nbytes: int,
         adding_to: StagedPush | None = None,
         shadow_of: torch.nn.Module | None = None,
+        vllm_config=None,
     ) -> None:
         self.target: WeightTarget
         if adding_to is not None:  # the next chunk of the same update
             self.place, self.target = adding_to.place, adding_to.target
         elif shadow_of is not None:
-            self.place, self.target = "cpu", ShadowTarget(shadow_of)
+            self.place, self.target = "cpu", ShadowTarget(shadow_of, vllm_config)
         else:
             device, pinned = _staging_place(update_nbytes)
             self.place = f"{device.type}{' pinned' if pinned else ''}"

@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 
 from ..memory import give_back_freed_memory
+from ..transfer.receiving import cpu_moe_layers
 from ..vllm_api import default_weight_loader
 from .cpu_setup import pack_cpu_gemms
 
@@ -102,9 +103,15 @@ class ShadowTarget(torch.nn.Module):
     the live one before its first sharded write only (a fused projection a push fills in part);
     one no push wrote is not swapped. Each layer a push wrote packs its kernel's weight on the
     staging thread (``received``). The swap points each live parameter at its shadow's tensor and
-    each live layer at its new kernel: a few hundred pointer moves between two steps."""
+    each live layer at its new kernel: a few hundred pointer moves between two steps.
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    A mixture-of-experts layer serves its experts padded and packed (``receiving.
+    forget_cpu_moe_kernels`` says why): its shadow takes the experts in the shapes the layer was
+    created with, and once every element of them came, vLLM's own processing pads and packs them
+    and builds the kernel, on the staging thread (``_ShadowExperts``). Its served tensors cannot be
+    read back unpacked, so a push must carry all of a layer's experts or none (the swap refuses)."""
+
+    def __init__(self, model: torch.nn.Module, vllm_config) -> None:
         super().__init__()
         self.names: set[str] = set()
         self.nbytes = 0
@@ -114,6 +121,9 @@ class ShadowTarget(torch.nn.Module):
         self._written: set[int] = set()  # ids of live parameters a loader wrote into their shadows
         self._unpacked: set[int] = set()  # ids of live modules whose shadows were written since packed
         self._owners: dict[int, list[int]] = {}  # id(live parameter): ids of the live modules holding it
+        self._experts: dict[int, _ShadowExperts] = {}  # id(live MoE layer): its shadow
+        self._expert_layers = {id(layer) for layer in cpu_moe_layers(model)}
+        self._vllm_config = vllm_config
         # Not a submodule of this target: a plain attribute.
         object.__setattr__(self, "_root", self._shadow_module(model))
 
@@ -124,9 +134,15 @@ class ShadowTarget(torch.nn.Module):
         shadow = copy.copy(live)  # its own __dict__; the containers below are its own too
         self._modules_of[id(live)] = (live, shadow)
         shadow.__dict__["_buffers"] = dict(live._buffers)
-        shadow.__dict__["_parameters"] = {
-            name: None if p is None else self._shadow_parameter(p, live) for name, p in live._parameters.items()
-        }
+        if id(live) in self._expert_layers:
+            experts = self._experts[id(live)] = _ShadowExperts(live, shadow)
+            shadow.__dict__["_parameters"] = {
+                name: None if p is None else experts.shadow_parameter(name, p) for name, p in live._parameters.items()
+            }
+        else:
+            shadow.__dict__["_parameters"] = {
+                name: None if p is None else self._shadow_parameter(p, live) for name, p in live._parameters.items()
+            }
         shadow.__dict__["_modules"] = {
             name: None if m is None else self._shadow_module(m) for name, m in live._modules.items()
         }
@@ -171,15 +187,30 @@ class ShadowTarget(torch.nn.Module):
         return set(self.names)
 
     def received(self) -> None:
-        """Pack the kernels of the layers written since they were last packed (on this thread)."""
+        """Pack the kernels of the layers written since they were last packed (on this thread), and
+        process the mixture-of-experts layers whose experts all came."""
         if self.dropped:
             return
         pack_cpu_gemms(self._modules_of[module_id][1] for module_id in self._unpacked)
         self._unpacked.clear()
+        from ..vllm_api import set_current_vllm_config
+
+        with torch.no_grad(), set_current_vllm_config(self._vllm_config):
+            for experts in self._experts.values():
+                experts.process_if_whole()
 
     def swap_into(self, model: torch.nn.Module, device: torch.device) -> None:
         # Packed already: the staging thread ends with ``received``, and a failed one is never swapped.
+        partial = [f"{e.name} ({e.loaded} of {e.total} elements)" for e in self._experts.values() if e.partial]
+        if partial:
+            raise RuntimeError(
+                "a staged push must carry every expert of a mixture-of-experts layer it writes (the layer"
+                f" serves them packed: what it left out cannot be carried over), and part came for {', '.join(partial)}"
+            )
         retired = []  # the old weights and kernels: freed off this call (1 GB takes 60 ms to unmap)
+        for experts in self._experts.values():
+            if experts.processed:
+                retired += experts.swap_in()
         for param_id in self._written:
             live, shadow = self._params_of[param_id]
             retired.append(live.data)
@@ -202,4 +233,70 @@ class ShadowTarget(torch.nn.Module):
     def _release(self) -> None:
         self._params_of.clear()
         self._modules_of.clear()
+        self._experts.clear()
         object.__setattr__(self, "_root", None)
+
+
+class _ShadowExperts:
+    """The shadow of one CPU mixture-of-experts layer: its experts in the shapes the layer was
+    created with (vLLM's reload keeps them), counted as loaders write them, then padded, packed and
+    given a kernel by a copy of the layer's own method (``process_if_whole``); swapped in by pointer
+    with that kernel (``swap_in``)."""
+
+    def __init__(self, live: torch.nn.Module, shadow: torch.nn.Module) -> None:
+        from ..vllm_api import get_layerwise_info
+
+        self.live, self.shadow = live, shadow
+        self.name = getattr(live, "layer_name", None) or type(live).__name__
+        method = copy.copy(live.quant_method)
+        method.moe_kernel = None  # built for the shadow's own tensors when processed
+        shadow.__dict__["quant_method"] = method
+        self._created = get_layerwise_info(live).restore_metadata[0]  # name: meta tensor, as created
+        self.total = sum(self._created[name].numel() for name in live._parameters if name in self._created)
+        self.loaded = 0
+        self.processed = False
+
+    @property
+    def partial(self) -> bool:
+        return self.loaded > 0 and not self.processed
+
+    def shadow_parameter(self, name: str, live: torch.nn.Parameter) -> torch.nn.Parameter:
+        created = self._created.get(name)
+        data = torch.empty(created.shape, dtype=created.dtype) if created is not None else torch.empty_like(live.data)
+        shadow = torch.Tensor._make_subclass(type(live), data, False)
+        shadow.__dict__.update(live.__dict__)
+        loader = live.__dict__.get("weight_loader") or default_weight_loader
+        shadow.__dict__["weight_loader"] = self._counting(loader)
+        return shadow
+
+    def _counting(self, loader):
+        from ..vllm_api import CopyCounter
+
+        def load(param, loaded_weight, *args, **kwargs):
+            if self.processed:
+                raise ValueError(f"{self.name}: its experts came twice in one staged push")
+            with CopyCounter() as counter:
+                result = loader(param, loaded_weight, *args, **kwargs)
+            self.loaded += counter.copied_numel
+            return result
+
+        return load
+
+    def process_if_whole(self) -> None:
+        """vLLM's processing of the layer, as at start-up, once every element of its experts came."""
+        if self.processed or self.loaded < self.total:
+            return
+        self.shadow.quant_method.process_weights_after_loading(self.shadow)
+        self.processed = True
+
+    def swap_in(self) -> list[torch.Tensor]:
+        """Point the live layer's tensors at the processed shadow's and hand it the new kernel; the
+        tensors it served with until now."""
+        retired = []
+        for name, live in self.live._parameters.items():
+            if live is not None:
+                retired.append(live.data)
+                live.data = self.shadow._parameters[name].data
+        method, processed = self.live.quant_method, self.shadow.quant_method
+        method.moe_kernel, method.moe_quant_config = processed.moe_kernel, processed.moe_quant_config
+        return retired

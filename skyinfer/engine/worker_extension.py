@@ -116,6 +116,7 @@ class SkyinferWorkerExtension:
             update_nbytes,
             adding_to=adding_to,
             shadow_of=self.model_runner.get_model() if in_shadow else None,
+            vllm_config=self.vllm_config,
         )
         return self._skyinfer_staged.status()
 

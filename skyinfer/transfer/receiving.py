@@ -19,10 +19,18 @@ class LayerwiseReceiver:
     # answers queued for the engine's next call: engine/worker_calls.py).
     receive_failure: BaseException | None = None
 
+    # The CPU mixture-of-experts layers' kernels, forgotten for the update (``forget_cpu_moe_kernels``).
+    _moe_kernels: dict | None = None
+
     def start_weight_update(self) -> None:
         from ..vllm_api import initialize_layerwise_reload
 
-        initialize_layerwise_reload(self.model)
+        self._moe_kernels = forget_cpu_moe_kernels(self.model)
+        try:
+            initialize_layerwise_reload(self.model)
+        except BaseException:
+            restore_cpu_moe_kernels(self._moe_kernels)
+            raise
 
     def update_weights(self, update_info: dict) -> None:
         # The base class ends with torch.accelerator.synchronize(), which has
@@ -34,7 +42,11 @@ class LayerwiseReceiver:
             self.receive_failure = exc
 
     def finish_weight_update(self) -> None:
-        finish_layerwise_reload(self.model, self.model_config)
+        try:
+            finish_layerwise_reload(self.model, self.model_config)
+        finally:
+            restore_cpu_moe_kernels(self._moe_kernels or {})
+            self._moe_kernels = None
 
 
 def finish_layerwise_reload(model: torch.nn.Module, model_config) -> None:
@@ -51,3 +63,44 @@ def finish_layerwise_reload(model: torch.nn.Module, model_config) -> None:
     quant_method = getattr(lm_head, "quant_method", None)
     if quant_method is not None and hasattr(quant_method, "process_weights_after_loading"):
         quant_method.process_weights_after_loading(lm_head)
+
+
+def cpu_moe_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's unquantized mixture-of-experts layers whose experts live on CPU."""
+    from ..vllm_api import UnquantizedFusedMoEMethod
+
+    return [
+        layer
+        for layer in model.modules()
+        if isinstance(getattr(layer, "quant_method", None), UnquantizedFusedMoEMethod)
+        and layer.w13_weight.device.type == "cpu"
+    ]
+
+
+def forget_cpu_moe_kernels(model: torch.nn.Module) -> dict[torch.nn.Module, tuple]:
+    """Make each CPU mixture-of-experts layer look unprocessed to the reload about to start; each
+    layer's kernel and its config, to give back to a layer the reload leaves as it was.
+
+    vLLM's CPU MoE kernel computes with the experts padded to its alignment and packed into its
+    grouped-GEMM layout when the layer is processed after loading. On a reload, vLLM's unquantized MoE
+    method takes a kernel it already built as the sign of a weight update: it copies the new weights
+    into the old tensors unpacked and skips the padding and packing, and the engine serves garbage
+    without an error (vLLM 0.32; GPU stacks met the same class of bug, vLLM #42821). With its kernel
+    forgotten, the layer is processed as at start-up: padded, packed, its kernel built again; the
+    reload then copies the result into the tensors the engine computes with. GPU layers keep theirs:
+    their copy keeps the addresses CUDA graphs hold, and their unquantized kernels pack nothing."""
+    forgotten = {}
+    for layer in cpu_moe_layers(model):
+        method = layer.quant_method
+        if method.moe_kernel is not None:
+            forgotten[layer] = (method.moe_kernel, method.moe_quant_config)
+            method.moe_kernel = None
+    return forgotten
+
+
+def restore_cpu_moe_kernels(forgotten: dict[torch.nn.Module, tuple]) -> None:
+    """A layer the reload did not process again (no weight of it came) has its old tensors back:
+    its old kernel goes with them."""
+    for layer, (kernel, config) in forgotten.items():
+        if layer.quant_method.moe_kernel is None:
+            layer.quant_method.moe_kernel, layer.quant_method.moe_quant_config = kernel, config
