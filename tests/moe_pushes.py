@@ -42,13 +42,15 @@ class MoeFleet:
         assert done.returncode == 0 and f"pushed {version}" in done.stdout, done.stdout + done.stderr
 
     def modified(self, seed: int) -> dict[str, torch.Tensor]:
-        """The checkpoint's weights with experts scaled and re-drawn, the router and the shared expert moved."""
+        """The checkpoint's weights with experts scaled (1, 6) and re-drawn (2, 3), the router and the shared expert moved."""
         g = torch.Generator().manual_seed(seed)
         weights = {}
         for name, tensor in self.checkpoint.items():
             t = tensor.clone()
             if ".experts.1." in name or "shared_expert." in name:
                 t *= 1.5
+            elif ".experts.6." in name:
+                t *= 0.5
             elif ".experts.3.down_proj" in name or ".experts.2.gate_proj" in name:
                 t = torch.randn(t.shape, generator=g) * 0.25
             elif name.endswith("mlp.gate.weight") or "embed_tokens" in name:

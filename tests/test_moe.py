@@ -75,6 +75,22 @@ def test_reload_weights_brings_the_checkpoint_back_exactly(moe, tmp_path):
     moe.assert_serves_fresh()
 
 
+def test_a_push_missing_an_expert_or_with_one_of_a_wrong_shape_is_refused_before_any_byte_moves(moe, tmp_path):
+    """400, naming the layer or the tensor, whether the metadata comes with the start or with a
+    one-call push; nothing is touched: every engine serves as it did fresh, none is held out."""
+    left_out = "model.layers.1.mlp.experts.1.up_proj.weight"
+    transposed = "model.layers.0.mlp.experts.0.down_proj.weight"
+    partial = {name: t for name, t in moe.checkpoint.items() if name != left_out}
+    wrong = {**moe.checkpoint, transposed: moe.checkpoint[transposed].t().contiguous()}
+    for weights, said in ((partial, f"({left_out} left out)"), (wrong, f"wrong shape for {transposed!r}")):
+        for how in ((), ("--one-call",)):
+            done = run_trainer(moe.server, save(weights, tmp_path / "refused.safetensors"), "refused", *how)
+            assert done.returncode == 3 and "refused 400" in done.stdout and said in done.stdout, done.stdout
+    info = httpx.get(f"{moe.server.url}/weight_info", timeout=10).json()
+    assert info["update_phase"] == "idle" and [e["stale_reason"] for e in info["engines"]] == [None, None], info
+    moe.assert_serves_fresh()
+
+
 def test_an_engine_killed_after_a_push_catches_up_from_its_peer_exactly(moe, tmp_path):
     """Engine 1's EngineCore is SIGKILLed after a push: it restarts from the checkpoint and copies
     its peer's weights (the experts in the packed layout both engines compute with)."""

@@ -50,7 +50,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from skyinfer.demo_model import build_demo_model
+from skyinfer.demo_model import build_demo_model, build_demo_moe_model
 
 from benchlib import free_port, start_reference, start_skyinfer, stop, tree_memory_mib, wait_servers
 
@@ -192,13 +192,16 @@ class Server:
 
 def reference_logprobs(model_dir: Path, weights_file: Path | None, device: str, cases) -> list[list[float]]:
     import torch
-    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
     if weights_file is not None:
-        model.load_state_dict({k: v.float() for k, v in load_file(weights_file).items()}, strict=False)
-        model.tie_weights()
+        # The checkpoint's config beside the pushed weights, read as a checkpoint: transformers fuses
+        # an MoE checkpoint's per-expert tensors as it loads them (a state dict would not match).
+        pushed = Path(tempfile.mkdtemp(prefix="gpu-check-pushed-"))
+        (pushed / "config.json").write_bytes((model_dir / "config.json").read_bytes())
+        (pushed / "model.safetensors").symlink_to(Path(weights_file).resolve())
+        model_dir = pushed
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
     out = []
     for prompt_ids, out_ids, _ in cases:
         with torch.no_grad():
@@ -219,12 +222,14 @@ def max_gap(server: Server, model_dir: Path, weights_file: Path | None, device: 
 
 
 def modified_weights_file(model_dir: Path, out: Path) -> Path:
-    """The checkpoint's weights with two projections scaled: what a training step changes."""
+    """The checkpoint's weights with two projections (and an MoE's expert 1) scaled: what a training step changes."""
     from safetensors.torch import load_file, save_file
 
     weights = load_file(model_dir / "model.safetensors")
     for name in list(weights):
-        if "layers.0.self_attn.q_proj.weight" in name or "layers.1.mlp.up_proj.weight" in name:
+        if any(
+            part in name for part in ("layers.0.self_attn.q_proj.weight", "layers.1.mlp.up_proj.weight", ".experts.1.")
+        ):
             weights[name] = (weights[name].float() * 1.5).to(weights[name].dtype)
     save_file(weights, str(out))
     return out
@@ -386,6 +391,27 @@ def check_ipc_push(c: Check, device: str, model_dir: Path, name: str) -> None:
         server.close()
 
 
+def check_moe(c: Check, device: str, model_dir: Path) -> None:
+    """A tiny Qwen3-MoE (an expert width vLLM's CPU kernel pads) served, then pushed colocated (CUDA
+    IPC; shared memory on CPU): new weights, then the checkpoint's own back, each judged against
+    transformers float32. On CPU skyinfer re-packs the experts at each reload (docs: guides/moe);
+    on a GPU vLLM's unquantized MoE path is left as it is, and this is what shows it exact."""
+    server = Server(model_dir, ["--colocate"], device, "moe")
+    try:
+        gap = max_gap(server, model_dir, None, device)
+        c.line("moe.serve", gap <= TOLERANCE, f"max |vLLM - transformers fp32| {gap:.4f}")
+        weights = modified_weights_file(model_dir, Path(tempfile.mkdtemp()) / "w.safetensors")
+        for label, pushed in (("new", weights), ("back", model_dir / "model.safetensors")):
+            server.post("/sleep", level=1)
+            server.post("/wake_up", tags=["weights"])
+            push = run_trainer("skyinfer", server, pushed, f"moe-{label}")
+            server.post("/wake_up", tags=["kv_cache"])
+            gap = max_gap(server, model_dir, pushed, device)
+            c.line(f"moe.push_{label}", gap <= TOLERANCE, f"max gap {gap:.4f}; push {push['push_s']:.3f} s")
+    finally:
+        server.close()
+
+
 VLLM_IPC_ADMIN_KEY = "sk-gpu-check-admin-0123456789"
 
 
@@ -533,7 +559,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--log", default="gpu-check.log")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    p.add_argument("--only", nargs="*", help="serve sleep ipc_push vllm_ipc restart throughput soak")
+    p.add_argument("--only", nargs="*", help="serve sleep ipc_push vllm_ipc restart throughput soak moe")
     p.add_argument("--soak-pushes", type=int, default=20, metavar="N", help="the soak check's staged pushes")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N", help="GPUs (or CPU workers) per engine")
     p.add_argument("--trainer", nargs=4, metavar=("KIND", "URL", "WEIGHTS", "VERSION"), help=argparse.SUPPRESS)
@@ -569,6 +595,7 @@ def main() -> int:
             "restart": lambda: check_restart(c, args.device, wide),
             "throughput": lambda: check_throughput(c, args.device, demo),
             "soak": lambda: check_soak(c, args.device, wide, args.soak_pushes),
+            "moe": lambda: check_moe(c, args.device, build_demo_moe_model(base / "moe", "qwen3_moe")),
         }
         for name, run in checks.items():
             if args.only and name not in args.only:

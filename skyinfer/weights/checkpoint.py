@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
+from collections.abc import Iterable
 from pathlib import Path
 
 import attrs
@@ -34,6 +36,19 @@ def safetensors_header(path: str | Path) -> dict[str, dict]:
 def safetensors_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
     """Each tensor's shape, from a safetensors file's header."""
     return {name: tuple(entry["shape"]) for name, entry in safetensors_header(path).items()}
+
+
+# A routed expert's tensor, as mixture-of-experts checkpoints name them: the layer's experts, the
+# expert's index, the tensor (``model.layers.0.mlp.experts.3.gate_proj.weight``).
+_EXPERT_TENSOR = re.compile(r"^(?P<experts>.+\.experts)\.\d+\.")
+
+
+def _by_expert_layer(names: Iterable[str]) -> dict[str, set[str]]:
+    layers: dict[str, set[str]] = {}
+    for name in names:
+        if (match := _EXPERT_TENSOR.match(name)) is not None:
+            layers.setdefault(match["experts"], set()).add(name)
+    return layers
 
 
 @attrs.frozen
@@ -87,6 +102,20 @@ class CheckpointSpec:
                 shapes.setdefault("lm_head.weight", shapes[embed])
                 dtypes.setdefault("lm_head.weight", dtypes[embed])
         return cls(shapes, dtypes, stored)
+
+    def check_whole_expert_layers(self, names: Iterable[str]) -> None:
+        """Raise ValueError naming a mixture-of-experts layer the update carries part of: vLLM
+        reloads an MoE layer whole, and the experts a push left out would be served as whatever
+        the reload's fresh memory held."""
+        stored = _by_expert_layer(self.names)
+        for layer, pushed in sorted(_by_expert_layer(names).items()):
+            missing = sorted(stored.get(layer, set()) - pushed)
+            if missing:
+                raise ValueError(
+                    f"the update carries {len(pushed)} of the {len(stored[layer])} expert tensors of {layer}"
+                    f" ({missing[0]}{f' and {len(missing) - 1} more' if len(missing) > 1 else ''} left out):"
+                    " a mixture-of-experts layer takes a push of all its experts or of none"
+                )
 
     def check(self, meta: UpdateMetadata) -> None:
         """Raise ValueError naming the first tensor that does not fit the served model.

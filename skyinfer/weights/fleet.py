@@ -108,6 +108,15 @@ class Fleet:
                 raise SyncError(400, f"update_info rejected before any transfer: {exc}") from None
         return meta
 
+    def check_whole_update(self, meta: UpdateMetadata) -> None:
+        """Refuse (400) the metadata of a whole update (a start's, a one-call push's) that carries
+        part of a mixture-of-experts layer's experts, before any byte moves."""
+        if (spec := self.spec) is not None:
+            try:
+                spec.check_whole_expert_layers(meta.names)
+            except ValueError as exc:
+                raise SyncError(400, f"update_info rejected before any transfer: {exc}") from None
+
     def missing(self, received: set[str]) -> list[str] | None:
         """The checkpoint's tensors an update left out; None where the checkpoint's names are unknown."""
         spec = self.spec

@@ -119,6 +119,8 @@ class Push:
         self.fleet.refuse_unless(Phase.IDLE)
         records = self.fleet.engines_in_group()
         meta = None if update_info is None else self.fleet.check_metadata(update_info, carries_data=False)
+        if meta is not None:
+            self.fleet.check_whole_update(meta)
         (self.staged if staged else self.live).fits(records, meta)
         self.update.open(staged)
         return {"status": "started", "staged": staged}
@@ -143,6 +145,7 @@ class Push:
                     )
                 records = self.fleet.engines_in_group()
                 if one_shot:
+                    self.fleet.check_whole_update(meta)
                     self.update.current.staged = staged
                 path = self._path()
                 started = time.monotonic()
