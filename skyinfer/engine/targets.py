@@ -154,11 +154,7 @@ class ShadowTarget(torch.nn.Module):
         if known is not None:
             return known[1]
         # Uninitialised: its memory is taken when a loader writes it.
-        shadow = torch.Tensor._make_subclass(type(live), torch.empty_like(live.data), False)
-        shadow.__dict__.update(live.__dict__)
-        loader_attribute = "_weight_loader" if "_weight_loader" in live.__dict__ else "weight_loader"
-        loader = live.__dict__.get(loader_attribute) or default_weight_loader
-        shadow.__dict__[loader_attribute] = self._loader(live, loader)
+        shadow = _shadow_parameter(live, torch.empty_like(live.data), lambda loader: self._loader(live, loader))
         self._params_of[id(live)] = (live, shadow)
         return shadow
 
@@ -237,6 +233,16 @@ class ShadowTarget(torch.nn.Module):
         object.__setattr__(self, "_root", None)
 
 
+def _shadow_parameter(live: torch.nn.Parameter, data: torch.Tensor, wrap_loader) -> torch.nn.Parameter:
+    """A parameter over ``data`` with ``live``'s class and attributes, its weight loader wrapped by
+    ``wrap_loader`` (the model's own loaders then fill it as they would the live one)."""
+    shadow = torch.Tensor._make_subclass(type(live), data, False)
+    shadow.__dict__.update(live.__dict__)
+    attribute = "_weight_loader" if "_weight_loader" in live.__dict__ else "weight_loader"
+    shadow.__dict__[attribute] = wrap_loader(live.__dict__.get(attribute) or default_weight_loader)
+    return shadow
+
+
 class _ShadowExperts:
     """The shadow of one CPU mixture-of-experts layer: its experts in the shapes the layer was
     created with (vLLM's reload keeps them), counted as loaders write them, then padded, packed and
@@ -263,11 +269,7 @@ class _ShadowExperts:
     def shadow_parameter(self, name: str, live: torch.nn.Parameter) -> torch.nn.Parameter:
         created = self._created.get(name)
         data = torch.empty(created.shape, dtype=created.dtype) if created is not None else torch.empty_like(live.data)
-        shadow = torch.Tensor._make_subclass(type(live), data, False)
-        shadow.__dict__.update(live.__dict__)
-        loader = live.__dict__.get("weight_loader") or default_weight_loader
-        shadow.__dict__["weight_loader"] = self._counting(loader)
-        return shadow
+        return _shadow_parameter(live, data, self._counting)
 
     def _counting(self, loader):
         from ..vllm_api import CopyCounter

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ..engine_calls import EngineReply, call_engine, failure
@@ -101,19 +102,19 @@ class Fleet:
     def check_metadata(self, update_info: dict, *, carries_data: bool = True) -> UpdateMetadata:
         """Refuse (400) metadata that is malformed or does not fit the served checkpoint, before any byte moves."""
         meta = self.transport.parse_update(update_info, carries_data=carries_data)
-        if (spec := self.spec) is not None:
-            try:
-                spec.check(meta)
-            except ValueError as exc:
-                raise SyncError(400, f"update_info rejected before any transfer: {exc}") from None
+        self._refuse_unless_fits(lambda spec: spec.check(meta))
         return meta
 
     def check_whole_update(self, meta: UpdateMetadata) -> None:
         """Refuse (400) the metadata of a whole update (a start's, a one-call push's) that carries
         part of a mixture-of-experts layer's experts, before any byte moves."""
+        self._refuse_unless_fits(lambda spec: spec.check_whole_expert_layers(meta.names))
+
+    def _refuse_unless_fits(self, check: Callable[[CheckpointSpec], None]) -> None:
+        """``check`` against the served checkpoint (where its names are known); its ValueError a 400."""
         if (spec := self.spec) is not None:
             try:
-                spec.check_whole_expert_layers(meta.names)
+                check(spec)
             except ValueError as exc:
                 raise SyncError(400, f"update_info rejected before any transfer: {exc}") from None
 
