@@ -69,6 +69,12 @@ NAMES: dict[str, tuple[str, ...]] = {
     "UnquantizedFusedMoEMethod": ("vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method",),
     "set_current_vllm_config": ("vllm.config",),
     "finalize_layerwise_reload": ("vllm.model_executor.model_loader.reload",),
+    # A layer a push filled in part is materialized from what it serves before the reload's finish
+    # processes it (transfer/receiving.py): which layers serve their weights as loaded, and how.
+    "materialize_layer": ("vllm.model_executor.model_loader.reload.meta",),
+    "is_deferred_attention_layer": ("vllm.model_executor.layers.attention",),
+    "UnquantizedLinearMethod": ("vllm.model_executor.layers.linear",),
+    "UnquantizedEmbeddingMethod": ("vllm.model_executor.layers.vocab_parallel_embedding",),
     # The loader that read the checkpoint at start-up: a reload from disk reads it again.
     "get_model_loader": ("vllm.model_executor.model_loader",),
     # A request that goes on on another engine (engine/continuation.py): what generate takes and gives.

@@ -10,6 +10,8 @@ first weights pushed back must give exactly what a fresh engine gave."""
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -20,7 +22,7 @@ from skyinfer.demo_model import MOE_CONFIGS, build_demo_moe_model
 
 from moe_pushes import MoeFleet
 from pushes import run_trainer, save, sessions_per_engine
-from support import ServerProcess, module_servers, two_float32_engines, vllm_process
+from support import ServerProcess, free_port, module_servers, two_float32_engines, vllm_process
 
 ARCHITECTURES = sorted(MOE_CONFIGS)
 
@@ -88,6 +90,31 @@ def test_a_push_missing_an_expert_or_with_one_of_a_wrong_shape_is_refused_before
             assert done.returncode == 3 and "refused 400" in done.stdout and said in done.stdout, done.stdout
     info = httpx.get(f"{moe.server.url}/weight_info", timeout=10).json()
     assert info["update_phase"] == "idle" and [e["stale_reason"] for e in info["engines"]] == [None, None], info
+    moe.assert_serves_fresh()
+
+
+def test_a_push_of_part_of_a_layers_experts_without_metadata_fails_at_its_finish_and_nothing_wrong_is_served(
+    moe, tmp_path
+):
+    """vLLM's own trainer pieces open an update without its metadata: the experts left out show only
+    at the finish. The layer keeps its old experts whole (vLLM alone would serve the left-out
+    expert from fresh memory), the finish fails naming it, and no engine serves the mix: each is
+    stale until the next push, which lands exactly."""
+    new = moe.modified(seed=6)
+    partial = {name: t for name, t in new.items() if name != "model.layers.1.mlp.experts.1.up_proj.weight"}
+    done = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("vllm_trainer.py")), moe.server.url,
+         str(save(partial, tmp_path / "partial.safetensors")), "partial", str(free_port())],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    said = done.stdout + done.stderr[-3000:]
+    assert done.returncode == 1 and "finish failed: 500" in said and "model.layers.1.mlp.experts" in said, said
+    assert [e["state"] for e in moe.server.engines()] == ["stale", "stale"], moe.server.engines()
+    r = httpx.post(
+        f"{moe.server.url}/v1/completions", json={"model": moe.server.model, "prompt": "x", "max_tokens": 2}, timeout=60
+    )
+    assert r.status_code == 503, r.text
+    moe.push(moe.checkpoint, "after-the-partial-push", tmp_path)
     moe.assert_serves_fresh()
 
 

@@ -92,6 +92,24 @@ async def test_push_under_keep_pause_then_logprobs_match_transformers(server, mo
     assert {s.labels["engine"] for s in families[version_info] if s.labels["version"] == "v-two"} == {"0", "1"}
 
 
+@pytest.mark.parametrize("how", ["session", "--one-call"])
+def test_a_push_of_part_of_two_fused_projections_keeps_the_rest_as_served(
+    server, model_name, demo_model, tmp_path, how
+):
+    """A push of two tensors, each one part of a projection the engines hold fused (q of q/k/v, up
+    of gate/up). vLLM reloads a layer whole: the parts the push left out (k and v, gate) must be
+    carried over from what is served, not served from fresh memory (vLLM 0.32 alone serves NaN)."""
+    whole = modified_weights(demo_model, seed=6)
+    pushed = run_trainer(server, save(whole, tmp_path / "whole.safetensors"), "v-whole", "--one-call")
+    assert pushed.returncode == 0, pushed.stdout + pushed.stderr
+    new = modified_weights(demo_model, seed=7)
+    part = {name: new[name] for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.up_proj.weight")}
+    extra = [how] if how.startswith("--") else []
+    pushed = run_trainer(server, save(part, tmp_path / "part.safetensors"), "v-part", *extra)
+    assert pushed.returncode == 0, pushed.stdout + pushed.stderr
+    assert_engines_match(server, model_name, demo_model, {**whole, **part}, "v-part")
+
+
 @pytest.mark.parametrize(
     "change, message",
     [

@@ -68,7 +68,11 @@ def main() -> int:
     if failed:
         print(f"update failed: {failed[0]}", file=sys.stderr)
         return 1
-    client.finish_weight_update(args.version)
+    try:
+        client.finish_weight_update(args.version)
+    except requests.HTTPError as exc:
+        print(f"finish failed: {exc.response.status_code} {exc.response.text}", file=sys.stderr)
+        return 1
     print("pushed", args.version, flush=True)
     return 0
 

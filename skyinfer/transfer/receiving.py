@@ -51,18 +51,74 @@ class LayerwiseReceiver:
 
 def finish_layerwise_reload(model: torch.nn.Module, model_config) -> None:
     """vLLM's finalize of a layerwise reload (layers that received nothing get their old tensors
-    back), plus the CPU fix for tied embeddings: the CPU lm_head keeps a packed copy of the old
-    embedding after a reload; re-running its post-load step repacks it."""
+    back; layers that received part of their weights are first given the rest as served, or refused),
+    plus the CPU fix for tied embeddings: the CPU lm_head keeps a packed copy of the old embedding
+    after a reload; re-running its post-load step repacks it."""
     from ..vllm_api import finalize_layerwise_reload
 
+    refused = keep_what_the_push_left_out(model)
     finalize_layerwise_reload(model, model_config)
     hf_config = getattr(model_config, "hf_config", None)
     lm_head = getattr(model, "lm_head", None)
-    if not getattr(hf_config, "tie_word_embeddings", False) or lm_head is None:
-        return
-    quant_method = getattr(lm_head, "quant_method", None)
-    if quant_method is not None and hasattr(quant_method, "process_weights_after_loading"):
-        quant_method.process_weights_after_loading(lm_head)
+    if getattr(hf_config, "tie_word_embeddings", False) and lm_head is not None:
+        quant_method = getattr(lm_head, "quant_method", None)
+        if quant_method is not None and hasattr(quant_method, "process_weights_after_loading"):
+            quant_method.process_weights_after_loading(lm_head)
+    if refused:
+        raise ValueError(
+            f"the push carried part of the weights of {', '.join(refused)}, whose rest cannot be read"
+            " back from what they serve (quantized or packed): they serve their old weights; push all of them"
+        )
+
+
+def keep_what_the_push_left_out(model: torch.nn.Module) -> list[str]:
+    """Give each layer a push filled in part the rest of its weights as it serves them; the layers
+    that cannot be given them, which keep their old weights whole instead.
+
+    vLLM reloads a layer whole: the layer is processed once every element of it came, and at the
+    finish a layer that got only part of its weights (q of a fused q/k/v projection, up of gate/up)
+    is processed from fresh memory, the parts the push left out uninitialized: the engine then serves
+    NaN without an error (vLLM 0.32; a layer with padding its checkpoint never fills, a vocabulary's,
+    takes the same way). Materialized from its served tensors first, the loads the finish replays
+    over it leave the rest as it was. Only a layer that serves its weights as they were loaded can
+    be given them back; any other (a quantized layer, packed experts) is left as if the push sent
+    it nothing, so the finish puts its served tensors back, and the caller reports it."""
+    from ..vllm_api import get_layerwise_info, is_deferred_attention_layer, materialize_layer
+
+    refused = []
+    for name, layer in model.named_modules():
+        info = get_layerwise_info(layer)
+        if info.kernel_tensors is None or not info.can_load() or is_deferred_attention_layer(layer):
+            continue  # nothing served to keep (a first load), or no reload open, or vLLM's own finish
+        if not 0 < info.load_numel < info.load_numel_total:
+            continue
+        if not _serves_as_loaded(layer, info):
+            refused.append(name)
+            info.load_numel, info.loaded_weights = 0, []
+            continue
+        params, buffers = info.kernel_tensors
+        served = params | buffers
+        materialize_layer(layer, info)
+        with torch.no_grad():
+            for tensor_name, tensor in [*layer.named_parameters(recurse=False), *layer.named_buffers(recurse=False)]:
+                if tensor_name in served and not tensor.is_meta and tensor is not served[tensor_name]:
+                    tensor.copy_(served[tensor_name])
+    return refused
+
+
+def _serves_as_loaded(layer: torch.nn.Module, info) -> bool:
+    """Whether the layer computes with its weights in the layout they were loaded in (an unquantized
+    linear layer or embedding), so that what it serves can seed a partial reload of it."""
+    from ..vllm_api import UnquantizedEmbeddingMethod, UnquantizedLinearMethod
+
+    if not isinstance(getattr(layer, "quant_method", None), (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)):
+        return False
+    params, buffers = info.kernel_tensors
+    created = {**info.restore_metadata[0], **info.restore_metadata[1]}
+    return all(
+        name not in created or (created[name].shape == t.shape and created[name].dtype == t.dtype)
+        for name, t in (params | buffers).items()
+    )
 
 
 def cpu_moe_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
