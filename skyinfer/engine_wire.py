@@ -13,6 +13,7 @@ __all__ = [
     "CPU_WORKER_PATH",
     "ENGINE_DIED_HEADER",
     "EXTENSION_PATH",
+    "NOT_CONTINUED_FIELD",
 ]
 
 # Named here (not imported from worker_extension, which imports vLLM) so the
@@ -30,6 +31,9 @@ ENGINE_DIED_HEADER = "X-Skyinfer-Engine-Died"
 CONTINUE_MARKER = b": skyinfer-continue "
 CONTINUE_FIELD = "skyinfer_continue"
 CONTINUE_HEADER = "X-Skyinfer-Continue"
+# In such a record: why the request cannot go on from its tokens so far (the state it would lose
+# at the splice); the front then starts it over (a caller that has nothing yet) or ends it.
+NOT_CONTINUED_FIELD = "not_continued"
 # A LoRA adapter's directory, as PEFT lays it out: the front checks one on disk, the engine
 # writes a pushed adapter's config and tensors into one.
 ADAPTER_CONFIG_FILE = "adapter_config.json"

@@ -24,7 +24,7 @@ import orjson
 from aiohttp import web
 
 from . import stream_relay
-from .engine_wire import CONTINUE_FIELD, CONTINUE_HEADER, ENGINE_DIED_HEADER
+from .engine_wire import CONTINUE_FIELD, CONTINUE_HEADER, ENGINE_DIED_HEADER, NOT_CONTINUED_FIELD
 from .errors import error_body, error_response, parse_json_object
 from .leasing import Ask, Engine, Leases, NotConnected
 from .state import EngineBusy, EngineRecord, NoEngineAvailable
@@ -140,12 +140,14 @@ class _StreamBrokeOff(Exception):
 class _GoingOn:
     """A request an engine died under, and what it had generated: the record the next engine goes on from."""
 
-    __slots__ = ("engine_id", "record", "weight_version")
+    __slots__ = ("engine_id", "not_continued", "record", "weight_version")
 
     def __init__(self, engine_id: int, weight_version: str | None, record: bytes):
         self.engine_id = engine_id
         self.weight_version = weight_version
         self.record = record
+        # Why it cannot go on from there (what it would lose at the splice), if it cannot.
+        self.not_continued: str | None = orjson.loads(record).get(NOT_CONTINUED_FIELD)
 
     def body(self, body: bytes) -> bytes:
         """The request's body with the record added, for the engine that goes on with it."""
@@ -295,8 +297,15 @@ async def forward(request: web.Request) -> web.StreamResponse:
     leases.note_retried(dead)
     # Once, and never to the engine that died: a request that kills engines must not walk through the
     # fleet. If no other engine serves now, it waits for one like any request.
+    going_on = first_death.going_on
+    if going_on is not None and going_on.not_continued is not None:
+        # The caller has nothing yet: the request starts over, and its answer is the one it asked for.
+        log.info(
+            "engine %d's request on %s starts over: it cannot go on (%s)", dead, request.path, going_on.not_continued
+        )
+        going_on = None
     try:
-        return await _send(request, ask, body, headers, retried_from=dead, going_on=first_death.going_on)
+        return await _send(request, ask, body, headers, retried_from=dead, going_on=going_on)
     except _EngineDied as again:
         message = _second_death(request, body, dead, again.engine_id)
         return error_response(500, message, headers={ENGINE_HEADER: str(again.engine_id)})
@@ -541,13 +550,17 @@ async def _go_on_streaming(
     request: web.Request, ask: Ask, body: bytes, headers: dict, broke: _StreamBrokeOff
 ) -> web.StreamResponse:
     """The engine of a stream died after the caller had events: an engine serving the same weights
-    goes on with it, its events relayed on the same answer; if that one dies too, or none can, the
-    caller gets the front's error event."""
+    goes on with it, its events relayed on the same answer; if that one dies too, none can, or the
+    request cannot go on as it would have (``not_continued``), the caller gets the front's error event."""
     leases, response, going_on = request.app[LEASES], broke.response, broke.going_on
     dead = going_on.engine_id
+    message = f"engine {dead} died mid-stream"
+    if going_on.not_continued is not None:
+        log.warning("engine %d died mid-stream on %s: the stream ends (%s)", dead, request.path, going_on.not_continued)
+        message = f"{message}; the request cannot go on on another engine as it would have: {going_on.not_continued}"
+        return await _end_with_error(response, None, message)
     log.warning("engine %d died mid-stream on %s: going on on another engine", dead, request.path)
     leases.note_retried(dead)
-    message = f"engine {dead} died mid-stream"
     if not leases.has_other_member(dead) or request.transport is None:
         return await _end_with_error(response, None, f"{message}, and no other engine serves")
     try:

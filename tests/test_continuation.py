@@ -9,6 +9,7 @@ counting every token, and a field (streams) or header (the rest) saying where it
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -47,6 +48,10 @@ def _launch(demo_model: Path, logs: Path) -> ServerProcess:
             "5",
             "--session-rebalance-factor",
             "0",
+            # A tool-call parser, as agent harnesses run: a chat stream with tools is parsed as it goes.
+            "--enable-auto-tool-choice",
+            "--tool-call-parser",
+            "pythonic",
         ),
     )
 
@@ -82,6 +87,9 @@ class Outcome:
         self.headers: dict[str, str] = {}
         self.events = 0
         self.finish_reasons: list[str] = []
+        self.choices: dict[int, list[int]] = {}
+        self.top_logprobs: list[dict] = []
+        self.text = ""
 
     def take(self, body: dict) -> None:
         if "error" in body:
@@ -93,20 +101,84 @@ class Outcome:
             self.usage = body["usage"]
         for choice in body.get("choices") or []:
             self.token_ids += choice.get("token_ids") or []
+            self.choices.setdefault(choice.get("index", 0), []).extend(choice.get("token_ids") or [])
+            self.text += choice.get("text") or (choice.get("delta") or choice.get("message") or {}).get("content") or ""
             logprobs = choice.get("logprobs") or {}
             if "token_logprobs" in logprobs:
                 self.logprobs += logprobs["token_logprobs"]
+                self.top_logprobs += logprobs.get("top_logprobs") or []
             else:
                 self.logprobs += [entry["logprob"] for entry in logprobs.get("content") or []]
             if choice.get("finish_reason"):
                 self.finish_reasons.append(choice["finish_reason"])
 
 
-async def run(http: httpx.AsyncClient, route: str, stream: bool, session: str, prompt_ids, model, started=None):
-    path, body = request_for(route, stream, model, prompt_ids)
+# Requests whose every feature carries over a splice (engine/continuation.py, why_not_continued):
+# a continued answer must equal the uninterrupted one token for token.
+CARRIED = {
+    "logprobs and top logprobs": {"logprobs": 3},
+    "n, each choice sampled from the top token": {"n": 2, "temperature": 1.0, "top_k": 1},
+    "seed, greedy": {"seed": 7},
+    "min_tokens": {"min_tokens": 150, "ignore_eos": False},
+    "logit_bias": {"logit_bias": {"5": 4.0, "17": -100.0}},
+    "repetition_penalty": {"repetition_penalty": 1.3},
+    "allowed and stop token ids": {"allowed_token_ids": list(range(40, 240)), "stop_token_ids": [241]},
+}
+# Requests whose state would be lost at a splice: a stream ends with the reason, a request that is
+# not streamed starts over (its caller had nothing yet) and gets the uninterrupted answer.
+NOT_CARRIED = {
+    "regex": ({"structured_outputs": {"regex": "[a-z ]{20,400}"}}, "structured output"),
+    "stop strings": ({"stop": ["never said"]}, "stop strings"),
+    "frequency penalty": ({"frequency_penalty": 0.5}, "frequency or presence penalties"),
+    "presence penalty": ({"presence_penalty": 0.5}, "frequency or presence penalties"),
+    "seeded sample": ({"temperature": 1.0, "seed": 7}, "a seeded sample"),
+    "bad words": ({"bad_words": ["the"]}, "bad words"),
+    "json schema": (None, "structured output"),
+    "tool calls": (None, "parsed for tool calls"),
+}
+JSON_SCHEMA = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "verdict",
+        "schema": {
+            "type": "object",
+            "properties": {"verdict": {"enum": ["yes", "no"]}, "why": {"type": "string", "maxLength": 200}},
+            "required": ["verdict", "why"],
+            "additionalProperties": False,
+        },
+    },
+}
+FEATURE_TOKENS = 200
+
+
+def feature_request(model: str, more: dict, stream: bool) -> tuple[str, dict]:
+    body = {"model": model, "prompt": PROMPT, "max_tokens": FEATURE_TOKENS, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "stream": stream, **more}  # fmt: skip
+    return "/v1/completions", body
+
+
+TOOL = {
+    "type": "function",
+    "function": {"name": "lookup", "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}},
+}
+
+
+def chat_request(model: str, name: str, stream: bool) -> tuple[str, dict]:
+    """A chat request whose answer is JSON of a schema, or one offered a tool (``name``)."""
+    messages = [{"role": "user", "content": "Answer in JSON: " + PROMPT}]
+    body = {"model": model, "messages": messages, "max_tokens": 400, "temperature": 0, "return_token_ids": True,
+            "stream": stream}  # fmt: skip
+    if name == "json schema":
+        body["response_format"] = JSON_SCHEMA
+    else:
+        body.update(tools=[TOOL], tool_choice="auto", max_tokens=FEATURE_TOKENS, ignore_eos=True)
+    return "/v1/chat/completions", body
+
+
+async def send(http, path: str, body: dict, session: str, started=None) -> Outcome:
     outcome = Outcome()
     headers = {"X-Session-ID": session}
-    if not stream:
+    if not body["stream"]:
         r = await http.post(path, json=body, headers=headers)
         outcome.headers = dict(r.headers)
         assert r.status_code == 200, r.text
@@ -124,33 +196,45 @@ async def run(http: httpx.AsyncClient, route: str, stream: bool, session: str, p
     return outcome
 
 
-def test_every_request_whose_engine_core_dies_goes_on_elsewhere_token_for_token(pair, model_name):
+@pytest.fixture(scope="module")
+def killed_mid_answer(pair, model_name) -> tuple[dict, dict]:
+    """Every request of both tests below on engine 1, whose EngineCore is SIGKILLed once every
+    stream has events (one restart for all); the same requests uncrashed on engine 0 beforehand
+    (float32: greedy tokens do not flip across batch shapes). What each caller got, both ways."""
     sessions = sessions_per_engine(pair, model_name)
     prompt_ids = httpx.post(f"{pair.url}/tokenize", json={"model": model_name, "prompt": PROMPT}, timeout=30).json()[
         "tokens"
     ]
+    requests = {kind: request_for(*kind, model_name, prompt_ids) for kind in KINDS}
+    for name, more in CARRIED.items():
+        requests[name, True] = feature_request(model_name, more, True)
+    for name, (more, _) in NOT_CARRIED.items():
+        for stream in (True, False):
+            requests[name, stream] = (
+                chat_request(model_name, name, stream) if more is None else feature_request(model_name, more, stream)
+            )
 
     async def scenario():
         async with httpx.AsyncClient(base_url=pair.url, timeout=300) as http:
-            # What an uncrashed run gives, on engine 0.
-            reference = {}
-            for kind in KINDS:
-                reference[kind] = await run(http, *kind, sessions[0], prompt_ids, model_name)
-            # The same on engine 1, which dies once the streams are under way.
+            reference = dict(zip(requests, await asyncio.gather(
+                *(send(http, path, body, sessions[0]) for path, body in requests.values())
+            )))  # fmt: skip
             started = asyncio.Semaphore(0)
-            tasks = {kind: asyncio.create_task(run(http, *kind, sessions[1], prompt_ids, model_name, started))
-                     for kind in KINDS}  # fmt: skip
-            streams = sum(1 for _, stream in KINDS if stream)
-            for _ in range(streams):
+            tasks = {key: asyncio.create_task(send(http, path, body, sessions[1], started))
+                     for key, (path, body) in requests.items()}  # fmt: skip
+            for _ in range(sum(1 for _, stream in requests if stream)):
                 await asyncio.wait_for(started.acquire(), 60)
-            core = vllm_process(pair.engines()[1]["pid"], "EngineCore")
-            core.send_signal(signal.SIGKILL)
+            vllm_process(pair.engines()[1]["pid"], "EngineCore").send_signal(signal.SIGKILL)
             killed_at = time.monotonic()
-            got = {kind: await task for kind, task in tasks.items()}
+            got = {key: await task for key, task in tasks.items()}
             print(f"every request done {time.monotonic() - killed_at:.1f}s after the kill")
             return reference, got
 
-    reference, got = asyncio.run(scenario())
+    return asyncio.run(scenario())
+
+
+def test_every_request_whose_engine_core_dies_goes_on_elsewhere_token_for_token(killed_mid_answer):
+    reference, got = killed_mid_answer
     for kind in KINDS:
         want, have = reference[kind], got[kind]
         stream = kind[1]
@@ -168,6 +252,46 @@ def test_every_request_whose_engine_core_dies_goes_on_elsewhere_token_for_token(
         if have.usage is not None or want.usage is not None:
             assert have.usage["completion_tokens"] == MAX_TOKENS, (kind, have.usage)
             assert have.usage["prompt_tokens"] == want.usage["prompt_tokens"], (kind, have.usage)
+
+
+def test_a_request_goes_on_after_its_engine_dies_only_where_every_feature_carries_over(killed_mid_answer):
+    """Per request feature, a greedy request on engine 1 when its EngineCore is SIGKILLed mid-answer:
+    one whose every feature carries over a splice goes on on engine 0 and equals the uninterrupted
+    answer token for token (each choice of ``n``, the top logprobs too); a stream whose state would
+    be lost (a grammar, text held back for stop strings, penalties that count the answer's tokens, a
+    seed's random stream, bad words) ends with an error event naming it, after a prefix of the
+    uninterrupted answer; the same requests not streamed start over on engine 0 and get the
+    uninterrupted answer, a JSON-schema one valid JSON."""
+    reference, got = killed_mid_answer
+    for (name, stream), have in got.items():
+        if (name, stream) in KINDS:
+            continue  # the test above's
+        want = reference[name, stream]
+        assert not want.errors and want.token_ids, (name, want.errors)
+        # A chat answer that is not streamed is parsed for tool calls whole, at its end: it goes on.
+        carried = name in CARRIED or (name == "tool calls" and not stream)
+        if carried or not stream:
+            assert not have.errors, (name, stream, have.errors)
+            assert have.choices == want.choices and have.finish_reasons == want.finish_reasons, (name, stream)
+            assert [sorted(at) for at in have.top_logprobs] == [sorted(at) for at in want.top_logprobs], name
+            for at_have, at_want in zip(have.top_logprobs, want.top_logprobs):
+                assert at_have == pytest.approx(at_want, abs=1e-3), name
+            assert have.logprobs == pytest.approx(want.logprobs, abs=1e-3), (name, stream)
+        if carried and stream:
+            assert len(have.continued) == 1 and have.continued[0]["tokens_kept"] > 0, (name, have.continued)
+        elif carried:
+            assert have.headers.get("x-skyinfer-continued-from") == "1", (name, have.headers)
+        elif stream:
+            assert len(have.errors) == 1 and "cannot go on on another engine" in have.errors[0]["message"], name
+            assert NOT_CARRIED[name][1] in have.errors[0]["message"], (name, have.errors)
+            assert have.token_ids and have.token_ids == want.token_ids[: len(have.token_ids)], name
+            assert len(have.token_ids) < len(want.token_ids), name
+        else:
+            assert have.headers.get("x-skyinfer-retried-from") == "1", (name, have.headers)
+            assert "x-skyinfer-continued-from" not in have.headers, (name, have.headers)
+    answer = got["json schema", False]
+    assert answer.finish_reasons == ["stop"], answer.finish_reasons
+    assert json.loads(answer.text)["verdict"] in ("yes", "no"), answer.text
 
 
 def test_a_record_a_caller_forged_is_a_400(pair, model_name):

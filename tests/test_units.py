@@ -525,3 +525,22 @@ async def test_the_silence_timer_firing_is_the_verdict_even_a_moment_early():
     assert not machine.silence_timed_out and machine.current.silence_timer is not None
     machine.end()
     assert machine.phase is Phase.IDLE and not machine.silence_timed_out
+
+
+def test_a_chat_stream_parsed_as_it_goes_is_not_continued_and_an_answer_parsed_whole_is():
+    """Reasoning parsers (which the demo model's tokenizer cannot serve) and tool-call parsers
+    read a chat stream from its first token: such a stream is not continued on another engine.
+    tests/test_continuation.py kills an engine under a tool-parsed stream; this, the reasoning case."""
+    from skyinfer.engine.continuation import why_chat_stream_not_continued
+    from skyinfer.vllm_api import ChatCompletionRequest
+
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    stream = ChatCompletionRequest(**chat, stream=True)
+    assert "reasoning (qwen3" in why_chat_stream_not_continued(stream, "qwen3")
+    assert why_chat_stream_not_continued(stream, None) is None
+    assert why_chat_stream_not_continued(ChatCompletionRequest(**chat), "qwen3") is None
+    with_tools = ChatCompletionRequest(**chat, stream=True, tools=[tool])
+    assert "tool calls" in why_chat_stream_not_continued(with_tools, None)
+    declined = ChatCompletionRequest(**chat, stream=True, tools=[tool], tool_choice="none")
+    assert why_chat_stream_not_continued(declined, None) is None

@@ -12,10 +12,19 @@ from typing import Any
 import attrs
 import orjson
 
-from ..engine_wire import CONTINUE_FIELD, CONTINUE_MARKER
+from ..engine_wire import CONTINUE_FIELD, CONTINUE_MARKER, NOT_CONTINUED_FIELD
 from ..vllm_api import CompletionOutput, Logprob, RequestOutput, RequestOutputKind, SamplingParams
 
-__all__ = ["RequestTrack", "begin", "continued_frame", "finished_choices", "marker", "track_outputs"]
+__all__ = [
+    "RequestTrack",
+    "begin",
+    "continued_frame",
+    "finished_choices",
+    "marker",
+    "track_outputs",
+    "why_chat_stream_not_continued",
+    "why_not_continued",
+]
 
 # What the running request keeps (set per HTTP request by the serving routes; vLLM's calls of
 # ``generate``, in tasks of that request, see the same object).
@@ -150,6 +159,8 @@ class RequestTrack:
     resumed: dict | None = None
     # A stream's first event, kept to give the caller's stream id to the engine it goes on on.
     first_frame: str | None = None
+    # Why this request cannot go on from its tokens so far (``why_not_continued``), if it cannot.
+    not_continued: str | None = None
 
     def resumed_call(self, index: int) -> CallTrack | None:
         if self.resumed is None or index >= len(self.resumed["calls"]):
@@ -164,6 +175,8 @@ class RequestTrack:
         elif self.first_frame is not None:
             first = orjson.loads(self.first_frame[len("data: ") :])
             head = {"id": first.get("id"), "created": first.get("created")}
+        if self.not_continued is not None:
+            head[NOT_CONTINUED_FIELD] = self.not_continued
         return orjson.dumps({**head, "calls": [call.as_json() for call in self.calls]})
 
 
@@ -192,6 +205,9 @@ def track_outputs(engine_client: Any) -> None:
             async for out in generate(prompt, sampling_params, request_id, **kwargs):
                 yield out
             return
+        if not track.calls:
+            lost = (track.not_continued, why_not_continued(sampling_params))
+            track.not_continued = "; ".join(reason for reason in lost if reason) or None
         call = CallTrack(sampling_params.n)
         resumed = track.resumed_call(len(track.calls))
         if resumed is not None and resumed.prompt_token_ids is None:
@@ -222,6 +238,51 @@ def track_outputs(engine_client: Any) -> None:
             yield call.gathered(last if last is not None else _empty_output(request_id))
 
     engine_client.generate = tracked
+
+
+# vLLM's own bound below which a temperature samples greedily.
+_GREEDY_TEMPERATURE = 1e-5
+
+
+def why_not_continued(params: SamplingParams) -> str | None:
+    """Why a request sampled with ``params`` cannot go on on another engine from its tokens so far,
+    as if uninterrupted: the state it would lose at the splice, where the next engine takes the
+    tokens kept as part of its prompt (None: nothing is lost).
+
+    What carries over: greedy and unseeded sampling, ``max_tokens`` and ``min_tokens`` (counted
+    down by the tokens kept), ``logprobs`` and top logprobs, ``n`` (each unfinished choice goes on),
+    ``logit_bias``, allowed and stop token ids, and the repetition penalty (vLLM applies it to the
+    prompt's tokens and the answer's alike)."""
+    lost = []
+    if params.structured_outputs is not None:
+        lost.append("structured output (its grammar would start over mid-answer)")
+    if params.stop:
+        lost.append("stop strings (text held back to match them, and a match across the splice, would be lost)")
+    if params.frequency_penalty or params.presence_penalty:
+        lost.append("frequency or presence penalties (they count the answer's tokens, which would become prompt)")
+    if params.bad_words:
+        lost.append("bad words (matched against the answer's own tokens)")
+    if params.thinking_token_budget is not None:
+        lost.append("a thinking-token budget (it counts the answer's own tokens)")
+    if params.seed is not None and params.temperature > _GREEDY_TEMPERATURE:
+        lost.append("a seeded sample (the seed's random stream cannot be resumed)")
+    if params.extra_args:
+        lost.append("vllm_xargs (what a custom logits processor keeps is unknown)")
+    return "; ".join(lost) or None
+
+
+def why_chat_stream_not_continued(request, reasoning_parser: str | None) -> str | None:
+    """Why a chat request (vLLM's ``ChatCompletionRequest``) cannot go on on another engine: vLLM
+    parses a stream's reasoning and tool calls as it goes, from the answer's first token, and the
+    next engine's parser would start over mid-message. An answer that is not streamed is parsed
+    whole at its end, the tokens kept included: it goes on."""
+    if not request.stream:
+        return None
+    if reasoning_parser:
+        return f"a chat stream parsed for reasoning ({reasoning_parser}: the parser would start over mid-message)"
+    if request.tools and request.tool_choice != "none":
+        return "a chat stream parsed for tool calls (the parser would start over mid-message)"
+    return None
 
 
 def _empty_output(request_id: str):

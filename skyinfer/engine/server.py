@@ -75,6 +75,10 @@ def _serving_route(
             if conflict := constraints_conflict(payload):
                 return error_response(400, conflict, "allowed_token_ids")
             parsed = adapter.validate_python(payload)
+            if chunk_object == CHAT_CHUNK:
+                track.not_continued = continuation.why_chat_stream_not_continued(
+                    parsed, request.app[SERVING_STATE].args.structured_outputs_config.reasoning_parser
+                )
             result = await call(request.app[SERVING_STATE])(parsed, VllmRequestView(request))
             if chunk_object is not None and isinstance(result, AsyncGenerator):
                 prefix = "chatcmpl" if chunk_object.startswith("chat") else "cmpl"
@@ -117,6 +121,7 @@ async def _continued(frames: AsyncGenerator[str, None], track) -> AsyncGenerator
 
 
 TOKEN_ROUTE = "/inference/v1/generate"
+CHAT_CHUNK = "chat.completion.chunk"
 
 
 def _name_tokens(entries: list[dict]) -> None:
@@ -250,7 +255,7 @@ def create_engine_app(engine_client: Any, serving_state: Any) -> web.Application
         "/v1/chat/completions": (
             ChatCompletionRequest,
             lambda s: s.openai_serving_chat.create_chat_completion,
-            "chat.completion.chunk",
+            CHAT_CHUNK,
         ),
         TOKEN_ROUTE: (GenerateRequest, lambda s: s.serving_tokens.serve_tokens, None),
         "/tokenize": (TokenizeRequest, lambda s: s.serving_tokenization.create_tokenize, None),
