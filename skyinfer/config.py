@@ -154,9 +154,10 @@ class ServeConfig:
     weight_transfer_timeout_s: float = _option(
         120.0, "seconds a trainer gets to join, and each transfer step gets to finish", metavar="SECONDS"
     )
-    # A crashed engine is restarted after restart_backoff_s, doubling per
-    # consecutive crash up to restart_backoff_max_s; staying up
-    # restart_window_s makes the next crash count as the first.
+    # A crashed engine that served 10 s or more is restarted at once; one that died sooner (or whose
+    # restart failed) after restart_backoff_s, doubling per consecutive crash up to
+    # restart_backoff_max_s (supervisor.py); staying up restart_window_s makes the next crash count
+    # as the first.
     restart_backoff_s: float = 1.0
     restart_backoff_max_s: float = 60.0
     restart_window_s: float = _option(
@@ -174,12 +175,19 @@ class ServeConfig:
     )
     warm_spares: int = _option(
         1,
-        "1: once the fleet is ready, each engine gets a spare process that has imported torch and vLLM and waits; "
-        "when the engine's process dies or is restarted, its spare takes its place, which saves the imports' "
-        "seconds of the restart, and a new spare starts once the engine is up (each spare holds its imports' "
-        "memory, about 0.6 GiB); 0: no spares, every restart starts a cold process",
+        "1: once the fleet is ready, each engine gets a spare process that waits to become it (see "
+        "--loaded-spares); when the engine's process dies or is restarted, its spare takes its place, and a new "
+        "spare starts once the engine is up; 0: no spares, every restart starts a cold process",
         metavar="N",
         validator=attrs.validators.in_((0, 1)),
+    )
+    loaded_spares: str = _option(
+        "auto",
+        "with --warm-spares 1, each spare builds its whole engine (model loaded, KV cache) before it waits: a "
+        "restart then costs the catch-up of the fleet's weights alone (on CPU about 3 s instead of 20), and each "
+        "spare holds a whole engine's memory; off: a spare only imports torch and vLLM (about 0.6 GiB; it saves "
+        "5 s of a restart); auto: loaded on CPU engines, not on GPUs (a second engine would not fit beside the first)",
+        choices=("auto", "on", "off"),
     )
     max_push_failures: int = _option(
         3,

@@ -39,8 +39,10 @@ class WarmSpare(Protocol):
     from an ``EngineProcess``'s command line: this module does not import it)."""
 
     proc: asyncio.subprocess.Process
-    # Its imports are done: it stands by.
+    # Its imports are done (a loaded spare's engine is built): it stands by.
     waiting: bool
+    # It builds the whole engine before it stands by.
+    loaded: bool
 
     def take_over(self, env: dict[str, str]) -> bool: ...
 
@@ -62,6 +64,12 @@ class EngineProcess:
         self.ready_since = 0.0
         # vLLM's segments in /dev/shm that its processes map: removed once they are gone (shm_leftovers.py).
         self.shm_segments: set[str] = set()
+
+    @property
+    def spare_loads(self) -> bool:
+        """Whether its spares build the whole engine before they wait (``--loaded-spares``)."""
+        setting = self.config.loaded_spares
+        return setting == "on" or (setting == "auto" and self.record.devices.kind == "cpu")
 
     def argv(self, lifeline_fd: int, report_fd: int | None = None) -> list[str]:
         """Its command line; with ``report_fd``, a spare's (spares.py), which reports there."""
@@ -88,6 +96,8 @@ class EngineProcess:
             *c.engine_args,
         ]
         own = [] if report_fd is None else ["--standby", "--report-fd", str(report_fd)]
+        if report_fd is not None and self.spare_loads:
+            own.append("--loaded")
         own += [
             "--socket",
             self.record.socket_path,
@@ -129,7 +139,7 @@ class EngineProcess:
                 self.record.engine_id,
                 self.proc.pid,
                 self.record.devices.describe(),
-                "" if spare.waiting else " (still importing)",
+                ("" if spare.waiting else " (still loading)" if spare.loaded else " (still importing)"),
             )
             return
         self.proc = await asyncio.create_subprocess_exec(

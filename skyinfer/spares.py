@@ -1,4 +1,4 @@
-"""Warm spares: per engine, a process that has done a cold start's imports and waits to become it.
+"""Warm spares: per engine, a process that waits to become it.
 
 A restart used to start a cold process, which pays for Python's, torch's and vLLM's imports
 before vLLM even starts loading the model. With ``--warm-spares 1`` (the default) each engine
@@ -7,15 +7,20 @@ started once the fleet is ready. When the slot's engine dies, or an operator res
 supervisor sends the spare its start order and the spare becomes the engine's process (its pid,
 its process group); a cold process is started only when the slot has no live spare.
 
+* What a spare does first: on CPU engines (``--loaded-spares auto``, or ``on``) it builds the
+  whole engine, vLLM's EngineCore and workers (spawned processes that import torch and vLLM
+  again) with the model and KV cache, everything but the socket; the order then costs the
+  socket alone. Otherwise (GPUs: a second engine would not fit beside the first) it imports.
+  A loaded spare cannot take a changed environment: its slot's restart then starts cold.
 * When spares start: one at a time, and only while the fleet is steady (every engine up, or
   retired): after the fleet's start, and after an engine that restarted is up again, so that a
-  spare's imports never compete with an engine's start for the CPU. One that is importing when
-  another engine dies goes on importing.
+  spare's start never competes with an engine's for the CPU. One that is starting when
+  another engine dies goes on starting.
 * A spare's life: tied to the front's by the lifeline from its first instant, as an engine's;
   stopping the service kills every spare. A spare that dies unasked is not replaced at once: its
   slot restarts cold, and gets a new spare once its engine is up again.
-* What it costs: a spare holds its imports' memory (about 0.6 GiB on CPU) and takes a few seconds
-  of a core to start (``docs/benchmarks.rst``).
+* What it costs: an importing spare holds its imports' memory (about 0.6 GiB on CPU) and takes
+  a few seconds of a core to start; a loaded one a whole engine's (``docs/benchmarks.rst``).
 """
 
 from __future__ import annotations
@@ -43,11 +48,15 @@ _POLL_S = 1.0
 
 
 class Spare:
-    """One spare process of an engine slot: importing, then waiting for its start order on stdin."""
+    """One spare process of an engine slot: importing (or building its engine), then waiting for its start order on stdin."""
 
-    def __init__(self, engine_id: int, proc: asyncio.subprocess.Process, order_fd: int, env: dict[str, str]):
+    def __init__(
+        self, engine_id: int, proc: asyncio.subprocess.Process, order_fd: int, env: dict[str, str], loaded: bool
+    ):
         self.engine_id = engine_id
         self.proc = proc
+        # It builds the whole engine before it stands by (engine/standby.py).
+        self.loaded = loaded
         self._order_fd: int | None = order_fd
         # The environment it was started with: the start order carries what differs from it.
         self.env = env
@@ -69,6 +78,8 @@ class Spare:
             "env": {name: value for name, value in env.items() if self.env.get(name) != value},
             "unset": sorted(self.env.keys() - env.keys()),
         }
+        if self.loaded and (order["env"] or order["unset"]):
+            return False  # its engine was built with the environment it started with
         data = json.dumps(order).encode() + b"\n"
         try:
             # Small (what changed since it started), into a pipe's buffer: it never blocks.
@@ -195,7 +206,7 @@ class Spares:
         finally:
             os.close(order_read)
             os.close(report_write)
-        spare = Spare(engine_id, proc, order_write, env)
+        spare = Spare(engine_id, proc, order_write, env, process.spare_loads)
         self._spares[engine_id] = spare
         self._show(engine_id, "starting")
         log.info("engine %d: starting a warm spare, pid %d", engine_id, proc.pid)
@@ -216,7 +227,13 @@ class Spares:
             return
         spare.waiting = True
         self._show(engine_id, "waiting")
-        log.info("engine %d: warm spare pid %d stands by (imported in %.1fs)", engine_id, proc.pid, report["warm_up_s"])
+        log.info(
+            "engine %d: warm spare pid %d stands by (%s in %.1fs)",
+            engine_id,
+            proc.pid,
+            "its engine built" if spare.loaded else "imported",
+            report["warm_up_s"],
+        )
 
     async def _watch(self, spare: Spare, tail: str) -> None:
         """A spare that exits unasked leaves its slot without one until its engine is up again."""

@@ -20,6 +20,10 @@ from .registry import EngineRegistry
 from .spares import Spares
 from .state import EngineRecord, Lifecycle, OrderingError
 
+# An engine that served this long before it died restarts at once; one that died sooner (or
+# never came up) waits out the backoff, doubling per crash in a row.
+SERVED_BEFORE_AN_IMMEDIATE_RESTART_S = 10.0
+
 log = logging.getLogger("skyinfer.supervisor")
 
 
@@ -224,7 +228,8 @@ class Supervisor:
         record = process.record
         # An engine that stayed up a while starts afresh; one whose restart failed, or that died
         # again soon after, adds to its failures.
-        if process.ready_since and time.monotonic() - process.ready_since > self.config.restart_window_s:
+        served_s = time.monotonic() - process.ready_since if process.ready_since else 0.0
+        if served_s > self.config.restart_window_s:
             process.crashes = 0
         process.ready_since = 0.0
         if process.crashes >= self.config.max_restarts:
@@ -240,6 +245,9 @@ class Supervisor:
             self.registry.set_lifecycle(record, Lifecycle.RETIRED)
             return
         delay = min(self.config.restart_backoff_max_s, self.config.restart_backoff_s * 2**process.crashes)
+        if served_s >= SERVED_BEFORE_AN_IMMEDIATE_RESTART_S:
+            # It served a while: no restart loop to slow down (its death still counts toward --max-restarts).
+            delay = 0.0
         process.crashes += 1
         log.warning("engine %d: restarting in %.1fs (crash %d)", record.engine_id, delay, process.crashes)
         await asyncio.sleep(delay)

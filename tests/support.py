@@ -111,6 +111,9 @@ class ServerProcess(ChildProcess):
             str(engines),
             "--port",
             str(port),
+            # A loaded spare (the default on CPU) holds a whole engine and takes a core for 20 s to
+            # build: the suite's servers have imports-only spares, test_warm_restarts the default.
+            *(() if "--loaded-spares" in extra_args else ("--loaded-spares", "off")),
             *extra_args,
         ]
         # Like `taskset -c`: the server plans its engines on the cores it may use.

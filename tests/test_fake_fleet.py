@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from fakes import fake_fleet, kill, script, states, until
 
+import skyinfer.supervisor
 from skyinfer.registry import REGISTRY
 
 from lora_support import make_adapter
@@ -201,6 +202,25 @@ async def test_a_restart_that_fails_unexpectedly_is_retried_after_twice_the_back
     assert record.pid != pid and record.restarts >= 2
     delays = [float(d) for d in re.findall(r"engine 0: restarting in ([0-9.]+)s", caplog.text)]
     assert len(delays) >= 2 and all(b == 2 * a for a, b in itertools.pairwise(delays)), delays
+
+
+async def test_an_engine_that_served_a_while_restarts_at_once_and_one_that_dies_again_soon_backs_off(
+    aiohttp_client, demo_model, tmp_path, caplog, monkeypatch
+):
+    """The backoff slows a restart loop down, not a crash: engine 0, killed after serving longer
+    than the threshold (shortened here to 1 s), restarts at once; killed again right after it is
+    up, it waits out the backoff (the second crash in a row: twice ``--restart-backoff``)."""
+    caplog.set_level(logging.INFO, logger="skyinfer")
+    monkeypatch.setattr(skyinfer.supervisor, "SERVED_BEFORE_AN_IMMEDIATE_RESTART_S", 1.0)
+    app, _ = await fake_fleet(aiohttp_client, demo_model, tmp_path, restart_backoff_s=0.5, warm_spares=0)
+    record = app[REGISTRY].records[0]
+    await asyncio.sleep(1.5)
+    pid = kill(app, 0)
+    await until(lambda: asyncio.sleep(0, record.up and record.pid != pid))
+    pid = kill(app, 0)
+    await until(lambda: asyncio.sleep(0, record.up and record.pid != pid))
+    delays = [float(d) for d in re.findall(r"engine 0: restarting in ([0-9.]+)s", caplog.text)]
+    assert delays == [0.0, 1.0], delays
 
 
 async def test_an_unload_with_a_hung_engine_takes_the_name_out_at_once_and_restarts_that_engine(

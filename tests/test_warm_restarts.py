@@ -38,7 +38,9 @@ def _launch(demo_model: Path, logs: Path) -> dict[str, ServerProcess]:
     and off. Health probes fast enough for a test."""
     probes = ("--health-interval", "1", "--health-timeout", "4")
     return {
-        "warm": ServerProcess(demo_model, engines=1, log_path=logs / "warm.log", extra_args=probes, cpus={0}),
+        "warm": ServerProcess(
+            demo_model, engines=1, log_path=logs / "warm.log", extra_args=(*probes, "--loaded-spares", "auto"), cpus={0}
+        ),
         "cold": ServerProcess(
             demo_model, engines=1, log_path=logs / "cold.log", extra_args=(*probes, "--warm-spares", "0"), cpus={1}
         ),
@@ -102,13 +104,18 @@ def test_a_spare_stands_by_once_the_fleet_is_ready(servers):
     assert "--standby" not in engine.cmdline() and spare.ppid() == warm.proc.pid
     libraries = {os.path.basename(m.path) for m in spare.memory_maps()}
     assert any(name.startswith("libtorch_cpu") for name in libraries), sorted(libraries)
-    # Imported, not started: no vLLM process beneath it (its output relay only).
-    assert not [p for p in spare.children(recursive=True) if "VLLM" in " ".join(_cmdline(p))]
-    assert spare.cpu_affinity() == engine.cpu_affinity() == [0]
-    cpu = spare.cpu_times()
+    # On CPU the spare builds its whole engine before it waits: vLLM's EngineCore and worker
+    # beneath it, on its engine's cores, the model loaded (said in the spare's own output).
+    assert "--loaded" in argv
+    tree = [spare, *(p for p in spare.children(recursive=True) if "VLLM" in " ".join(_cmdline(p)))]
+    assert any("EngineCore" in " ".join(_cmdline(p)) for p in tree), [_cmdline(p) for p in tree]
+    assert all(p.cpu_affinity() == [0] for p in tree) and engine.cpu_affinity() == [0]
+    spare_log = warm.log_path.read_text(errors="replace")
+    assert re.search(r"^\[engine 0\] \(spare\) .*Starting to load model", spare_log, re.M), warm.log_tail()
+    cpu = sum(p.cpu_times().user + p.cpu_times().system for p in tree)
+    resident = sum(p.memory_info().rss for p in tree) / 2**20
     print(
-        f"\na spare standing by: {cpu.user + cpu.system:.1f} CPU-s to start, "
-        f"{spare.memory_info().rss / 2**20:.0f} MiB resident"
+        f"\na loaded spare standing by: {cpu:.1f} CPU-s to start, {resident:.0f} MiB resident ({len(tree)} processes)"
     )
     cold = servers["cold"]
     assert cold.engines()[0]["spare"] is None and spares_of(cold) == []
@@ -127,14 +134,14 @@ def test_an_enginecore_killed_is_replaced_by_the_spare(servers):
     print(f"\nWARM EngineCore SIGKILL: ready again {time.monotonic() - killed_at:.1f}s after")
     assert engine["pid"] == spare.pid and engine["restarts"] == 1, engine
     completes(warm)
-    # From the takeover until it is up, the spare's output (vLLM loading the checkpoint: printed at
-    # any log level) goes under the engine's prefix, none under the spare's.
+    # From the takeover on, the spare's output (its vLLM processes' too) goes under the engine's
+    # prefix, none under the spare's; it loaded no model again: it had before it stood by.
     log = warm.log_path.read_text(errors="replace")
     taken = log.index(f"its warm spare, pid {spare.pid}, takes over")
     following = log.find("starting a warm spare", taken)
     starting = log[taken : following if following > 0 else None]  # until the next spare starts
-    assert re.search(r"^\[engine 0\] (?!\(spare\))", starting, re.M), warm.log_tail()
-    assert "[engine 0] (spare)" not in starting, warm.log_tail()
+    assert f"[engine 0] spare pid {spare.pid} takes over as the engine" in starting, warm.log_tail()
+    assert "[engine 0] (spare)" not in starting and "Starting to load model" not in starting, warm.log_tail()
     following = waiting_spare(warm)
     assert following.pid not in (spare.pid, engine_pid)
     assert not psutil.pid_exists(engine_pid) or psutil.Process(engine_pid).status() == psutil.STATUS_ZOMBIE
@@ -194,9 +201,9 @@ async def spares_waiting(app) -> list[int]:
 
 async def test_a_restart_takes_its_own_engines_spare(aiohttp_client, demo_model, tmp_path):
     """Engine 0's process is killed: engine 0's spare becomes it (engine 1's stays engine 1's), and
-    engine 0 gets a new spare once it is up. The spare takes the environment a cold start would get
-    now, not the one it was started with."""
-    app, client = await fake_fleet(aiohttp_client, demo_model, tmp_path)
+    engine 0 gets a new spare once it is up. An imports-only spare takes the environment a cold
+    start would get now, not the one it was started with."""
+    app, client = await fake_fleet(aiohttp_client, demo_model, tmp_path, loaded_spares="off")
     records = app[REGISTRY].records
     spare_0, spare_1 = await spares_waiting(app)
     # A fake engine reads its script from the environment once it is set up: the spare's, at its start order.
@@ -215,6 +222,33 @@ async def test_a_restart_takes_its_own_engines_spare(aiohttp_client, demo_model,
     assert r.status == 200
     new_0, still_1 = await spares_waiting(app)
     assert new_0 not in (spare_0, old) and still_1 == spare_1
+
+
+async def test_a_loaded_spare_cannot_take_a_changed_environment_and_a_cold_engine_starts(
+    aiohttp_client, demo_model, tmp_path
+):
+    """A loaded spare (the default on CPU) built its engine with the environment it started with:
+    when a cold start would now get another, the restart starts a cold engine with it, and the
+    spare is let go; engine 1's spare, whose environment did not change, still takes over."""
+    app, _client = await fake_fleet(aiohttp_client, demo_model, tmp_path)
+    records = app[REGISTRY].records
+    spare_0, spare_1 = await spares_waiting(app)
+    assert "--loaded" in psutil.Process(spare_0).cmdline()
+    os.environ["FAKE_ENGINE_SCRIPT"] = json.dumps({"fail": {"/reset_mm_cache": 418}})
+    try:
+        old = kill(app, 0)
+        await until(lambda: asyncio.sleep(0, records[0].up and records[0].pid != old))
+    finally:
+        del os.environ["FAKE_ENGINE_SCRIPT"]
+    assert records[0].pid != spare_0 and "--standby" not in psutil.Process(records[0].pid).cmdline()
+    async with records[0].client.post("/reset_mm_cache") as answer:
+        assert answer.status == 418
+    await until(
+        lambda: asyncio.sleep(0, not psutil.pid_exists(spare_0) or psutil.Process(spare_0).status() == "zombie")
+    )
+    old = kill(app, 1)
+    await until(lambda: asyncio.sleep(0, records[1].up and records[1].pid != old))
+    assert records[1].pid == spare_1
 
 
 async def test_a_spare_that_dies_leaves_a_cold_restart_then_comes_back(aiohttp_client, demo_model, tmp_path):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import signal
 import statistics
@@ -108,21 +109,32 @@ async def one_request(http, url, model, session, stream, max_tokens, started) ->
     return result
 
 
-async def back(http, url, killed_at: float, restarts_before: int) -> tuple[float, float | None]:
-    """Seconds from the kill until engine 1 is up again, and until it serves the pushed version."""
-    up_at = None
+async def back(http, url, killed_at: float, restarts_before: int) -> dict[str, float | None]:
+    """Seconds from the kill until the front saw engine 1 dead, began its restart (a backoff
+    after the death), had it up again (from the checkpoint on disk), and until it served the
+    pushed version (after the catch-up from its peer)."""
+    seen: dict[str, float | None] = {"dead": None, "restarting": None, "up": None, "serving": None}
     while time.monotonic() - killed_at < 300:
         engine = (await engines(http, url))[1]
-        if engine["restarts"] > restarts_before and engine["state"] in ("ready", "stale") and up_at is None:
-            up_at = time.monotonic() - killed_at
-        if engine["restarts"] > restarts_before and engine["state"] == "ready" and engine["weight_version"] == VERSION:
-            return up_at or time.monotonic() - killed_at, time.monotonic() - killed_at
-        await asyncio.sleep(0.2)
-    return up_at or float("nan"), None
+        now = time.monotonic() - killed_at
+        if engine["state"] in ("dead", "restarting") and seen["dead"] is None:
+            seen["dead"] = now
+        if engine["state"] == "restarting" and seen["restarting"] is None:
+            seen["restarting"] = now
+        restarted = engine["restarts"] > restarts_before
+        if restarted and engine["state"] in ("ready", "stale") and seen["up"] is None:
+            seen["up"] = now
+        if restarted and engine["state"] == "ready" and engine["weight_version"] == VERSION:
+            seen["serving"] = now
+            return seen
+        await asyncio.sleep(0.05)
+    return seen
 
 
-async def one_round(http, url, model, loaded: bool, max_tokens: int) -> dict:
-    while [e["state"] for e in await engines(http, url)] != ["ready", "ready"]:
+async def one_round(http, url, model, loaded: bool, max_tokens: int, spares: bool) -> dict:
+    # Each kill meets the fleet as a crash in a run would: every engine serving, and engine 1's
+    # spare standing by (unless the server runs without spares).
+    while [(e["state"], e["spare"]) for e in await engines(http, url)][1] != ("ready", "waiting" if spares else None):
         await asyncio.sleep(0.5)
     before = (await engines(http, url))[1]
     sessions = await sessions_on(http, url, model, 1, 32) if loaded else []
@@ -133,10 +145,10 @@ async def one_round(http, url, model, loaded: bool, max_tokens: int) -> dict:
         await asyncio.wait_for(started.acquire(), 120)
     engine_core(before["pid"]).send_signal(signal.SIGKILL)
     killed_at = time.monotonic()
+    watching = asyncio.create_task(back(http, url, killed_at, before["restarts"]))
     results = await asyncio.gather(*tasks)
     done_s = time.monotonic() - killed_at
-    up_s, serving_s = await back(http, url, killed_at, before["restarts"])
-    out = {"up_s": up_s, "serving_s": serving_s}
+    out = await watching
     if loaded:
         gaps = [g for r in results for g, _ in r["gaps"]]
         breaks = [max(g for g, at in r["gaps"] if at == r["continued_at"]) for r in results if r.get("continued_at")]
@@ -151,13 +163,18 @@ async def one_round(http, url, model, loaded: bool, max_tokens: int) -> dict:
     return out
 
 
-async def run(url: str, model: str, rounds: int, max_tokens: int) -> None:
+def _s(value: float | None) -> str:
+    return "never" if value is None else f"{value:.1f}"
+
+
+async def run(url: str, model: str, rounds: int, max_tokens: int, spares: bool) -> None:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
         for i in range(rounds):
             for loaded in (True, False):
-                r = await one_round(http, url, model, loaded, max_tokens)
-                serving = f"{r['serving_s']:.1f}" if r["serving_s"] is not None else "never (stale)"
-                line = f"round {i + 1} {'under load' if loaded else 'at rest   '}: back {r['up_s']:.1f} s, serving {VERSION} again {serving} s"
+                r = await one_round(http, url, model, loaded, max_tokens, spares)
+                line = (f"round {i + 1} {'under load' if loaded else 'at rest   '}: serving {VERSION} again"
+                        f" {_s(r['serving'])} s after the kill (seen dead {_s(r['dead'])}, restart begun"
+                        f" {_s(r['restarting'])}, up {_s(r['up'])}, caught up {_s(r['serving'])})")  # fmt: skip
                 if loaded:
                     line += (f"; {r['whole']}/32 whole, {r['errors']} error events, {r['kept']} tokens kept;"
                              f" continued streams' longest break {r['longest_break_ms']:.0f} ms"
@@ -183,7 +200,8 @@ def main() -> int:
     try:
         asyncio.run(wait_servers([(url, proc)], path="/ready"))
         push(url, model)
-        asyncio.run(run(url, str(model), args.rounds, args.max_tokens))
+        spares = not any(a == "--warm-spares" and b == "0" for a, b in itertools.pairwise(extra))
+        asyncio.run(run(url, str(model), args.rounds, args.max_tokens, spares))
     finally:
         stop(proc)
     return 0

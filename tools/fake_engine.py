@@ -452,6 +452,10 @@ def main() -> None:
     # The engine's own arguments and process plumbing, as the real engine takes them; of vLLM's,
     # only the served model's name and the LoRA switches count (all are kept for /fake/args).
     ns, vllm_args = set_up_process(sys.argv[1:])
+    if ns.loaded:
+        # A loaded spare builds its engine before it stands by (nothing to build here): it then
+        # waits for the start order, as the real engine's server does.
+        ns.spare.become_engine(ns.spare.stand_by())
     script = orjson.loads(os.environ.get("FAKE_ENGINE_SCRIPT", "{}"))
     name = _vllm_option(vllm_args, "--served-model-name", _vllm_option(vllm_args, "--model", "fake"))
     app = create_fake_engine_app(script, name, _max_lora_rank(vllm_args), vllm_args)

@@ -46,15 +46,22 @@ def set_up_process(argv: list[str], warm_up: Callable[[], None] | None = None) -
         help="start as a spare: import what an engine needs, then wait for the start order on stdin",
     )
     own.add_argument("--report-fd", type=int, help="with --standby: where the spare says that it stands by")
+    own.add_argument(
+        "--loaded",
+        action="store_true",
+        help="with --standby: build the whole engine (model loaded, KV cache) before standing by",
+    )
     split = argv.index("--") if "--" in argv else len(argv)
     own_argv, vllm_argv = argv[:split], argv[split + 1 :]
     ns = own.parse_args(own_argv)
+    ns.spare = None
     if ns.standby:
-        # Its lifeline is watched from the start; its relay and cores are set up below, as a cold engine's.
+        # Its lifeline is watched from the start; its relay and cores are set up below, as a cold
+        # engine's (a loaded spare's relay is the spare's, which goes on as the engine's).
         from .standby import stand_by
 
-        stand_by(ns, warm_up or (lambda: None))
-    if ns.output_tail is not None:
+        ns.spare = stand_by(ns, warm_up or (lambda: None))
+    if ns.output_tail is not None and not ns.loaded:
         # First, while this process has no thread: the relay is a fork of it. (A spare has two by
         # now, its lifeline's and torch's, blocked in calls that hold nothing the relay uses.)
         from .output import relay_output
@@ -132,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     from .server import serve_engine
 
     with contextlib.suppress(KeyboardInterrupt):
-        uvloop.run(serve_engine(ns.socket, args))
+        uvloop.run(serve_engine(ns.socket, args, ns.spare if ns.loaded else None))
 
 
 if __name__ == "__main__":

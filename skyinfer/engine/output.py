@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import signal
 
 # Each of the tail file's two generations; the front quotes the last lines of both.
 TAIL_BYTES = 256 * 1024
@@ -22,9 +23,10 @@ TAIL_LINES = 40
 _CHUNK = 64 * 1024
 
 
-def relay_output(prefix: str, tail_path: str) -> int:
+def relay_output(prefix: str, tail_path: str, then: tuple[str, str] | None = None) -> int:
     """Send this process's stdout and stderr, and its children's, through a relay (forked here);
-    returns the relay's pid.
+    returns the relay's pid. With ``then`` (another prefix and tail file): on SIGUSR1 the relay
+    goes on with those (a spare that loaded its engine becomes the engine: standby.py).
 
     Call it first, while the process has no other thread: the relay is a fork of it."""
     read_fd, write_fd = os.pipe()
@@ -34,7 +36,10 @@ def relay_output(prefix: str, tail_path: str) -> int:
             os.close(write_fd)
             os.setsid()
             _name_process(f"skyinfer::output {prefix.strip()}")
-            _relay(read_fd, prefix.encode(), _TailFile(tail_path, TAIL_BYTES))
+            relay = _Relay(prefix, _TailFile(tail_path, TAIL_BYTES))
+            if then is not None:
+                signal.signal(signal.SIGUSR1, lambda *_: relay.switch(then[0], _TailFile(then[1], TAIL_BYTES)))
+            relay.run(read_fd)
         finally:
             os._exit(0)
     os.close(read_fd)
@@ -52,12 +57,21 @@ def _name_process(title: str) -> None:
         setproctitle.setproctitle(title)
 
 
-def _relay(read_fd: int, prefix: bytes, tail: _TailFile) -> None:
-    at_line_start = True
-    while chunk := os.read(read_fd, _CHUNK):
-        _write_all(2, prefixed(chunk, prefix, at_line_start))
-        at_line_start = chunk.endswith(b"\n")
-        tail.write(chunk)
+class _Relay:
+    def __init__(self, prefix: str, tail: _TailFile):
+        self.prefix = prefix.encode()
+        self.tail = tail
+
+    def switch(self, prefix: str, tail: _TailFile) -> None:
+        self.prefix, self.tail = prefix.encode(), tail
+        _name_process(f"skyinfer::output {prefix.strip()}")
+
+    def run(self, read_fd: int) -> None:
+        at_line_start = True
+        while chunk := os.read(read_fd, _CHUNK):
+            _write_all(2, prefixed(chunk, self.prefix, at_line_start))
+            at_line_start = chunk.endswith(b"\n")
+            self.tail.write(chunk)
 
 
 def prefixed(chunk: bytes, prefix: bytes, at_line_start: bool) -> bytes:

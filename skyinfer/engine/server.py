@@ -8,6 +8,7 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -24,8 +25,9 @@ from ..vllm_api import ErrorResponse, create_error_response
 from . import continuation
 from .adapters import add_adapter_routes
 from .admin import add_admin_routes
-from .appkeys import ENGINE_CLIENT, KV_EPOCHS, SERVING_STATE
+from .appkeys import ENGINE_CLIENT, KV_EPOCHS, SERVING_CALLS, SERVING_STATE
 from .refusals import constraints_conflict
+from .standby import Standby
 from .stream_end import choice_count, with_finish_reasons
 from .vllm_app import add_vllm_app_routes
 from .weights import KvEpochs, add_weight_routes
@@ -68,6 +70,14 @@ def _serving_route(
     ``chunk_object``: the route streams OpenAI chunks of that type, each choice ending with a reason."""
 
     async def handler(request: web.Request) -> web.StreamResponse:
+        calls = request.app[SERVING_CALLS]
+        calls.add(task := asyncio.current_task())
+        try:
+            return await serve(request)
+        finally:
+            calls.discard(task)
+
+    async def serve(request: web.Request) -> web.StreamResponse:
         track = None  # a body that is not JSON starts nothing to keep
         try:
             payload = parse_json_object(await request.read())
@@ -246,6 +256,7 @@ def create_engine_app(engine_client: Any, serving_state: Any) -> web.Application
     app = web.Application(client_max_size=1024**3)
     app[ENGINE_CLIENT] = engine_client
     app[SERVING_STATE] = serving_state
+    app[SERVING_CALLS] = set()
     serving = {
         "/v1/completions": (
             CompletionRequest,
@@ -273,17 +284,43 @@ def create_engine_app(engine_client: Any, serving_state: Any) -> web.Application
     return app
 
 
-async def _watch_engine_core(stop: asyncio.Event, engine_client: Any) -> None:
-    while not stop.is_set():
-        # A dead EngineCore never recovers; exiting tells the front at once.
+# How long an engine whose EngineCore died gives the requests it served to answer with what they
+# had generated (each answers as soon as vLLM tells it: milliseconds), before its process exits.
+_LAST_ANSWERS_S = 2.0
+
+
+async def _watch_engine_core(engine_client: Any, serving_calls: set[asyncio.Task]) -> None:
+    """A dead EngineCore never recovers: once the requests it served have answered (their records,
+    for another engine to go on from: continuation.py), the process exits at once, which tells
+    the front; a graceful shutdown of what is left of vLLM could take seconds the restart waits for."""
+    while not engine_client.errored:
+        await asyncio.sleep(0.1)
+    log.error("the engine died (%s); exiting", engine_client.dead_error)
+    calls = {task for task in serving_calls if task is not asyncio.current_task()}
+    if calls:
+        await asyncio.wait(calls, timeout=_LAST_ANSWERS_S)
+    await asyncio.sleep(0.05)  # the answers' last bytes, written by now, leave the socket
+    logging.shutdown()
+    os._exit(1)
+
+
+async def _stand_by_loaded(spare: Standby, engine_client: Any) -> None:
+    """Wait, built, for the start order; exit if the front lets the spare go, or its EngineCore dies meanwhile."""
+    order_task = asyncio.ensure_future(asyncio.to_thread(spare.stand_by))
+    while not order_task.done():
         if engine_client.errored:
-            log.error("the engine died (%s); exiting", engine_client.dead_error)
-            stop.set()
-            return
-        await asyncio.sleep(0.5)
+            log.error("the spare's engine died while it stood by (%s); exiting", engine_client.dead_error)
+            os._exit(1)
+        await asyncio.wait({order_task}, timeout=0.5)
+    spare.become_engine(order_task.result())
+    # Written after the relay's switch: the engine's first line under its own prefix.
+    print(f"spare pid {os.getpid()} takes over as the engine, built {time.monotonic() - spare.began:.1f}s before",
+          file=sys.stderr, flush=True)  # fmt: skip
 
 
-async def serve_engine(socket_path: str, args: Any) -> None:
+async def serve_engine(socket_path: str, args: Any, loaded_spare: Standby | None = None) -> None:
+    """Build the engine and serve it on ``socket_path`` until stopped. A loaded spare's engine waits,
+    built, for the front's start order before it takes the socket (standby.py)."""
     from ..vllm_api import build_app, build_async_engine_client, init_app_state
 
     def interrupt_start_up(*_):
@@ -302,14 +339,16 @@ async def serve_engine(socket_path: str, args: Any) -> None:
         continuation.track_outputs(engine_client)
         kv_epochs = KvEpochs()
         kv_epochs.install(engine_client)
-        watcher = asyncio.create_task(_watch_engine_core(stop, engine_client))
         app = create_engine_app(engine_client, vllm_app.state)
+        watcher = asyncio.create_task(_watch_engine_core(engine_client, app[SERVING_CALLS]))
         app[KV_EPOCHS] = kv_epochs
         add_vllm_app_routes(app, vllm_app)
         # When the front drops a connection the handler is cancelled, and cancelling the generator
         # inside vLLM aborts the request in the engine.
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await runner.setup()
+        if loaded_spare is not None:
+            await _stand_by_loaded(loaded_spare, engine_client)
         # The socket appearing is the signal to the front that this engine is ready.
         # As deep as the front's own listener: a burst of connects must queue, not fail with EAGAIN.
         site = web.UnixSite(runner, socket_path, backlog=4096)
