@@ -26,9 +26,10 @@ from skyinfer.devices import split_cores
 from skyinfer.registry import REGISTRY
 
 from pushes import sessions_per_engine
-from support import ServerProcess, module_servers, sse_lines, vllm_process
+from support import ServerProcess, engine_of, module_servers, scrape, sse_lines, total, vllm_process
 
 MAX_TOKENS = 300
+SECOND_DEATHS = "skyinfer_engine_requests_ended_at_second_death"
 PROMPT = "Reinforcement learning from verifiable rewards"
 KINDS = [(route, stream) for route in ("completions", "chat", "tokens") for stream in (True, False)]
 
@@ -44,8 +45,9 @@ def _launch(demo_model: Path, logs: Path) -> ServerProcess:
             "float32",
             "--health-interval",
             "1",
+            # A request whose engine died waits for one to go on on, while both restart (the last test).
             "--hold-requests",
-            "5",
+            "60",
             "--session-rebalance-factor",
             "0",
             # A tool-call parser, as agent harnesses run: a chat stream with tools is parsed as it goes.
@@ -175,13 +177,16 @@ def chat_request(model: str, name: str, stream: bool) -> tuple[str, dict]:
     return "/v1/chat/completions", body
 
 
-async def send(http, path: str, body: dict, session: str, started=None) -> Outcome:
-    outcome = Outcome()
+async def send(
+    http, path: str, body: dict, session: str, started=None, outcome: Outcome | None = None, status: int = 200
+) -> Outcome:
+    """What the caller got; ``outcome``: filled as the answer comes (a stream's events)."""
+    outcome = outcome or Outcome()
     headers = {"X-Session-ID": session}
     if not body["stream"]:
         r = await http.post(path, json=body, headers=headers)
         outcome.headers = dict(r.headers)
-        assert r.status_code == 200, r.text
+        assert r.status_code == status, r.text
         outcome.take(r.json())
         return outcome
     async with http.stream("POST", path, json=body, headers=headers) as r:
@@ -423,3 +428,72 @@ async def test_a_request_in_flight_at_two_engine_deaths_is_not_sent_to_a_third(
     assert "skyinfer_engine_requests_ended_at_second_death_total" in metrics
     logged = [m for m in caplog.messages if "in flight at two engine deaths" in m]
     assert len(logged) == 2 and all("body sha256" in m and "/v1/completions" in m for m in logged), logged
+
+
+def sessions_once_both_engines_serve(server, model_name) -> dict[int, str]:
+    """A session per engine, once both serve (an engine killed by an earlier test restarts: until it
+    is back, every new session goes to the other, and stays there)."""
+    deadline = time.monotonic() + 240
+    for attempt in range(1000):
+        if [e["state"] for e in server.engines()] == ["ready", "ready"]:
+            found = {}
+            for i in range(8):
+                session = f"deaths-{attempt}-{i}"
+                body = {"model": model_name, "prompt": "x", "max_tokens": 1}
+                r = httpx.post(f"{server.url}/v1/completions", json=body, headers={"X-Session-ID": session}, timeout=60)
+                found.setdefault(engine_of(r), session)
+            if len(found) == 2:
+                return found
+        assert time.monotonic() < deadline, server.engines()
+        time.sleep(1)
+    raise AssertionError("unreachable")
+
+
+def test_a_request_in_flight_at_two_real_engine_deaths_ends_and_the_others_complete(pair, model_name):
+    """Real engines: a stream and a request that is not streamed, on engine 1 when its EngineCore is
+    SIGKILLed, go on on engine 0, whose EngineCore is SIGKILLed in turn while it holds them: both
+    end with the front's error (an error event; a 500 in the OpenAI shape) saying they were in
+    flight at two engine deaths, and are counted; neither is sent on. A stream that was on engine 0
+    alone goes on on engine 1 once it is back, and completes whole."""
+    sessions = sessions_once_both_engines_serve(pair, model_name)
+    ended_before = total(scrape(pair), SECOND_DEATHS, f"{SECOND_DEATHS}_total")
+    tokens = 2000
+
+    def body(stream: bool) -> dict:
+        return {"model": model_name, "prompt": PROMPT, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
+                "stream": stream, "return_token_ids": True}  # fmt: skip
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=pair.url, timeout=600) as http:
+            started = asyncio.Semaphore(0)
+            stream, other = Outcome(), Outcome()
+            tasks = [
+                asyncio.create_task(send(http, "/v1/completions", body(True), sessions[1], started, stream)),
+                asyncio.create_task(send(http, "/v1/completions", body(False), sessions[1], status=500)),
+                asyncio.create_task(send(http, "/v1/completions", body(True), sessions[0], started, other)),
+            ]
+            for _ in range(2):
+                await asyncio.wait_for(started.acquire(), 60)
+            engines = pair.engines()
+            vllm_process(engines[1]["pid"], "EngineCore").send_signal(signal.SIGKILL)
+            # Engine 0 holds the stream once events come from it after the splice; engine 1 is known
+            # dead (the stream on engine 0 then waits for it to come back, not for its dead socket).
+            deadline = time.monotonic() + 60
+            while not stream.continued or (await asyncio.to_thread(pair.engines))[1]["state"] == "ready":
+                assert time.monotonic() < deadline and not stream.errors, (stream.events, stream.errors)
+                await asyncio.sleep(0.05)
+            spliced_at = stream.events
+            while stream.events < spliced_at + 8:
+                await asyncio.sleep(0.05)
+            vllm_process(engines[0]["pid"], "EngineCore").send_signal(signal.SIGKILL)
+            _, plain, _ = await asyncio.gather(*tasks)
+            return stream, plain, other
+
+    stream, plain, other = asyncio.run(scenario())
+    assert len(stream.errors) == 1 and stream.errors[0]["code"] == 500, stream.errors
+    assert "not sent to a third engine" in stream.errors[0]["message"], stream.errors
+    assert 0 < len(stream.token_ids) < tokens and len(stream.continued) == 1, (len(stream.token_ids), stream.continued)
+    assert len(plain.errors) == 1 and "not sent to a third engine" in plain.errors[0]["message"], plain.errors
+    assert not other.errors and len(other.token_ids) == tokens, (other.errors, len(other.token_ids))
+    assert len(other.continued) == 1 and other.continued[0]["from_engine"] == 0, other.continued
+    assert total(scrape(pair), SECOND_DEATHS, f"{SECOND_DEATHS}_total") - ended_before == 2

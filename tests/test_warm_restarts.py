@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import signal
 import sys
 import time
@@ -110,8 +109,10 @@ def test_a_spare_stands_by_once_the_fleet_is_ready(servers):
     tree = [spare, *(p for p in spare.children(recursive=True) if "VLLM" in " ".join(_cmdline(p)))]
     assert any("EngineCore" in " ".join(_cmdline(p)) for p in tree), [_cmdline(p) for p in tree]
     assert all(p.cpu_affinity() == [0] for p in tree) and engine.cpu_affinity() == [0]
-    spare_log = warm.log_path.read_text(errors="replace")
-    assert re.search(r"^\[engine 0\] \(spare\) .*Starting to load model", spare_log, re.M), warm.log_tail()
+    log = warm.log_path.read_text(errors="replace")
+    started = log.index(f"starting a warm spare, pid {spare.pid}")
+    standing = log.index(f"warm spare pid {spare.pid} stands by (its engine built", started)
+    assert "Loading safetensors checkpoint" in log[started:standing], warm.log_tail()
     cpu = sum(p.cpu_times().user + p.cpu_times().system for p in tree)
     resident = sum(p.memory_info().rss for p in tree) / 2**20
     print(
@@ -137,11 +138,12 @@ def test_an_enginecore_killed_is_replaced_by_the_spare(servers):
     # From the takeover on, the spare's output (its vLLM processes' too) goes under the engine's
     # prefix, none under the spare's; it loaded no model again: it had before it stood by.
     log = warm.log_path.read_text(errors="replace")
-    taken = log.index(f"its warm spare, pid {spare.pid}, takes over")
+    assert f"its warm spare, pid {spare.pid}, takes over" in log, warm.log_tail()
+    # The spare's first line as the engine (the front's own line about it may come before or after).
+    taken = log.index(f"[engine 0] spare pid {spare.pid} takes over as the engine")
     following = log.find("starting a warm spare", taken)
     starting = log[taken : following if following > 0 else None]  # until the next spare starts
-    assert f"[engine 0] spare pid {spare.pid} takes over as the engine" in starting, warm.log_tail()
-    assert "[engine 0] (spare)" not in starting and "Starting to load model" not in starting, warm.log_tail()
+    assert "[engine 0] (spare)" not in starting and "Loading safetensors checkpoint" not in starting, warm.log_tail()
     following = waiting_spare(warm)
     assert following.pid not in (spare.pid, engine_pid)
     assert not psutil.pid_exists(engine_pid) or psutil.Process(engine_pid).status() == psutil.STATUS_ZOMBIE

@@ -18,10 +18,10 @@ from . import (
     GIVE_BACK_MEMORY_RPC,
     IMPORT_WEIGHTS_RPC,
     LOAD_CHECKPOINT_RPC,
-    RECEIVE_OUTCOME_RPC,
     STAGE_WEIGHTS_RPC,
     STAGING_STATUS_RPC,
     SWAP_STAGED_RPC,
+    UPDATE_OUTCOME_RPC,
 )
 from .admin import abort
 from .appkeys import ENGINE_CLIENT, KV_EPOCHS
@@ -122,7 +122,7 @@ async def update_weights(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_CLIENT]
     update_info = parse_json_object(await request.read())["update_info"]
     await engine.update_weights(WeightTransferUpdateRequest(update_info=update_info))
-    await on_every_worker(engine, RECEIVE_OUTCOME_RPC)
+    await on_every_worker(engine, UPDATE_OUTCOME_RPC)
     return json_response({"status": "updated"})
 
 
@@ -130,6 +130,7 @@ async def finish_weight_update(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_CLIENT]
     body = parse_json_object(await request.read())
     await engine.finish_weight_update(body.get("weight_version"))
+    await on_every_worker(engine, UPDATE_OUTCOME_RPC)
     await _after_new_weights(request, engine, body.get("kv"))
     await on_every_worker(engine, GIVE_BACK_MEMORY_RPC)
     return json_response({"status": "finished", "weight_version": await engine.get_weight_version()})

@@ -40,10 +40,10 @@ class SkyinferWorkerExtension:
         return {"state": "ready"}
 
     @answers_every_rank
-    def skyinfer_receive_outcome(self) -> None:
-        """Raise what the last chunk of a weight update raised on this worker, if anything."""
-        failure = self.weight_transfer_engine.receive_failure
-        self.weight_transfer_engine.receive_failure = None
+    def skyinfer_update_outcome(self) -> None:
+        """Raise what the last chunk, or the finish, of a weight update raised on this worker, if anything."""
+        failure = self.weight_transfer_engine.update_failure
+        self.weight_transfer_engine.update_failure = None
         if failure is not None:
             raise failure
 

@@ -14,10 +14,10 @@ class LayerwiseReceiver:
     """Start and finish an update as vLLM's own checkpoint-format backends do."""
 
     supports_draft_weight_update = False
-    # How the last update_weights went: None, or the exception it raised (kept for the engine to
-    # ask for, since raising through vLLM's executor on a worker of rank 0 leaves the others'
-    # answers queued for the engine's next call: engine/worker_calls.py).
-    receive_failure: BaseException | None = None
+    # How the last update_weights or finish went: None, or the exception it raised (kept for the
+    # engine to ask for, since raising through vLLM's executor on a worker of rank 0 leaves the
+    # others' answers queued for the engine's next call: engine/worker_calls.py).
+    update_failure: BaseException | None = None
 
     # The CPU mixture-of-experts layers' kernels, forgotten for the update (``forget_cpu_moe_kernels``).
     _moe_kernels: dict | None = None
@@ -35,18 +35,27 @@ class LayerwiseReceiver:
     def update_weights(self, update_info: dict) -> None:
         # The base class ends with torch.accelerator.synchronize(), which has
         # nothing to do (and no accelerator to ask) on CPU.
-        self.receive_failure = None
+        self.update_failure = None
         try:
             self.receive_weights(self.parse_update_info(update_info))
         except Exception as exc:
-            self.receive_failure = exc
+            self.update_failure = exc
 
     def finish_weight_update(self) -> None:
+        self.update_failure = None
         try:
             finish_layerwise_reload(self.model, self.model_config)
+        except PartOfALayerRefused as exc:
+            # Kept: the layers it names kept their weights whole, and vLLM's session ends as after
+            # any finish (an update the front aborted ends here too: its engines are stale anyway).
+            self.update_failure = exc
         finally:
             restore_cpu_moe_kernels(self._moe_kernels or {})
             self._moe_kernels = None
+
+
+class PartOfALayerRefused(ValueError):
+    """A push carried part of a layer whose rest cannot be read back from what it serves."""
 
 
 def finish_layerwise_reload(model: torch.nn.Module, model_config) -> None:
@@ -65,7 +74,7 @@ def finish_layerwise_reload(model: torch.nn.Module, model_config) -> None:
         if quant_method is not None and hasattr(quant_method, "process_weights_after_loading"):
             quant_method.process_weights_after_loading(lm_head)
     if refused:
-        raise ValueError(
+        raise PartOfALayerRefused(
             f"the push carried part of the weights of {', '.join(refused)}, whose rest cannot be read"
             " back from what they serve (quantized or packed): they serve their old weights; push all of them"
         )
