@@ -528,9 +528,10 @@ async def test_the_silence_timer_firing_is_the_verdict_even_a_moment_early():
 
 
 def test_a_chat_stream_parsed_as_it_goes_is_not_continued_and_an_answer_parsed_whole_is():
-    """Reasoning parsers (which the demo model's tokenizer cannot serve) and tool-call parsers
-    read a chat stream from its first token: such a stream is not continued on another engine.
-    tests/test_continuation.py kills an engine under a tool-parsed stream; this, the reasoning case."""
+    """Reasoning parsers and tool-call parsers read a chat stream from its first token: such a
+    stream is not continued on another engine. tests/test_continuation.py kills an engine under a
+    tool-parsed stream (its server runs a tool parser); this, the reasoning case (a reasoning parser
+    on that server would refuse every chat stream its other tests continue)."""
     from skyinfer.engine.continuation import why_chat_stream_not_continued
     from skyinfer.vllm_api import ChatCompletionRequest
 
