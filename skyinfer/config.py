@@ -184,7 +184,7 @@ class ServeConfig:
     loaded_spares: str = _option(
         "auto",
         "with --warm-spares 1, each spare builds its whole engine (model loaded, KV cache) before it waits: a "
-        "restart then costs the catch-up of the fleet's weights alone (on CPU about 3 s instead of 20), and each "
+        "restart then costs the catch-up of the fleet's weights alone (on CPU about a second instead of 20), and each "
         "spare holds a whole engine's memory; off: a spare only imports torch and vLLM (about 0.6 GiB; it saves "
         "5 s of a restart); auto: loaded on CPU engines, not on GPUs (a second engine would not fit beside the first)",
         choices=("auto", "on", "off"),
