@@ -146,8 +146,7 @@ class _GoingOn:
         self.engine_id = engine_id
         self.weight_version = weight_version
         self.record = record
-        # Why it cannot go on from there (what it would lose at the splice), if it cannot.
-        self.not_continued: str | None = orjson.loads(record).get(NOT_CONTINUED_FIELD)
+        self.not_continued: str | None = orjson.loads(record).get(NOT_CONTINUED_FIELD)  # what a splice would lose
 
     def body(self, body: bytes) -> bytes:
         """The request's body with the record added, for the engine that goes on with it."""
@@ -299,10 +298,8 @@ async def forward(request: web.Request) -> web.StreamResponse:
     # fleet. If no other engine serves now, it waits for one like any request.
     going_on = first_death.going_on
     if going_on is not None and going_on.not_continued is not None:
-        # The caller has nothing yet: the request starts over, and its answer is the one it asked for.
-        log.info(
-            "engine %d's request on %s starts over: it cannot go on (%s)", dead, request.path, going_on.not_continued
-        )
+        # Its caller has nothing yet: started over, the answer is the one it asked for.
+        log.info("request on %s starts over: it cannot go on (%s)", request.path, going_on.not_continued)
         going_on = None
     try:
         return await _send(request, ask, body, headers, retried_from=dead, going_on=going_on)

@@ -201,6 +201,20 @@ async def spares_waiting(app) -> list[int]:
     return [spares[r.engine_id].proc.pid for r in records]
 
 
+async def restart_engine_0_in_a_changed_environment(app) -> int:
+    """Kill engine 0 while the front's environment holds a fake engine's script (one that fails
+    ``/reset_mm_cache`` with 418), and wait until another process serves it; the old pid. A fake
+    engine reads its script once it is set up: an importing spare's, at its start order."""
+    records = app[REGISTRY].records
+    os.environ["FAKE_ENGINE_SCRIPT"] = json.dumps({"fail": {"/reset_mm_cache": 418}})
+    try:
+        old = kill(app, 0)
+        await until(lambda: asyncio.sleep(0, records[0].up and records[0].pid != old))
+    finally:
+        del os.environ["FAKE_ENGINE_SCRIPT"]
+    return old
+
+
 async def test_a_restart_takes_its_own_engines_spare(aiohttp_client, demo_model, tmp_path):
     """Engine 0's process is killed: engine 0's spare becomes it (engine 1's stays engine 1's), and
     engine 0 gets a new spare once it is up. An imports-only spare takes the environment a cold
@@ -208,13 +222,7 @@ async def test_a_restart_takes_its_own_engines_spare(aiohttp_client, demo_model,
     app, client = await fake_fleet(aiohttp_client, demo_model, tmp_path, loaded_spares="off")
     records = app[REGISTRY].records
     spare_0, spare_1 = await spares_waiting(app)
-    # A fake engine reads its script from the environment once it is set up: the spare's, at its start order.
-    os.environ["FAKE_ENGINE_SCRIPT"] = json.dumps({"fail": {"/reset_mm_cache": 418}})
-    try:
-        old = kill(app, 0)
-        await until(lambda: asyncio.sleep(0, records[0].up and records[0].pid != old))
-    finally:
-        del os.environ["FAKE_ENGINE_SCRIPT"]
+    old = await restart_engine_0_in_a_changed_environment(app)
     assert records[0].pid == spare_0 and records[0].restarts == 1
     async with records[0].client.post("/reset_mm_cache") as answer:
         assert answer.status == 418
@@ -236,12 +244,7 @@ async def test_a_loaded_spare_cannot_take_a_changed_environment_and_a_cold_engin
     records = app[REGISTRY].records
     spare_0, spare_1 = await spares_waiting(app)
     assert "--loaded" in psutil.Process(spare_0).cmdline()
-    os.environ["FAKE_ENGINE_SCRIPT"] = json.dumps({"fail": {"/reset_mm_cache": 418}})
-    try:
-        old = kill(app, 0)
-        await until(lambda: asyncio.sleep(0, records[0].up and records[0].pid != old))
-    finally:
-        del os.environ["FAKE_ENGINE_SCRIPT"]
+    old = await restart_engine_0_in_a_changed_environment(app)
     assert records[0].pid != spare_0 and "--standby" not in psutil.Process(records[0].pid).cmdline()
     async with records[0].client.post("/reset_mm_cache") as answer:
         assert answer.status == 418
