@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import signal
@@ -320,21 +321,23 @@ def run_example(name: str, *args: str, timeout_s: float = 600) -> subprocess.Com
 
 
 def is_openai_error(r: httpx.Response) -> bool:
+    return is_openai_error_body(r.status_code, r.url.path, r.content)
+
+
+def is_openai_error_body(status: int, path: str, body: bytes) -> bool:
+    """An answer's body in the OpenAI error shape (``is_openai_error`` for clients other than httpx)."""
     try:
-        err = r.json()["error"]
+        answer = json.loads(body)
+        err = answer["error"]
     except (ValueError, KeyError, TypeError):
         return False
-    if r.url.path.startswith("/v1/messages") and r.json().get("type") == "error":
+    if path.startswith("/v1/messages") and answer.get("type") == "error":
         # vLLM's Anthropic routes answer their own refusals in Anthropic's error shape, which its SDK
         # reads (a body that fails validation gets the OpenAI shape, as from vLLM's own server).
         return isinstance(err, dict) and isinstance(err.get("message"), str)
     # The code is the status, or a string naming what a client can do (TRANSFER_GROUP_GONE).
     code = err.get("code") if isinstance(err, dict) else None
-    return (
-        isinstance(err, dict)
-        and isinstance(err.get("message"), str)
-        and (code == r.status_code or isinstance(code, str))
-    )
+    return isinstance(err, dict) and isinstance(err.get("message"), str) and (code == status or isinstance(code, str))
 
 
 async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:
