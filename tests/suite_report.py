@@ -13,7 +13,7 @@ import time
 import psutil
 import pytest
 
-__all__ = ("CpuByKind", "MemoryPeak")
+__all__ = ("CpuByKind", "MemoryPeak", "Sampler")
 
 SAMPLE_EVERY_S = 0.5
 CPU_SAMPLE_EVERY_S = 2.0
@@ -32,15 +32,16 @@ KINDS = (
 )
 
 
-class MemoryPeak:
-    """Samples the machine's memory in use (total less available) on a thread of its own."""
+class Sampler:
+    """Calls ``sample_once`` every ``every_s`` on a thread of its own, from ``start`` to ``stop``;
+    ``running`` is the module whose tests run now."""
+
+    every_s = SAMPLE_EVERY_S
 
     def __init__(self):
-        self.peak_bytes = 0
-        self.peak_during = "start-up"
         self.running = "start-up"
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, name="memory-peak", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name=type(self).__name__, daemon=True)
 
     def start(self) -> None:
         self._thread.start()
@@ -49,13 +50,28 @@ class MemoryPeak:
         self._stop.set()
         self._thread.join()
 
-    def _sample(self) -> None:
+    def _loop(self) -> None:
         while not self._stop.is_set():
-            memory = psutil.virtual_memory()
-            used = memory.total - memory.available
-            if used > self.peak_bytes:
-                self.peak_bytes, self.peak_during = used, self.running
-            self._stop.wait(SAMPLE_EVERY_S)
+            self.sample_once()
+            self._stop.wait(self.every_s)
+
+    def sample_once(self) -> None:
+        raise NotImplementedError
+
+
+class MemoryPeak(Sampler):
+    """The machine's memory in use (total less available) at its peak, and the module running then."""
+
+    def __init__(self):
+        super().__init__()
+        self.peak_bytes = 0
+        self.peak_during = "start-up"
+
+    def sample_once(self) -> None:
+        memory = psutil.virtual_memory()
+        used = memory.total - memory.available
+        if used > self.peak_bytes:
+            self.peak_bytes, self.peak_during = used, self.running
 
 
 def kind_of(process: psutil.Process) -> str:
@@ -66,42 +82,33 @@ def kind_of(process: psutil.Process) -> str:
     return next((kind for mark, kind in KINDS if mark in command), "other")
 
 
-class CpuByKind:
+class CpuByKind(Sampler):
     """The CPU seconds of this process and everything beneath it, by kind of process and by the
-    module running when they were spent; sampled on a thread of its own (a process that lived less
-    than a sample's interval is missed, the last interval of one that ended too)."""
+    module running when they were spent (a process that lived less than a sample's interval is
+    missed, the last interval of one that ended too)."""
+
+    every_s = CPU_SAMPLE_EVERY_S
 
     def __init__(self):
+        super().__init__()
         self.seconds: dict[tuple[str, str], float] = collections.defaultdict(float)
-        self.running = "start-up"
         self._seen: dict[int, tuple[str, float]] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, name="cpu-by-kind", daemon=True)
+        self._me = psutil.Process()
 
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _sample(self) -> None:
-        me = psutil.Process()
-        while not self._stop.is_set():
-            for process in [me, *me.children(recursive=True)]:
-                try:
-                    times = process.cpu_times()
-                except psutil.Error:
-                    continue
-                spent = times.user + times.system
-                kind, before = self._seen.get(process.pid) or ("", 0.0)
-                if process is me:
-                    kind = "pytest"
-                elif kind in ("", STARTING):  # vLLM names its processes once their imports are done
-                    kind = kind_of(process)
-                self.seconds[self.running, kind] += max(0.0, spent - before)
-                self._seen[process.pid] = (kind, max(spent, before))
-            self._stop.wait(CPU_SAMPLE_EVERY_S)
+    def sample_once(self) -> None:
+        for process in [self._me, *self._me.children(recursive=True)]:
+            try:
+                times = process.cpu_times()
+            except psutil.Error:
+                continue
+            spent = times.user + times.system
+            kind, before = self._seen.get(process.pid) or ("", 0.0)
+            if process is self._me:
+                kind = "pytest"
+            elif kind in ("", STARTING):  # vLLM names its processes once their imports are done
+                kind = kind_of(process)
+            self.seconds[self.running, kind] += max(0.0, spent - before)
+            self._seen[process.pid] = (kind, max(spent, before))
 
     def lines(self) -> list[str]:
         by_kind: dict[str, float] = collections.Counter()
