@@ -128,29 +128,28 @@ class SuiteReport:
     def __init__(self, cpu_report: bool):
         self.cpu = CpuByKind() if cpu_report else None
         self.memory = MemoryPeak()
+        self.samplers: list[Sampler] = [self.memory, *([self.cpu] if self.cpu is not None else [])]
         self.module_seconds: dict[str, float] = collections.defaultdict(float)
         self.module_tests: dict[str, int] = collections.Counter()
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item, nextitem):
         module = item.nodeid.split("::")[0]
-        self.memory.running = module
-        if self.cpu is not None:
-            self.cpu.running = module
+        for sampler in self.samplers:
+            sampler.running = module
         started = time.monotonic()
         yield
         self.module_seconds[module] += time.monotonic() - started
         self.module_tests[module] += 1
 
     def pytest_sessionstart(self, session) -> None:
-        self.memory.start()
-        if self.cpu is not None:
-            self.cpu.start()
+        for sampler in self.samplers:
+            sampler.start()
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
-        self.memory.stop()
+        for sampler in self.samplers:
+            sampler.stop()
         if self.cpu is not None:
-            self.cpu.stop()
             terminalreporter.section("CPU by kind of process (--cpu-report), in all and per module")
             for line in self.cpu.lines():
                 terminalreporter.write_line(line)

@@ -348,6 +348,8 @@ def sent(method: str, path: str, seed_bodies: list, share: float) -> int:
 async def fuzz(base_url: str, route_seeds: dict, rng: random.Random, share: float) -> tuple[dict, list]:
     """Send each route's bodies (``share`` of its corpus, its seeds always) in a random order, over
     aiohttp's client: the corpus is 35,925 requests, and the client's CPU is taken from the server's."""
+    # The gate, not the connector's limit: a request's timeout counts from its call, and 35,925
+    # calls queued on a connector would time out waiting for a connection.
     gate = asyncio.Semaphore(CONCURRENCY)
     statuses: dict[int, int] = {}
     offenders: list[tuple] = []
