@@ -545,3 +545,15 @@ def test_a_chat_stream_parsed_as_it_goes_is_not_continued_and_an_answer_parsed_w
     assert "tool calls" in why_chat_stream_not_continued(with_tools, None)
     declined = ChatCompletionRequest(**chat, stream=True, tools=[tool], tool_choice="none")
     assert why_chat_stream_not_continued(declined, None) is None
+
+
+@pytest.mark.parametrize("backend", ["GlooBackend", "SharedMemoryBackend", "IpcBackend"])
+def test_every_backend_keeps_a_failed_chunk_for_the_engine_to_ask(backend):
+    """A chunk that fails in a worker is kept for ``skyinfer_update_outcome``, not raised through
+    vLLM's executor (whose other ranks' answers would stay queued); the IPC backend once raised, and
+    the engine then failed every push asking for an outcome it did not keep (GPU run 2026-11-27)."""
+    from skyinfer.engine import backends
+
+    receiver = object.__new__(getattr(backends, backend))  # no group, no model: the chunk fails first
+    receiver.update_weights({"names": ["w"], "dtype_names": ["no-such-dtype"], "shapes": [[1]]})
+    assert receiver.update_failure is not None

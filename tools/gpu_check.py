@@ -23,6 +23,13 @@ same way, so that memory figures mean something:
   IPC) while 4 callers send completions without a break; the engine's device memory (NVML) and
   resident memory after each push, the last within 10% of the first; every request whole; the last
   weights' prompt logprobs within 0.05 of transformers float32 (``tools/bench_soak.py``'s pieces).
+- moe: a tiny Qwen3-MoE served and pushed twice (new weights, the checkpoint's back), each within 0.05
+  of transformers float32.
+- quant: an fp8 engine (online quantization of the bf16 demo checkpoint) takes two bf16 pushes; each
+  then serves the greedy tokens and logprobs (within 1e-3) of an fp8 engine started on those weights.
+
+``--enforce-eager`` starts every engine without CUDA graphs and torch.compile (a minute less per
+start): for a short device lease where the weight path, not the graphs, is what is checked.
 
 With ``--tensor-parallel-size N`` every engine (and the ``vllm serve`` it is compared with) spans N
 GPUs, or N CPU workers: the same checks on the shape a multi-GPU node runs; the restart check
@@ -56,6 +63,8 @@ from benchlib import free_port, start_reference, start_skyinfer, stop, tree_memo
 
 PROMPTS = ["The quick brown fox", "Reinforcement learning updates a policy", "def main():"]
 TOLERANCE = 0.05
+# A push into a quantized engine is exact when it serves as an engine started on the pushed weights.
+QUANT_EXACT = 1e-3
 # About 1.3 GB in bf16: 16 layers of 2048 wide (head_dim 64, as the demo model).
 WIDE_MODEL = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=32,
                   num_key_value_heads=4, head_dim=64)  # fmt: skip
@@ -141,14 +150,24 @@ def worker_pids(core_pid: int) -> set[int]:
 class Server:
     # Every engine's tensor-parallel size (--tensor-parallel-size).
     tensor_parallel_size = 1
+    # Engine arguments every server gets (--enforce-eager).
+    common_args: tuple[str, ...] = ()
 
-    def __init__(self, model: Path, args: list[str], device: str, name: str, admin_key: str | None = None):
+    def __init__(
+        self,
+        model: Path,
+        args: list[str],
+        device: str,
+        name: str,
+        admin_key: str | None = None,
+        dtype: str = "float32",
+    ):
         self.port = free_port()
-        args = [*args, "--tensor-parallel-size", str(self.tensor_parallel_size)]
+        args = [*args, *self.common_args, "--tensor-parallel-size", str(self.tensor_parallel_size)]
         self.admin_key = admin_key
         self.url = f"http://127.0.0.1:{self.port}"
-        # float32, as the transformers forward the logprobs are judged against.
-        engine_args = ["--max-model-len", "1024", "--dtype", "float32"] + (
+        # float32 by default, as the transformers forward the logprobs are judged against.
+        engine_args = ["--max-model-len", "1024", "--dtype", dtype] + (
             ["--cpu-kvcache-gib", "1"] if device == "cpu" else []
         )
         # The key in the environment (SKYINFER_ADMIN_KEY), out of ps; no API key, so the data plane stays open.
@@ -185,6 +204,14 @@ class Server:
         choice = r.json()["choices"][0]
         return ids, choice["token_ids"], [e["logprob"] for e in choice["logprobs"]["content"]]
 
+    def greedy_all(self) -> list[tuple[list[int], list[int], list[float]]]:
+        """``greedy`` for every prompt; an error if one failed."""
+        cases = [self.greedy(p) for p in PROMPTS]
+        for case in cases:
+            if isinstance(case, httpx.Response):
+                raise RuntimeError(f"generate answered {case.status_code}: {case.text[:300]}")
+        return cases
+
     def close(self) -> None:
         self.http.close()
         stop(self.proc)
@@ -213,10 +240,7 @@ def reference_logprobs(model_dir: Path, weights_file: Path | None, device: str, 
 
 
 def max_gap(server: Server, model_dir: Path, weights_file: Path | None, device: str) -> float:
-    cases = [server.greedy(p) for p in PROMPTS]
-    for case in cases:
-        if isinstance(case, httpx.Response):
-            raise RuntimeError(f"generate answered {case.status_code}: {case.text[:300]}")
+    cases = server.greedy_all()
     refs = reference_logprobs(model_dir, weights_file, device, cases)
     return max(abs(a - b) for (_, _, got), ref in zip(cases, refs) for a, b in zip(got, ref))
 
@@ -412,6 +436,47 @@ def check_moe(c: Check, device: str, model_dir: Path) -> None:
         server.close()
 
 
+def check_quant(c: Check, device: str, model_dir: Path) -> None:
+    """An fp8 engine (vLLM's online quantization of the bf16 checkpoint) takes a bf16 push through CUDA
+    IPC: its greedy tokens and logprobs then equal those of an fp8 engine started on the pushed
+    weights, quantized at load; a push of the checkpoint back gives the first answers again. On CPU
+    (a rehearsal of the script) the engines are unquantized."""
+    quantization = ["--quantization", "fp8"] if device == "cuda" else []
+    weights = modified_weights_file(model_dir, Path(tempfile.mkdtemp()) / "w.safetensors")
+    server = Server(model_dir, ["--colocate", *quantization], device, "quant", dtype="bfloat16")
+    try:
+        first = server.greedy_all()
+        answers = {}
+        for label, pushed in (("new", weights), ("back", model_dir / "model.safetensors")):
+            server.post("/sleep", level=1)
+            server.post("/wake_up", tags=["weights"])
+            push = run_trainer("skyinfer", server, pushed, f"quant-{label}")
+            server.post("/wake_up", tags=["kv_cache"])
+            answers[label] = server.greedy_all()
+            c.say(f"  quant push {label}: {push['push_s']:.3f} s")
+    finally:
+        server.close()
+    fresh_dir = Path(tempfile.mkdtemp(prefix="gpu-check-quant-"))
+    for item in model_dir.iterdir():
+        if item.name != "model.safetensors":
+            (fresh_dir / item.name).symlink_to(item.resolve())
+    (fresh_dir / "model.safetensors").symlink_to(weights.resolve())
+    fresh = Server(fresh_dir, quantization, device, "quant-fresh", dtype="bfloat16")
+    try:
+        expected = fresh.greedy_all()
+    finally:
+        fresh.close()
+    for label, got, want in (("new", answers["new"], expected), ("back", answers["back"], first)):
+        same_tokens = all(g[1] == w[1] for g, w in zip(got, want))
+        gap = max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g[2], w[2]))
+        c.line(
+            f"quant.push_{label}",
+            same_tokens and gap <= QUANT_EXACT,
+            f"{' '.join(quantization) or 'unquantized'}: greedy tokens {'equal' if same_tokens else 'DIFFER'},"
+            f" max logprob gap {gap:.5f} to an engine {'started on them' if label == 'new' else 'before the pushes'}",
+        )
+
+
 VLLM_IPC_ADMIN_KEY = "sk-gpu-check-admin-0123456789"
 
 
@@ -559,7 +624,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--log", default="gpu-check.log")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    p.add_argument("--only", nargs="*", help="serve sleep ipc_push vllm_ipc restart throughput soak moe")
+    p.add_argument(
+        "--only", nargs="*", help="serve sleep ipc_push vllm_ipc restart throughput soak moe quant, run in this order"
+    )
+    p.add_argument(
+        "--enforce-eager", action="store_true", help="engines without CUDA graphs and torch.compile: quicker starts"
+    )
     p.add_argument("--soak-pushes", type=int, default=20, metavar="N", help="the soak check's staged pushes")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N", help="GPUs (or CPU workers) per engine")
     p.add_argument("--trainer", nargs=4, metavar=("KIND", "URL", "WEIGHTS", "VERSION"), help=argparse.SUPPRESS)
@@ -572,6 +642,7 @@ def main() -> int:
     import vllm
 
     Server.tensor_parallel_size = args.tensor_parallel_size
+    Server.common_args = ("--enforce-eager",) if args.enforce_eager else ()
     with open(args.log, "w") as log:
         c = Check(log)
         gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
@@ -596,14 +667,16 @@ def main() -> int:
             "throughput": lambda: check_throughput(c, args.device, demo),
             "soak": lambda: check_soak(c, args.device, wide, args.soak_pushes),
             "moe": lambda: check_moe(c, args.device, build_demo_moe_model(base / "moe", "qwen3_moe")),
+            "quant": lambda: check_quant(c, args.device, demo),
         }
-        for name, run in checks.items():
-            if args.only and name not in args.only:
-                continue
+        for name in args.only or checks:
+            run = checks[name]
+            started = time.monotonic()
             try:
                 run()
             except Exception as exc:  # one check's failure must not hide the others' figures
                 c.line(name, False, f"{type(exc).__name__}: {str(exc)[:500]}")
+            c.say(f"# {name}: {time.monotonic() - started:.0f} s")
         c.say(f"# {'all checks passed' if not c.failed else 'failed: ' + ', '.join(c.failed)}")
         return 1 if c.failed else 0
 

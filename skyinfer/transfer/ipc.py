@@ -34,6 +34,7 @@ import torch.distributed as dist
 from ..client import Client, SkyinferError
 from .protocol import IpcHandle, IpcInitInfo, IpcUpdateInfo
 from .pushing import NamedTensors, OneCall, Trainer, update_weights_call
+from .receiving import LayerwiseReceiver
 
 # -- the JSON form of torch's rebuild_cuda_tensor arguments ----------------------------------
 
@@ -282,7 +283,7 @@ class IPCTrainer(Trainer):
 # -- the engines' side ----------------------------------------------------------------
 
 
-class IpcReceiver:
+class IpcReceiver(LayerwiseReceiver):
     """vLLM's ``ipc`` backend taking skyinfer's JSON handles (or, where the server allows it, vLLM's
     pickled ones); mixed with vLLM's ``IPCWeightTransferEngine`` in engine/backends.py."""
 
