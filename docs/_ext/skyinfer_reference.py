@@ -351,6 +351,14 @@ ENGINE_ENVIRONMENT = {
         "set for each engine on CPU (``skyinfer/devices.py``)",
         "the engine's KV cache in GiB: ``--cpu-kvcache-gib``",
     ),
+    "OMP_WAIT_POLICY": EnvVar(
+        "OMP_WAIT_POLICY",
+        "set to ``PASSIVE`` for each engine on CPU where the front's environment does not set it"
+        " (``skyinfer/devices.py``)",
+        "the workers' OpenMP threads sleep as soon as they wait instead of spinning first: the engine's"
+        " other processes and the front share their cores (docs: benchmarks, \"OpenMP threads that"
+        " sleep\"); ``ACTIVE`` keeps them spinning, for cores nothing else runs on",
+    ),
     "PYTHONUNBUFFERED": EnvVar(
         "PYTHONUNBUFFERED",
         "set for each engine (``skyinfer/engine_process.py``)",
