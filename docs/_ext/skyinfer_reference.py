@@ -356,8 +356,8 @@ ENGINE_ENVIRONMENT = {
         "set to ``PASSIVE`` for each engine on CPU where the front's environment does not set it"
         " (``skyinfer/devices.py``)",
         "the workers' OpenMP threads sleep as soon as they wait instead of spinning first: the engine's"
-        " other processes and the front share their cores (docs: benchmarks, \"OpenMP threads that"
-        " sleep\"); ``ACTIVE`` keeps them spinning, for cores nothing else runs on",
+        ' other processes and the front share their cores (docs: benchmarks, "OpenMP threads that'
+        ' sleep"); ``ACTIVE`` keeps them spinning, for cores nothing else runs on',
     ),
     "PYTHONUNBUFFERED": EnvVar(
         "PYTHONUNBUFFERED",
