@@ -16,7 +16,7 @@ from skyinfer.client import MultiNodeClient, SkyinferError
 
 from lora_support import assert_serves, make_adapter
 from pushes import assert_engines_match, modified_weights, run_trainer, save, sessions_per_engine
-from support import ChildProcess, ServerProcess, free_port, module_servers, running, scrape, total
+from support import NO_SPARES, ChildProcess, ServerProcess, free_port, module_servers, running, scrape, total
 
 ROUTER = shutil.which("vllm-router", path=str(Path(sys.executable).parent))
 
@@ -51,7 +51,8 @@ def _launch(demo_model: Path, logs: Path) -> list[ServerProcess]:
             engines=1,
             log_path=logs / f"node{k}.log",
             cpus={k},
-            extra_args=("--dtype", "float32", "--enable-lora", "--max-lora-rank", "8"),
+            # No test restarts an engine here: no spare.
+            extra_args=("--dtype", "float32", "--enable-lora", "--max-lora-rank", "8", *NO_SPARES),
         )
         for k in range(2)
     ]

@@ -14,6 +14,7 @@ import httpx
 import psutil
 
 from support import (
+    NO_SPARES,
     TRAINER,
     ServerProcess,
     admit_while_paused,
@@ -29,13 +30,22 @@ GRACE_S = 8
 def _launch(demo_model: Path, logs: Path) -> dict[str, ServerProcess]:
     """One-engine servers for the SIGTERM tests, started together, each on a core of its own (an
     engine given both cores runs two OpenMP threads, and two such engines on two cores crawl);
-    each test stops its own. The SIGKILL test is in test_supervision (it kills that module's server)."""
+    each test stops its own; no test restarts an engine, so no spares. The SIGKILL test is in
+    test_supervision (it kills that module's server)."""
     return {
         "finish": ServerProcess(
-            demo_model, engines=1, log_path=logs / "finish.log", extra_args=("--shutdown-grace", "60"), cpus={0}
+            demo_model,
+            engines=1,
+            log_path=logs / "finish.log",
+            extra_args=("--shutdown-grace", "60", *NO_SPARES),
+            cpus={0},
         ),
         "grace": ServerProcess(
-            demo_model, engines=1, log_path=logs / "grace.log", extra_args=("--shutdown-grace", str(GRACE_S)), cpus={1}
+            demo_model,
+            engines=1,
+            log_path=logs / "grace.log",
+            extra_args=("--shutdown-grace", str(GRACE_S), *NO_SPARES),
+            cpus={1},
         ),
     }
 
