@@ -101,6 +101,7 @@ def create_app(config: ServeConfig) -> web.Application:
         app[CONTROL],
         metrics,
         config.max_push_failures,
+        config.online_quantization,
     )
     adapter_dir = config.adapter_dir or tempfile.mkdtemp(prefix="skyinfer-adapters-")
     app[ADAPTERS] = AdapterFleet(

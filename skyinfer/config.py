@@ -13,7 +13,7 @@ import sys
 
 import attrs
 
-from .devices import given
+from .devices import given, given_value
 
 CLI = "skyinfer.cli"
 # What a colocated engine takes of its GPUs' memory, unless told otherwise: the rest is the trainer's.
@@ -342,6 +342,12 @@ class ServeConfig:
                 "SKYINFER_ADMIN_KEY) and give the trainer the same key, or leave --allow-pickled-ipc out "
                 "(skyinfer's IPCTrainer needs no pickles)"
             )
+
+    @property
+    def online_quantization(self) -> str | None:
+        """The method the engines quantize a full-precision checkpoint with as they load it (vLLM's
+        ``--quantization``, e.g. ``fp8``), or None."""
+        return given_value(("--quantization", "-q"), self.engine_args)
 
     @property
     def engine_parallel(self) -> tuple[tuple[int, int], ...]:

@@ -125,6 +125,23 @@ def build_demo_moe_model(
     )
 
 
+def build_demo_int8_model(out_dir: str | Path, seed: int = 0, **config_overrides) -> Path:
+    """The demo model (``config_overrides`` as ``build_demo_model``'s) as int8 W8A8 (compressed-tensors,
+    per-channel weight scales, dynamic per-token activations): its linear layers quantized by
+    ``skyinfer.transfer.quantize``, the rest as built."""
+    from safetensors.torch import load_file, save_file
+
+    from .transfer.quantize import W8A8_INT8_CONFIG, quantize_w8a8_int8
+
+    out = build_demo_model(out_dir, seed, **config_overrides)
+    weights = load_file(out / "model.safetensors")
+    save_file(dict(quantize_w8a8_int8(weights)), str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = W8A8_INT8_CONFIG
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
 def _write_checkpoint(out_dir: str | Path, seed: int, config_class, model_class, config_overrides: dict) -> Path:
     import torch
     from transformers import PreTrainedTokenizerFast

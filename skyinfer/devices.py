@@ -216,6 +216,18 @@ def given(flag: str, args: tuple[str, ...]) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in args)
 
 
+def given_value(flags: tuple[str, ...], args: tuple[str, ...]) -> str | None:
+    """The last value ``args`` give any of ``flags`` (``--flag value`` or ``--flag=value``), as vLLM's parser keeps it."""
+    found = None
+    for i, arg in enumerate(args):
+        for flag in flags:
+            if arg == flag and i + 1 < len(args):
+                found = args[i + 1]
+            elif arg.startswith(flag + "="):
+                found = arg.split("=", 1)[1]
+    return found
+
+
 def platform_engine_args(
     kind: str, user_args: tuple[str, ...], colocate: bool, gpu_memory_utilization: float, transfer_backend: str
 ) -> tuple[str, ...]:

@@ -58,6 +58,8 @@ NAMES: dict[str, tuple[str, ...]] = {
     "CPUWorker": ("vllm.v1.worker.cpu_worker",),
     # How a CPU linear layer packs its weight for its kernel (engine/cpu_setup.py keeps the weight too).
     "dispatch_cpu_unquantized_gemm": ("vllm.model_executor.layers.utils",),
+    # The CPU int8 W8A8 kernel, whose oneDNN handler reads the weight scales it was built with (engine/cpu_setup.py).
+    "CPUInt8ScaledMMLinearKernel": ("vllm.model_executor.kernels.linear.scaled_mm.cpu",),
     # What loads a parameter whose layer names no loader of its own (a staged push's shadow, engine/targets.py).
     "default_weight_loader": ("vllm.model_executor.model_loader.weight_utils",),
     "initialize_layerwise_reload": ("vllm.model_executor.model_loader.reload",),

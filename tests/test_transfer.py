@@ -274,6 +274,42 @@ def test_pushed_dtypes_must_be_ones_vllm_casts_into_the_checkpoints():
             spec.check(UpdateMetadata(names=["w", "ids"], dtype_names=dtypes, shapes=[[2], [2]]))
 
 
+def test_a_quantized_layer_takes_a_push_of_all_its_tensors_or_none():
+    """vLLM loads q, k and v into one layer; an int8 layer's weight comes with its scale."""
+    attention = "model.layers.0.self_attn"
+    shapes = {f"{attention}.{p}_proj.{t}": (4, 1) for p in "qkv" for t in ("weight", "weight_scale")}
+    shapes |= {"model.layers.0.mlp.down_proj.weight": (4, 4), "model.norm.weight": (4,)}
+    spec = CheckpointSpec(shapes, dict.fromkeys(shapes, "float32"))
+    spec.check_whole_layers(shapes)
+    spec.check_whole_layers({"model.norm.weight", "model.layers.0.mlp.down_proj.weight"})  # not quantized
+    for left_out in (f"{attention}.q_proj.weight_scale", f"{attention}.v_proj.weight"):
+        with pytest.raises(ValueError, match=rf"5 of the 6 tensors of {attention}\.qkv_proj \({left_out} left out\)"):
+            spec.check_whole_layers(set(shapes) - {left_out})
+
+
+def test_the_trainers_int8_quantizer_scales_each_output_channel_to_127():
+    """Per-channel symmetric int8 (compressed-tensors W8A8): scale = max|w| / 127 per row, round half to even."""
+    from skyinfer.transfer.quantize import W8A8_INT8_CONFIG, is_w8a8_int8, quantize_w8a8_int8
+
+    weight = torch.tensor([[1.0, -2.0], [0.5, 0.25]], dtype=torch.bfloat16)
+    norm = torch.ones(2)
+    out = dict(quantize_w8a8_int8([("l.q_proj.weight", weight), ("l.input_layernorm.weight", norm)]))
+    assert list(out) == ["l.q_proj.weight", "l.q_proj.weight_scale", "l.input_layernorm.weight"]
+    assert out["l.q_proj.weight"].dtype == torch.int8
+    assert out["l.q_proj.weight"].tolist() == [[64, -127], [127, 64]]
+    assert torch.equal(out["l.q_proj.weight_scale"], torch.tensor([[2 / 127], [0.5 / 127]]))
+    assert out["l.input_layernorm.weight"] is norm
+    # Already int8 (with its scale): sent as it is.
+    again = dict(quantize_w8a8_int8(out))
+    assert again["l.q_proj.weight"] is out["l.q_proj.weight"] and list(again) == list(out)
+    assert is_w8a8_int8(W8A8_INT8_CONFIG)
+    per_tensor = {
+        **W8A8_INT8_CONFIG,
+        "config_groups": {"g": {"weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "tensor"}}},
+    }
+    assert not is_w8a8_int8(per_tensor) and not is_w8a8_int8({"quant_method": "fp8"})
+
+
 def test_cuda_visible_devices_by_index_or_uuid_and_mig_instances():
     from skyinfer.devices import parse_visible_devices, split_gpus
     from skyinfer.ranks import LayoutError

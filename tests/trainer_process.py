@@ -4,7 +4,7 @@
         [--die-after N | --hang-after N | --die-at init|start|segment|update|finish] [--verify]
         [--staged] [--kv recompute|keep]
         [--expect CHECKSUMS.json] [--client skyinfer|vllm|trl] [--pause-keep] [--colocated-step LEVEL]
-        [--listen-late S]
+        [--listen-late S] [--as-is]
     python tests/trainer_process.py URL ADAPTER_DIR VERSION --adapter NAME [--die-after N]
 
 With ``--adapter`` it pushes a PEFT adapter directory's tensors and config as LoRA adapter NAME.
@@ -92,6 +92,7 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=60)
     p.add_argument("--client", choices=["skyinfer", "vllm", "trl"], default="skyinfer")
     p.add_argument("--pause-keep", action="store_true")
+    p.add_argument("--as-is", action="store_true", help="send every tensor as it is (no quantizing for the engines)")
     p.add_argument("--adapter", help="push WEIGHTS (a PEFT adapter directory) as this LoRA adapter")
     p.add_argument("--transport", choices=["gloo", "shm"], default="gloo")
     p.add_argument("--colocated-step", type=int, choices=[0, 1, 2], metavar="LEVEL")
@@ -216,6 +217,7 @@ def main() -> int:
                 verify=args.verify,
                 staged=args.staged,
                 kv=args.kv,
+                quantize=not args.as_is,
             )
     except SkyinferError as exc:
         print(f"refused {exc.status}: {exc.message}", flush=True)

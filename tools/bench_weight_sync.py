@@ -21,6 +21,12 @@ into vLLM, another transport).
     .venv/bin/python tools/bench_weight_sync.py --pushes 3
     .venv/bin/python tools/bench_weight_sync.py --pushes 3 --nodes 2
     .venv/bin/python tools/bench_weight_sync.py --transport shm --pushes 5
+    .venv/bin/python tools/bench_weight_sync.py --quantized --pushes 3
+
+``--quantized``: the same model served twice, in bf16 and as int8 W8A8 (one engine each, each on a
+core of its own), and a trainer holding the bf16 weights pushing to both in turn with gloo: to the
+bf16 engine as they are, to the int8 engine quantized by ``skyinfer.transfer.quantize`` as it
+pushes (the quantizing timed with the push). Bytes sent and seconds of each.
 """
 
 from __future__ import annotations
@@ -41,9 +47,10 @@ import httpx
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from skyinfer.demo_model import build_demo_model
+from skyinfer.demo_model import build_demo_int8_model, build_demo_model
 from skyinfer.trainer import GlooTrainer, SharedMemoryTrainer
 from skyinfer.transfer.packing import DEFAULT_BUFFER_SIZE_BYTES, TensorMeta, pack, plan_chunks
+from skyinfer.transfer.quantize import quantize_w8a8_int8
 
 from benchlib import free_port, start_skyinfer, stop, wait_servers
 
@@ -205,6 +212,43 @@ def bench_gloo(args, model_dir: Path, tensors, mib: float, buffer_size: int) -> 
     print(f"HTTP calls per push over all nodes: {calls} ({len(tensors)} tensors)")
 
 
+def bench_quantized(args, model_dir: Path, tensors, mib: float, buffer_size: int) -> None:
+    int8_dir = build_demo_int8_model(Path(tempfile.mkdtemp(prefix="bench-int8-")), **BENCH_MODEL)
+    ports = [free_port(), free_port()]
+    procs = [
+        start_skyinfer(
+            str(model), port, ENGINE_ARGS, dict(os.environ), log_name=f"bench-skyinfer-{name}.log", cores={k}
+        )
+        for k, (name, model, port) in enumerate((("bf16", model_dir, ports[0]), ("int8", int8_dir, ports[1])))
+    ]
+    bf16_url, int8_url = (f"http://127.0.0.1:{port}" for port in ports)
+    int8_mib = sum(t.nbytes for _, t in quantize_w8a8_int8(tensors)) / 2**20
+    bf16_s, int8_s = [], []
+    try:
+        asyncio.run(wait_servers(list(zip((bf16_url, int8_url), procs)), path="/ready"))
+        to_bf16 = GlooTrainer(bf16_url, timeout_s=300, buffer_size_bytes=buffer_size)
+        to_int8 = GlooTrainer(int8_url, timeout_s=300, buffer_size_bytes=buffer_size)
+        to_bf16.init()
+        to_int8.init()
+        for i in range(args.pushes):
+            bf16_s.append(timed_push(to_bf16, tensors, f"bench-{i}"))
+            started = time.perf_counter()
+            to_int8.push(quantize_w8a8_int8(tensors), version=f"bench-{i}")
+            int8_s.append(time.perf_counter() - started)
+        to_bf16.close()
+        to_int8.close()
+    finally:
+        for proc in procs:
+            stop(proc)
+    print(f"{args.pushes} alternating rounds, one engine each on a core of its own; median, then each round")
+    print(f"{'':38s} {'seconds':>8s} {'MiB/s':>8s}")
+    print(median_row(f"bf16 push ({mib:.0f} MiB)", bf16_s, mib))
+    print(median_row(f"int8 W8A8 push, quantized ({int8_mib:.0f} MiB)", int8_s, int8_mib))
+    print(
+        f"bytes int8 / bf16: {int8_mib / mib:.3f}; time int8 / bf16: {statistics.median(int8_s) / statistics.median(bf16_s):.3f}"
+    )
+
+
 def bench_shm(args, model_dir: Path, tensors, mib: float, buffer_size: int) -> None:
     ports = [free_port(), free_port()]
     colocated_url, separate_url = (f"http://127.0.0.1:{port}" for port in ports)
@@ -289,13 +333,15 @@ def main() -> None:
     p.add_argument("--buffer-size-mb", type=int, default=DEFAULT_BUFFER_SIZE_BYTES // 2**20)
     p.add_argument("--nodes", type=int, default=1, help="gloo: skyinfer servers, one engine each, each on its own core")
     p.add_argument("--engines", type=int, default=2, help="shm: engines of the colocated server")
+    p.add_argument("--quantized", action="store_true", help="a bf16 push beside an int8 W8A8 one (gloo)")
     args = p.parse_args()
     buffer_size = args.buffer_size_mb * 2**20
     model_dir = build_demo_model(Path(tempfile.mkdtemp(prefix="bench-weights-")), **BENCH_MODEL)
     tensors = weights_of(model_dir)
     mib = sum(t.numel() * t.element_size() for _, t in tensors) / 2**20
     print(f"model: {len(tensors)} tensors, {mib:.0f} MiB ({tensors[0][1].dtype})", file=sys.stderr)
-    (bench_shm if args.transport == "shm" else bench_gloo)(args, model_dir, tensors, mib, buffer_size)
+    bench = bench_quantized if args.quantized else bench_shm if args.transport == "shm" else bench_gloo
+    bench(args, model_dir, tensors, mib, buffer_size)
 
 
 if __name__ == "__main__":

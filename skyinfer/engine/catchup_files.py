@@ -55,6 +55,16 @@ def served_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     ]
     if packed_only:
         raise RuntimeError(f"CPU linear layers keep only their packed weights: {packed_only[:3]}")
+    # vLLM's CPU int8 kernel prepacks the weight into its oneDNN handler and drops the parameter:
+    # a copy of the rest (the scales) would leave the old weights served under the new label.
+    in_kernel_only = [
+        name for name, module in model.named_modules() if "weight" in module._parameters and module.weight is None
+    ]
+    if in_kernel_only:
+        raise RuntimeError(
+            f"{len(in_kernel_only)} layer(s) keep their weights only inside their kernel (vLLM's CPU int8"
+            f" kernel): {in_kernel_only[:3]}; a push brings this engine back"
+        )
     return model_tensors
 
 

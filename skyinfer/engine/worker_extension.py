@@ -13,7 +13,7 @@ from ..engine_wire import ADAPTER_WEIGHTS_FILE
 from ..memory import give_back_freed_memory
 from . import backends  # noqa: F401 - registers skyinfer's backends with vLLM's factory
 from .catchup_files import catch_up_file, export_tensors, import_tensors, served_tensors
-from .cpu_setup import keep_cpu_gemm_weights, pack_cpu_gemms, request_amx_permission
+from .cpu_setup import keep_cpu_gemm_weights, keep_cpu_int8_scales, pack_cpu_gemms, request_amx_permission
 from .staging import StagedPush
 from .targets import CopyTarget, ShadowTarget
 from .worker_calls import answers_every_rank
@@ -22,6 +22,7 @@ __all__ = ["SkyinferWorkerExtension"]
 
 request_amx_permission()
 keep_cpu_gemm_weights()
+keep_cpu_int8_scales()
 
 
 class SkyinferWorkerExtension:

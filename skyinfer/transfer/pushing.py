@@ -19,6 +19,7 @@ import torch
 from ..client import Client, SkyinferError
 from ..errors import TRANSFER_GROUP_GONE, UPDATE_ABANDONED
 from .packing import dtype_name
+from .quantize import W8A8_INT8, quantize_w8a8_int8
 
 log = logging.getLogger("skyinfer.trainer")
 
@@ -50,6 +51,9 @@ class Trainer:
         self.client = client or Client(base_url, admin_key=admin_key, timeout_s=timeout_s + 60)
         self._calls = self.client if sync_client is None else ProtocolCalls(sync_client)
         self.timeout_s = timeout_s
+        # The scheme the engines want full-precision tensors quantized to (``/weight_info``), asked
+        # at the first push: [] until then, [None] for none.
+        self._scheme: list[str | None] = []
 
     def close(self) -> None:
         """Close the HTTP connections."""
@@ -63,6 +67,7 @@ class Trainer:
         verify: bool = False,
         staged: bool = False,
         kv: str = "recompute",
+        quantize: bool = True,
     ) -> None:
         """Send the tensors to every engine; afterwards they serve ``version``.
 
@@ -72,11 +77,16 @@ class Trainer:
         receive while they generate and pause only to swap the weights in. ``kv``: after the
         push, requests that were running recompute their KV with the new weights ("recompute",
         exact) or go on over the KV they have ("keep").
+
+        Engines that serve a quantized checkpoint of a scheme these helpers know (int8 W8A8, as
+        ``/weight_info`` says) get full-precision tensors quantized to it here, each weight
+        followed by its scale; tensors already quantized go as they are. ``quantize=False`` sends
+        every tensor as it is.
         """
         if one_call and verify:
             raise ValueError("verify needs the finish call: push with one_call=False")
         try:
-            tensors = self._prepare(named_tensors)
+            tensors = self._prepare(self._as_served(named_tensors) if quantize else named_tensors)
             if one_call:
                 send = OneCall(version, staged, kv)
                 self._in_group(lambda: self._send(tensors, tensor_list(tensors), send))
@@ -84,6 +94,17 @@ class Trainer:
                 self._in_group(lambda: self._push(tensors, version, verify, kv, staged))
         finally:
             self._pushed()
+
+    def _as_served(self, named_tensors: NamedTensors) -> NamedTensors:
+        if not self._scheme:
+            try:
+                info = self.client.weight_info()
+            except SkyinferError:  # a server that cannot say: it gets what the trainer holds
+                info = {}
+            schemes = {(node.get("quantization") or {}).get("trainer_scheme") for node in info.get("nodes", [info])}
+            # Nodes that disagree get what the trainer holds, and refuse what does not fit them.
+            self._scheme = [schemes.pop() if len(schemes) == 1 else None]
+        return quantize_w8a8_int8(named_tensors) if self._scheme == [W8A8_INT8] else named_tensors
 
     def _pushed(self) -> None:
         """The push is over, however it ended: let go of what it held for the engines."""

@@ -16,6 +16,7 @@ from pathlib import Path
 import attrs
 
 from ..transfer.protocol import FLOATING, UpdateMetadata
+from ..transfer.quantize import W8A8_INT8, is_w8a8_int8
 
 # safetensors' dtype names, as vLLM's dtype_names spell them.
 _SAFETENSORS_DTYPES = {
@@ -51,6 +52,41 @@ def _by_expert_layer(names: Iterable[str]) -> dict[str, set[str]]:
     return layers
 
 
+# The checkpoint's projections vLLM loads into one layer (its models' packed_modules_mapping).
+_FUSED_PROJECTIONS = {
+    "q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj",
+}  # fmt: skip
+
+
+def _by_quantized_layer(names: Iterable[str], quantized_modules: set[str]) -> dict[str, set[str]]:
+    """The tensors of each quantized layer as vLLM holds it (q, k and v in one), by that layer."""
+    layers: dict[str, set[str]] = {}
+    for name in names:
+        module = name.rpartition(".")[0]
+        if module in quantized_modules:
+            parent, _, projection = module.rpartition(".")
+            layers.setdefault(f"{parent}.{_FUSED_PROJECTIONS.get(projection, projection)}", set()).add(name)
+    return layers
+
+
+def describe_quantization(spec: CheckpointSpec | None, online: str | None) -> dict | None:
+    """What the engines serve quantized, and what a push must carry for it (``/weight_info``): None
+    for full precision. ``online``: vLLM's ``--quantization`` on a full-precision checkpoint."""
+    if online is not None:
+        return {"method": online, "quantized_by": "each engine, as it loads a push", "push": "full precision"}
+    config = spec.quantization if spec is not None else None
+    if not config:
+        return None
+    return {
+        "method": config.get("quant_method"),
+        "format": config.get("format"),
+        "quantized_by": "the trainer (the checkpoint stores quantized weights)",
+        "push": "each quantized weight as the checkpoint stores it, with its scale",
+        # The scheme skyinfer's trainer helpers quantize full-precision tensors to as they push, if they can.
+        "trainer_scheme": W8A8_INT8 if is_w8a8_int8(config) else None,
+    }
+
+
 @attrs.frozen
 class CheckpointSpec:
     shapes: dict[str, tuple[int, ...]]
@@ -58,6 +94,8 @@ class CheckpointSpec:
     dtypes: dict[str, str | None]
     # The tensors the checkpoint stores (a tied lm_head, which it does not, is in ``shapes`` only).
     names: frozenset[str] = attrs.field(default=attrs.Factory(lambda spec: frozenset(spec.shapes), takes_self=True))
+    # config.json's quantization_config: how the checkpoint stores its quantized weights (None: full precision).
+    quantization: dict | None = None
 
     def missing(self, received: set[str]) -> list[str]:
         """The checkpoint's tensors a push did not carry (none: it replaced every weight)."""
@@ -94,28 +132,39 @@ class CheckpointSpec:
                 shapes[name] = tuple(entry["shape"])
                 dtypes[name] = _SAFETENSORS_DTYPES.get(entry["dtype"])
         stored = frozenset(shapes)
-        config = Path(model_dir) / "config.json"
-        if config.exists() and json.loads(config.read_text()).get("tie_word_embeddings"):
+        config_file = Path(model_dir) / "config.json"
+        config = json.loads(config_file.read_text()) if config_file.exists() else {}
+        if config.get("tie_word_embeddings"):
             # Tied models store no lm_head; trainers' state dicts still carry it.
             embed = next((n for n in shapes if n.endswith("embed_tokens.weight")), None)
             if embed is not None:
                 shapes.setdefault("lm_head.weight", shapes[embed])
                 dtypes.setdefault("lm_head.weight", dtypes[embed])
-        return cls(shapes, dtypes, stored)
+        return cls(shapes, dtypes, stored, config.get("quantization_config"))
 
-    def check_whole_expert_layers(self, names: Iterable[str]) -> None:
-        """Raise ValueError naming a mixture-of-experts layer the update carries part of: vLLM
-        reloads an MoE layer whole, and the experts a push left out would be served as whatever
-        the reload's fresh memory held."""
-        stored = _by_expert_layer(self.names)
-        for layer, pushed in sorted(_by_expert_layer(names).items()):
-            missing = sorted(stored.get(layer, set()) - pushed)
-            if missing:
-                raise ValueError(
-                    f"the update carries {len(pushed)} of the {len(stored[layer])} expert tensors of {layer}"
-                    f" ({missing[0]}{f' and {len(missing) - 1} more' if len(missing) > 1 else ''} left out):"
-                    " a mixture-of-experts layer takes a push of all its experts or of none"
-                )
+    @property
+    def quantized_modules(self) -> set[str]:
+        """The modules whose weight the checkpoint stores quantized, with its scale (``<module>.weight_scale``)."""
+        return {name.rpartition(".")[0] for name in self.names if name.endswith(".weight_scale")}
+
+    def check_whole_layers(self, names: Iterable[str]) -> None:
+        """Raise ValueError naming a layer the update carries part of, where the part left out could
+        not be served as it is: vLLM reloads a mixture-of-experts layer or a quantized one whole,
+        and what a push left out would be served from fresh memory (experts), or the layer refused
+        at the finish (a weight without its scale, q without k and v in an int8 layer)."""
+        names = set(names)
+        quantized = self.quantized_modules
+        for stored, pushed, what in (
+            (_by_expert_layer(self.names), _by_expert_layer(names), "a mixture-of-experts layer takes a push of all its experts or of none"),
+            (_by_quantized_layer(self.names, quantized), _by_quantized_layer(names, quantized), "a quantized layer takes a push of all its tensors (each weight with its scale) or of none"),
+        ):  # fmt: skip
+            for layer, carried in sorted(pushed.items()):
+                missing = sorted(stored.get(layer, set()) - carried)
+                if missing:
+                    raise ValueError(
+                        f"the update carries {len(carried)} of the {len(stored[layer])} tensors of {layer}"
+                        f" ({missing[0]}{f' and {len(missing) - 1} more' if len(missing) > 1 else ''} left out): {what}"
+                    )
 
     def check(self, meta: UpdateMetadata) -> None:
         """Raise ValueError naming the first tensor that does not fit the served model.

@@ -107,8 +107,8 @@ class Fleet:
 
     def check_whole_update(self, meta: UpdateMetadata) -> None:
         """Refuse (400) the metadata of a whole update (a start's, a one-call push's) that carries
-        part of a mixture-of-experts layer's experts, before any byte moves."""
-        self._refuse_unless_fits(lambda spec: spec.check_whole_expert_layers(meta.names))
+        part of a mixture-of-experts layer's experts or of a quantized layer, before any byte moves."""
+        self._refuse_unless_fits(lambda spec: spec.check_whole_layers(meta.names))
 
     def _refuse_unless_fits(self, check: Callable[[CheckpointSpec], None]) -> None:
         """``check`` against the served checkpoint (where its names are known); its ValueError a 400."""

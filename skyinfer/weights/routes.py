@@ -123,7 +123,8 @@ async def _world_size(request: web.Request) -> web.Response:
 
 
 async def _weight_info(request: web.Request) -> web.Response:
-    """The fleet's weight version, the update's phase, and each engine's version, state and group."""
+    """The fleet's weight version, the update's phase, what the engines serve quantized and what a
+    push must carry for it, and each engine's version, state and group."""
     return json_response(request.app[WEIGHT_SYNC].info())
 
 

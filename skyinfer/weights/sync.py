@@ -19,6 +19,7 @@ from ..registry import EngineRegistry
 from ..state import EngineRecord
 from ..wire import Checksums
 from .checking import WeightChecks
+from .checkpoint import describe_quantization
 from .fleet import Fleet, SyncError
 from .group import TransferGroup
 from .phases import Phase, UpdateMachine
@@ -45,8 +46,10 @@ class WeightSync:
         control: ControlPlane,
         metrics: ServiceMetrics,
         max_push_failures: int,
+        online_quantization: str | None = None,
     ):
         self.registry = registry
+        self.online_quantization = online_quantization
         self.fleet = Fleet(registry, transport, model, timeout_s, metrics)
         self.checks = WeightChecks(self.fleet)
         self.push = Push(self.fleet, self.checks, supervisor, control, max_push_failures)
@@ -117,6 +120,7 @@ class WeightSync:
         return {
             "weight_version": self.registry.fleet_weight_version,
             "transport": self.transport.transport.name,
+            "quantization": describe_quantization(self.fleet.spec, self.online_quantization),
             "update_in_progress": self.update.phase is not Phase.IDLE,
             **self.update.describe(),
             "last_update_seconds": self.push.last_update_s,

@@ -1,0 +1,293 @@
+"""Pushes into int8 engines (issue 49): the demo model quantized offline to int8 W8A8
+(compressed-tensors: per-channel int8 weights with float32 scales, activations quantized per token
+as the engine runs), served by two float32 engines.
+
+After a push, every engine must serve what a fresh engine loaded from the same int8 weights serves,
+bit for bit (prompt and greedy logprobs, 1e-6): a push of the checkpoint's own weights changes
+nothing; new weights serve as an engine started on them; the first weights pushed back serve as the
+fresh engines did; by pause-push and by a staged push; from int8 weights the trainer holds, or from
+full-precision weights the trainer's helpers quantize as it pushes."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from skyinfer.demo_model import build_demo_int8_model
+from skyinfer.transfer.quantize import quantize_w8a8_int8
+
+from moe_pushes import MoeFleet, assert_same
+from pushes import PROMPTS, modified_weights, run_trainer, save, sessions_per_engine
+from support import NO_SPARES, TRAINER, ServerProcess, module_servers, vllm_process
+
+
+def new_full_precision(demo_model: Path) -> dict[str, torch.Tensor]:
+    """The bf16 weights a trainer holds after a step: what the "new" int8 checkpoint is quantized from."""
+    return {name: t.to(torch.bfloat16) for name, t in modified_weights(demo_model, seed=5).items()}
+
+
+def _int8_fleet(model: Path, log_path: Path, engines: int, *more: str) -> ServerProcess:
+    # A killed trainer's collective ends with the group's timeout.
+    extra = ("--dtype", "float32", "--hold-requests", "1", "--weight-transfer-timeout", "30", *more)
+    return ServerProcess(model, engines=engines, log_path=log_path, extra_args=extra)
+
+
+def _launch(demo_model: Path, logs: Path) -> dict[str, ServerProcess]:
+    """Two engines of the int8 demo model, and one engine started on the int8 weights a push brings:
+    what the pushed engines must serve."""
+    checkpoint = build_demo_int8_model(logs / "int8")
+    new = logs / "int8-new"
+    shutil.copytree(checkpoint, new)
+    save_file(dict(quantize_w8a8_int8(new_full_precision(demo_model))), str(new / "model.safetensors"))
+    return {
+        "fleet": _int8_fleet(checkpoint, logs / "fleet.log", 2),
+        "fresh_on_new": _int8_fleet(new, logs / "fresh-on-new.log", 1, *NO_SPARES),
+    }
+
+
+int8_servers = module_servers(__name__, _launch)
+
+
+# MoeFleet holds a server's fresh answers (prompt and greedy logprobs, per engine) and pushes by a
+# trainer process: nothing of it but ``modified`` is about experts.
+@pytest.fixture(scope="module")
+def fleet(int8_servers) -> MoeFleet:
+    return MoeFleet(int8_servers["fleet"], Path(int8_servers["fleet"].model))
+
+
+@pytest.fixture(scope="module")
+def served_on_new(int8_servers, fleet) -> dict[int, list[list[float]]]:
+    """What an engine started on the new int8 weights serves, as each of the fleet's engines must after their push."""
+    (fresh,) = MoeFleet(int8_servers["fresh_on_new"], Path(int8_servers["fresh_on_new"].model)).fresh.values()
+    return {engine: fresh for engine in fleet.sessions}
+
+
+def int8_file(model_dir: Path) -> Path:
+    return model_dir / "model.safetensors"
+
+
+def push_file(fleet: MoeFleet, weights_file: Path, version: str, *how: str) -> None:
+    done = run_trainer(fleet.server, weights_file, version, *how)
+    assert done.returncode == 0 and f"pushed {version}" in done.stdout, done.stdout + done.stderr
+
+
+def test_the_fresh_int8_engines_serve_and_say_what_a_push_must_carry(fleet, served_on_new):
+    """The ground the other tests stand on: the int8 engines serve (finite), and the new weights
+    serve something else than the checkpoint's; ``/weight_info`` says what a push must carry."""
+    quantization = httpx.get(f"{fleet.server.url}/weight_info", timeout=10).json()["quantization"]
+    assert quantization["method"] == "compressed-tensors" and quantization["format"] == "int-quantized", quantization
+    assert "with its scale" in quantization["push"] and quantization["trainer_scheme"] == "w8a8_int8", quantization
+    for per_prompt in (*fleet.fresh.values(), *served_on_new.values()):
+        assert all(torch.isfinite(torch.tensor(values)).all() for values in per_prompt)
+    with pytest.raises(AssertionError):
+        assert_same(served_on_new, fleet.fresh)
+
+
+def w8a8_reference(demo_model: Path, int8_weights: dict[str, torch.Tensor]):
+    """transformers float32 computing as W8A8 does: the int8 weights times their scales, and each
+    quantized layer's input rounded to int8 per token (symmetric, max |x| / 127)."""
+    model = AutoModelForCausalLM.from_pretrained(demo_model, dtype=torch.float32).eval()
+    dequantized = {
+        name: t.float() * int8_weights[name + "_scale"] for name, t in int8_weights.items() if t.dtype == torch.int8
+    }
+    model.load_state_dict(dequantized, strict=False)
+
+    def quantize_input(module, args):
+        (x,) = args
+        scale = (x.abs().amax(dim=-1, keepdim=True) / 127).clamp(min=1e-12)
+        return (torch.round(x / scale).clamp(-128, 127) * scale,)
+
+    for name, module in model.named_modules():
+        if name + ".weight" in dequantized:
+            module.register_forward_pre_hook(quantize_input)
+    return model
+
+
+def test_the_int8_engines_compute_w8a8_and_their_gap_to_full_precision_is_measured(fleet, demo_model):
+    """The int8 engine's greedy logprobs against transformers computing W8A8 on the same int8
+    weights (within 0.05), and, for truncated importance sampling (docs: guides/quantized),
+    against transformers float32 on the full-precision weights they were quantized from (printed)."""
+    w8a8 = w8a8_reference(demo_model, load_file(int8_file(fleet.model_dir)))
+    full = AutoModelForCausalLM.from_pretrained(demo_model, dtype=torch.float32).eval()
+    to_w8a8, to_full = [], []
+    for prompt, served in zip(PROMPTS, fleet.fresh[0]):
+        ids = httpx.post(
+            f"{fleet.server.url}/tokenize", json={"model": fleet.server.model, "prompt": prompt}, timeout=30
+        ).json()["tokens"]
+        out_ids = [int(t) for t in served[-12:]]
+        got = served[-24:-12]
+        for model, gaps in ((w8a8, to_w8a8), (full, to_full)):
+            with torch.no_grad():
+                logprobs = model(torch.tensor([ids + out_ids])).logits[0].log_softmax(-1)
+            expected = [logprobs[len(ids) - 1 + i, token].item() for i, token in enumerate(out_ids)]
+            gaps += [abs(a - b) for a, b in zip(got, expected, strict=True)]
+    mean_w8a8, mean_full = sum(to_w8a8) / len(to_w8a8), sum(to_full) / len(to_full)
+    print(
+        f"\nint8 W8A8 engine, greedy logprobs: to transformers computing W8A8 max gap {max(to_w8a8):.4f},"
+        f" mean {mean_w8a8:.4f}; to transformers float32 on the full-precision weights max"
+        f" {max(to_full):.4f}, mean {mean_full:.4f}"
+    )
+    assert mean_w8a8 < 0.75 * mean_full and max(to_full) < 5
+
+
+@pytest.mark.parametrize("how", [(), ("--staged",)], ids=["pause-push", "staged"])
+def test_a_push_of_the_checkpoints_own_int8_weights_changes_nothing(fleet, how, tmp_path):
+    push_file(fleet, int8_file(Path(fleet.model_dir)), "same", *how)
+    fleet.assert_serves_fresh()
+
+
+@pytest.mark.parametrize("how", [(), ("--staged",)], ids=["pause-push", "staged"])
+def test_new_int8_weights_serve_as_an_engine_started_on_them_and_the_first_come_back(
+    fleet, served_on_new, int8_servers, how
+):
+    """Bit for bit: vLLM's CPU int8 kernel keeps a pointer to the weight scales it was built with,
+    which the reload frees as it puts the layer's old tensors back (NaN or another layer's numbers
+    served, without an error, before skyinfer kept them)."""
+    push_file(fleet, int8_file(Path(int8_servers["fresh_on_new"].model)), "new", *how)
+    assert_same(fleet.served(), served_on_new)
+    push_file(fleet, int8_file(fleet.model_dir), "back", *how)
+    fleet.assert_serves_fresh()
+
+
+def test_the_weights_served_after_pushes_hold_through_many_steps(fleet, int8_servers):
+    """Freed memory is reused: answers after several pushes and many decode steps still equal the
+    fresh engines' (a dangling scale shows once the allocator hands its memory out again)."""
+    for version in ("churn-1", "churn-2", "churn-3"):
+        push_file(fleet, int8_file(Path(int8_servers["fresh_on_new"].model)), version)
+        push_file(fleet, int8_file(fleet.model_dir), version + "-back")
+    for _ in range(3):
+        httpx.post(
+            f"{fleet.server.url}/v1/completions",
+            json={"model": fleet.server.model, "prompt": "churn " * 50, "max_tokens": 64, "n": 4},
+            timeout=120,
+        ).raise_for_status()
+    fleet.assert_serves_fresh()
+
+
+def test_a_trainer_holding_bf16_weights_pushes_them_quantized_and_they_land_exact(
+    fleet, served_on_new, demo_model, tmp_path
+):
+    """The trainer pushes its bf16 weights as they are: ``/weight_info`` names the engines' scheme,
+    skyinfer's trainer quantizes to it as it pushes (``quantize_w8a8_int8``: the linear layers in
+    about half of their bf16 bytes), and the push equals an engine started on the same quantization."""
+    full_precision = new_full_precision(demo_model)
+    quantized = dict(quantize_w8a8_int8(full_precision))
+    linear = [name for name in full_precision if name + "_scale" in quantized]
+    int8_bytes = sum(quantized[n].nbytes + quantized[n + "_scale"].nbytes for n in linear)
+    assert int8_bytes < 0.55 * sum(full_precision[n].nbytes for n in linear)
+    push_file(fleet, save(full_precision, tmp_path / "bf16.safetensors"), "quantized-by-the-trainer")
+    assert_same(fleet.served(), served_on_new)
+    push_file(fleet, int8_file(fleet.model_dir), "back")
+    fleet.assert_serves_fresh()
+
+
+def test_a_push_that_does_not_fit_the_int8_model_is_refused_before_any_byte_moves(fleet, demo_model, tmp_path):
+    """400, naming the tensor: full precision where the engine keeps int8, a weight without its
+    scale, a scale of the wrong shape or of an integer dtype; every engine serves as it did."""
+    checkpoint = load_file(int8_file(fleet.model_dir))
+    weight = "model.layers.0.self_attn.q_proj.weight"
+    scale = weight + "_scale"
+    cases = {
+        "full precision": (
+            {**checkpoint, weight: checkpoint[weight].float() * checkpoint[scale]},
+            f"{weight!r}",
+        ),
+        "no scale": ({n: t for n, t in checkpoint.items() if n != scale}, scale),
+        "scale's shape": ({**checkpoint, scale: checkpoint[scale].reshape(1, -1).contiguous()}, f"{scale!r}"),
+        "scale's dtype": ({**checkpoint, scale: torch.ones_like(checkpoint[scale], dtype=torch.int32)}, f"{scale!r}"),
+    }
+    for case, (weights, said) in cases.items():
+        done = run_trainer(fleet.server, save(weights, tmp_path / "refused.safetensors"), "refused", "--as-is")
+        assert done.returncode == 3 and "refused 400" in done.stdout and said in done.stdout, (case, done.stdout)
+    info = httpx.get(f"{fleet.server.url}/weight_info", timeout=10).json()
+    assert info["update_phase"] == "idle" and [e["stale_reason"] for e in info["engines"]] == [None, None], info
+    fleet.assert_serves_fresh()
+
+
+def wait_states(fleet: MoeFleet, states: list[str], timeout_s: float = 240, new_pid: tuple[int, int] | None = None):
+    """The engines once in ``states`` (and engine ``new_pid[0]`` in another process than ``new_pid[1]``)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        engines = fleet.server.engines()
+        if [e["state"] for e in engines] == states and (new_pid is None or engines[new_pid[0]]["pid"] != new_pid[1]):
+            return engines
+        assert time.monotonic() < deadline, engines
+        time.sleep(0.5)
+
+
+def completion_status(fleet: MoeFleet) -> int:
+    body = {"model": fleet.server.model, "prompt": "x", "max_tokens": 2}
+    return httpx.post(f"{fleet.server.url}/v1/completions", json=body, timeout=60).status_code
+
+
+def test_an_engine_core_killed_after_a_push_cannot_catch_up_and_waits_for_the_next_push(
+    fleet, served_on_new, int8_servers
+):
+    """Engine 1's EngineCore is SIGKILLed after a push of new weights: it restarts from the
+    checkpoint on disk. A peer's catch-up copies the tensors a worker holds, and vLLM's CPU int8
+    kernel holds its weights only inside its oneDNN handler: copying the rest would serve the
+    checkpoint's weights under the new label. It stays stale, saying why, while engine 0 serves;
+    the next push brings it in exact."""
+    new_file = int8_file(Path(int8_servers["fresh_on_new"].model))
+    push_file(fleet, new_file, "before-the-kill")
+    before = fleet.server.engines()
+    vllm_process(before[1]["pid"], "EngineCore").send_signal(signal.SIGKILL)
+    engines = wait_states(fleet, ["ready", "stale"], new_pid=(1, before[1]["pid"]))
+    deadline = time.monotonic() + 60
+    while "kernel" not in (reason := fleet.server.engines()[1]["stale_reason"] or ""):
+        assert time.monotonic() < deadline, reason
+        time.sleep(0.5)
+    assert "int8" in reason and engines[0]["pid"] == before[0]["pid"], (reason, engines)
+    push_file(fleet, new_file, "after-the-kill")
+    fleet.sessions = sessions_per_engine(fleet.server, fleet.server.model)
+    assert_same(fleet.served(), served_on_new)
+    push_file(fleet, int8_file(fleet.model_dir), "back")
+    fleet.assert_serves_fresh()
+
+
+def test_a_trainer_killed_halfway_through_a_push_leaves_nothing_wrong_served(fleet, int8_servers):
+    """The trainer dies after sending a third of the tensors (some int8 layers without their
+    scales): no engine serves those weights, each is stale until the next push, which lands exact."""
+    new_file = int8_file(Path(int8_servers["fresh_on_new"].model))
+    third = len(load_file(new_file)) // 3
+    done = run_trainer(fleet.server, new_file, "half", "--die-after", str(third))
+    assert done.returncode == 9, done.stdout + done.stderr
+    wait_states(fleet, ["stale", "stale"], timeout_s=120)
+    assert completion_status(fleet) == 503
+    push_file(fleet, int8_file(fleet.model_dir), "after-the-dead-trainer")
+    fleet.assert_serves_fresh()
+
+
+def test_an_engine_core_killed_mid_receive_leaves_nothing_wrong_served(fleet, served_on_new, int8_servers):
+    """The trainer has sent two tensors when engine 1's EngineCore is SIGKILLed: the update is
+    aborted on every engine; both serve nothing (stale) until the next push, which lands exact."""
+    new_file = int8_file(Path(int8_servers["fresh_on_new"].model))
+    before = fleet.server.engines()
+    trainer = subprocess.Popen(
+        [sys.executable, str(TRAINER), fleet.server.url, str(new_file), "never-served", "--hang-after", "2"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert trainer.stdout.readline().strip() == "hanging"
+        vllm_process(before[1]["pid"], "EngineCore").send_signal(signal.SIGKILL)
+        wait_states(fleet, ["stale", "stale"], new_pid=(1, before[1]["pid"]))
+    finally:
+        trainer.kill()
+        trainer.wait()
+    assert completion_status(fleet) == 503
+    push_file(fleet, new_file, "after-the-kill")
+    fleet.sessions = sessions_per_engine(fleet.server, fleet.server.model)
+    assert_same(fleet.served(), served_on_new)
+    push_file(fleet, int8_file(fleet.model_dir), "back")
+    fleet.assert_serves_fresh()
