@@ -65,7 +65,8 @@ async def test_both_workers_answer_and_metrics_count_every_request(fleet):
     workers = fleet.workers()
     assert len(workers) == 2
     before = [_cpu_s(w) for w in workers]
-    n = 200
+    # Enough that each worker's share is several clock ticks of CPU (200 once left one at 0.02 s).
+    n = 600
     # A connection per request (the kernel hands each to one of the workers), 20 at a time: each
     # takes 80 ms (4 tokens at the fleet's 50 tokens/s).
     limits = httpx.Limits(max_connections=20, max_keepalive_connections=0)
