@@ -193,9 +193,9 @@ def _omp_wait_policy() -> dict[str, str]:
     EngineCore, its API process and the front are not bound to the workers' cores: a spinning
     thread takes the core they need, and the step waits for them. Measured on a 2-core machine, one
     engine on both cores, 40 short completions one after the other: 6.3 s and 10.1 CPU-s of worker
-    spinning and computing by default, 4.2 s and 4.3 CPU-s with PASSIVE (tools/bench_serving.py
-    compares it with ``vllm serve``). ``OMP_WAIT_POLICY=ACTIVE`` in the environment keeps spinning,
-    for cores nothing else runs on."""
+    spinning and computing by default, 4.2 s and 4.3 CPU-s with PASSIVE (docs: benchmarks, "OpenMP
+    threads that sleep"). ``OMP_WAIT_POLICY=ACTIVE`` in the environment keeps spinning, for cores
+    nothing else runs on."""
     return {} if "OMP_WAIT_POLICY" in os.environ else {"OMP_WAIT_POLICY": "PASSIVE"}
 
 

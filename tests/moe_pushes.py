@@ -38,7 +38,11 @@ class MoeFleet:
         return prompt_part + choice["logprobs"]["token_logprobs"] + [float(t) for t in choice["token_ids"]]
 
     def push(self, weights: dict[str, torch.Tensor], version: str, tmp_path: Path, *how: str) -> None:
-        done = run_trainer(self.server, save(weights, tmp_path / f"{version}.safetensors"), version, *how)
+        self.push_file(save(weights, tmp_path / f"{version}.safetensors"), version, *how)
+
+    def push_file(self, weights_file: Path, version: str, *how: str) -> None:
+        """A trainer process pushes ``weights_file``'s tensors (``how``: its options) as ``version``."""
+        done = run_trainer(self.server, weights_file, version, *how)
         assert done.returncode == 0 and f"pushed {version}" in done.stdout, done.stdout + done.stderr
 
     def modified(self, seed: int) -> dict[str, torch.Tensor]:

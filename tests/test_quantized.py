@@ -76,11 +76,6 @@ def int8_file(model_dir: Path) -> Path:
     return model_dir / "model.safetensors"
 
 
-def push_file(fleet: MoeFleet, weights_file: Path, version: str, *how: str) -> None:
-    done = run_trainer(fleet.server, weights_file, version, *how)
-    assert done.returncode == 0 and f"pushed {version}" in done.stdout, done.stdout + done.stderr
-
-
 def test_the_fresh_int8_engines_serve_and_say_what_a_push_must_carry(fleet, served_on_new):
     """The ground the other tests stand on: the int8 engines serve (finite), and the new weights
     serve something else than the checkpoint's; ``/weight_info`` says what a push must carry."""
@@ -142,7 +137,7 @@ def test_the_int8_engines_compute_w8a8_and_their_gap_to_full_precision_is_measur
 
 @pytest.mark.parametrize("how", [(), ("--staged",)], ids=["pause-push", "staged"])
 def test_a_push_of_the_checkpoints_own_int8_weights_changes_nothing(fleet, how, tmp_path):
-    push_file(fleet, int8_file(Path(fleet.model_dir)), "same", *how)
+    fleet.push_file(int8_file(Path(fleet.model_dir)), "same", *how)
     fleet.assert_serves_fresh()
 
 
@@ -153,9 +148,9 @@ def test_new_int8_weights_serve_as_an_engine_started_on_them_and_the_first_come_
     """Bit for bit: vLLM's CPU int8 kernel keeps a pointer to the weight scales it was built with,
     which the reload frees as it puts the layer's old tensors back (NaN or another layer's numbers
     served, without an error, before skyinfer kept them)."""
-    push_file(fleet, int8_file(Path(int8_servers["fresh_on_new"].model)), "new", *how)
+    fleet.push_file(int8_file(Path(int8_servers["fresh_on_new"].model)), "new", *how)
     assert_same(fleet.served(), served_on_new)
-    push_file(fleet, int8_file(fleet.model_dir), "back", *how)
+    fleet.push_file(int8_file(fleet.model_dir), "back", *how)
     fleet.assert_serves_fresh()
 
 
@@ -163,8 +158,8 @@ def test_the_weights_served_after_pushes_hold_through_many_steps(fleet, int8_ser
     """Freed memory is reused: answers after several pushes and many decode steps still equal the
     fresh engines' (a dangling scale shows once the allocator hands its memory out again)."""
     for version in ("churn-1", "churn-2", "churn-3"):
-        push_file(fleet, int8_file(Path(int8_servers["fresh_on_new"].model)), version)
-        push_file(fleet, int8_file(fleet.model_dir), version + "-back")
+        fleet.push_file(int8_file(Path(int8_servers["fresh_on_new"].model)), version)
+        fleet.push_file(int8_file(fleet.model_dir), version + "-back")
     for _ in range(3):
         httpx.post(
             f"{fleet.server.url}/v1/completions",
@@ -185,9 +180,9 @@ def test_a_trainer_holding_bf16_weights_pushes_them_quantized_and_they_land_exac
     linear = [name for name in full_precision if name + "_scale" in quantized]
     int8_bytes = sum(quantized[n].nbytes + quantized[n + "_scale"].nbytes for n in linear)
     assert int8_bytes < 0.55 * sum(full_precision[n].nbytes for n in linear)
-    push_file(fleet, save(full_precision, tmp_path / "bf16.safetensors"), "quantized-by-the-trainer")
+    fleet.push_file(save(full_precision, tmp_path / "bf16.safetensors"), "quantized-by-the-trainer")
     assert_same(fleet.served(), served_on_new)
-    push_file(fleet, int8_file(fleet.model_dir), "back")
+    fleet.push_file(int8_file(fleet.model_dir), "back")
     fleet.assert_serves_fresh()
 
 
@@ -239,7 +234,7 @@ def test_an_engine_core_killed_after_a_push_cannot_catch_up_and_waits_for_the_ne
     checkpoint's weights under the new label. It stays stale, saying why, while engine 0 serves;
     the next push brings it in exact."""
     new_file = int8_file(Path(int8_servers["fresh_on_new"].model))
-    push_file(fleet, new_file, "before-the-kill")
+    fleet.push_file(new_file, "before-the-kill")
     before = fleet.server.engines()
     vllm_process(before[1]["pid"], "EngineCore").send_signal(signal.SIGKILL)
     engines = wait_states(fleet, ["ready", "stale"], new_pid=(1, before[1]["pid"]))
@@ -248,10 +243,10 @@ def test_an_engine_core_killed_after_a_push_cannot_catch_up_and_waits_for_the_ne
         assert time.monotonic() < deadline, reason
         time.sleep(0.5)
     assert "int8" in reason and engines[0]["pid"] == before[0]["pid"], (reason, engines)
-    push_file(fleet, new_file, "after-the-kill")
+    fleet.push_file(new_file, "after-the-kill")
     fleet.sessions = sessions_per_engine(fleet.server, fleet.server.model)
     assert_same(fleet.served(), served_on_new)
-    push_file(fleet, int8_file(fleet.model_dir), "back")
+    fleet.push_file(int8_file(fleet.model_dir), "back")
     fleet.assert_serves_fresh()
 
 
@@ -264,7 +259,7 @@ def test_a_trainer_killed_halfway_through_a_push_leaves_nothing_wrong_served(fle
     assert done.returncode == 9, done.stdout + done.stderr
     wait_states(fleet, ["stale", "stale"], timeout_s=120)
     assert completion_status(fleet) == 503
-    push_file(fleet, int8_file(fleet.model_dir), "after-the-dead-trainer")
+    fleet.push_file(int8_file(fleet.model_dir), "after-the-dead-trainer")
     fleet.assert_serves_fresh()
 
 
@@ -286,8 +281,8 @@ def test_an_engine_core_killed_mid_receive_leaves_nothing_wrong_served(fleet, se
         trainer.kill()
         trainer.wait()
     assert completion_status(fleet) == 503
-    push_file(fleet, new_file, "after-the-kill")
+    fleet.push_file(new_file, "after-the-kill")
     fleet.sessions = sessions_per_engine(fleet.server, fleet.server.model)
     assert_same(fleet.served(), served_on_new)
-    push_file(fleet, int8_file(fleet.model_dir), "back")
+    fleet.push_file(int8_file(fleet.model_dir), "back")
     fleet.assert_serves_fresh()

@@ -63,6 +63,8 @@ from benchlib import free_port, start_reference, start_skyinfer, stop, tree_memo
 
 PROMPTS = ["The quick brown fox", "Reinforcement learning updates a policy", "def main():"]
 TOLERANCE = 0.05
+# The checks, in the order a run without --only takes them.
+CHECKS = ("serve", "sleep", "ipc_push", "vllm_ipc", "restart", "throughput", "soak", "moe", "quant")
 # A push into a quantized engine is exact when it serves as an engine started on the pushed weights.
 QUANT_EXACT = 1e-3
 # About 1.3 GB in bf16: 16 layers of 2048 wide (head_dim 64, as the demo model).
@@ -222,12 +224,9 @@ def reference_logprobs(model_dir: Path, weights_file: Path | None, device: str, 
     from transformers import AutoModelForCausalLM
 
     if weights_file is not None:
-        # The checkpoint's config beside the pushed weights, read as a checkpoint: transformers fuses
-        # an MoE checkpoint's per-expert tensors as it loads them (a state dict would not match).
-        pushed = Path(tempfile.mkdtemp(prefix="gpu-check-pushed-"))
-        (pushed / "config.json").write_bytes((model_dir / "config.json").read_bytes())
-        (pushed / "model.safetensors").symlink_to(Path(weights_file).resolve())
-        model_dir = pushed
+        # The pushed weights read as a checkpoint: transformers fuses an MoE checkpoint's
+        # per-expert tensors as it loads them (a state dict would not match).
+        model_dir = checkpoint_with(model_dir, weights_file)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
     out = []
     for prompt_ids, out_ids, _ in cases:
@@ -323,6 +322,25 @@ def run_trainer(kind: str, server: Server, weights_file: Path, version: str) -> 
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def colocated_push(server: Server, weights_file: Path, version: str) -> dict:
+    """A colocated trainer's step: the engine asleep (level 1), its weights woken, the push, its KV cache woken."""
+    server.post("/sleep", level=1)
+    server.post("/wake_up", tags=["weights"])
+    push = run_trainer("skyinfer", server, weights_file, version)
+    server.post("/wake_up", tags=["kv_cache"])
+    return push
+
+
+def checkpoint_with(model_dir: Path, weights_file: Path) -> Path:
+    """A checkpoint directory of ``model_dir``'s files (config, tokenizer) holding ``weights_file``'s weights."""
+    out = Path(tempfile.mkdtemp(prefix="gpu-check-pushed-"))
+    for item in model_dir.iterdir():
+        if item.name != "model.safetensors":
+            (out / item.name).symlink_to(item.resolve())
+    (out / "model.safetensors").symlink_to(Path(weights_file).resolve())
+    return out
+
+
 def device_copy_s(weights_file: Path, device: str, rounds: int = 5) -> float:
     """The reference: a plain copy of the same bytes on the device (best of ``rounds``)."""
     import torch
@@ -399,10 +417,7 @@ def check_ipc_push(c: Check, device: str, model_dir: Path, name: str) -> None:
     server = Server(model_dir, ["--colocate"], device, f"ipc-{name}")
     try:
         weights = modified_weights_file(model_dir, Path(tempfile.mkdtemp()) / "w.safetensors")
-        server.post("/sleep", level=1)
-        server.post("/wake_up", tags=["weights"])
-        push = run_trainer("skyinfer", server, weights, "ipc-1")
-        server.post("/wake_up", tags=["kv_cache"])
+        push = colocated_push(server, weights, "ipc-1")
         gap = max_gap(server, model_dir, weights, device)
         copy_s = device_copy_s(weights, device)
         c.line(
@@ -426,10 +441,7 @@ def check_moe(c: Check, device: str, model_dir: Path) -> None:
         c.line("moe.serve", gap <= TOLERANCE, f"max |vLLM - transformers fp32| {gap:.4f}")
         weights = modified_weights_file(model_dir, Path(tempfile.mkdtemp()) / "w.safetensors")
         for label, pushed in (("new", weights), ("back", model_dir / "model.safetensors")):
-            server.post("/sleep", level=1)
-            server.post("/wake_up", tags=["weights"])
-            push = run_trainer("skyinfer", server, pushed, f"moe-{label}")
-            server.post("/wake_up", tags=["kv_cache"])
+            push = colocated_push(server, pushed, f"moe-{label}")
             gap = max_gap(server, model_dir, pushed, device)
             c.line(f"moe.push_{label}", gap <= TOLERANCE, f"max gap {gap:.4f}; push {push['push_s']:.3f} s")
     finally:
@@ -448,20 +460,12 @@ def check_quant(c: Check, device: str, model_dir: Path) -> None:
         first = server.greedy_all()
         answers = {}
         for label, pushed in (("new", weights), ("back", model_dir / "model.safetensors")):
-            server.post("/sleep", level=1)
-            server.post("/wake_up", tags=["weights"])
-            push = run_trainer("skyinfer", server, pushed, f"quant-{label}")
-            server.post("/wake_up", tags=["kv_cache"])
+            push = colocated_push(server, pushed, f"quant-{label}")
             answers[label] = server.greedy_all()
             c.say(f"  quant push {label}: {push['push_s']:.3f} s")
     finally:
         server.close()
-    fresh_dir = Path(tempfile.mkdtemp(prefix="gpu-check-quant-"))
-    for item in model_dir.iterdir():
-        if item.name != "model.safetensors":
-            (fresh_dir / item.name).symlink_to(item.resolve())
-    (fresh_dir / "model.safetensors").symlink_to(weights.resolve())
-    fresh = Server(fresh_dir, quantization, device, "quant-fresh", dtype="bfloat16")
+    fresh = Server(checkpoint_with(model_dir, weights), quantization, device, "quant-fresh", dtype="bfloat16")
     try:
         expected = fresh.greedy_all()
     finally:
@@ -624,9 +628,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--log", default="gpu-check.log")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    p.add_argument(
-        "--only", nargs="*", help="serve sleep ipc_push vllm_ipc restart throughput soak moe quant, run in this order"
-    )
+    p.add_argument("--only", nargs="*", choices=CHECKS, metavar="CHECK", help=f"of {' '.join(CHECKS)}, in this order")
     p.add_argument(
         "--enforce-eager", action="store_true", help="engines without CUDA graphs and torch.compile: quicker starts"
     )

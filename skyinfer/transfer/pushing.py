@@ -10,6 +10,7 @@ protocol instead (vLLM's ``HTTPVLLMWeightSyncClient``), in the protocol's shape.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterable, Sequence
 
@@ -51,9 +52,6 @@ class Trainer:
         self.client = client or Client(base_url, admin_key=admin_key, timeout_s=timeout_s + 60)
         self._calls = self.client if sync_client is None else ProtocolCalls(sync_client)
         self.timeout_s = timeout_s
-        # The scheme the engines want full-precision tensors quantized to (``/weight_info``), asked
-        # at the first push: [] until then, [None] for none.
-        self._scheme: list[str | None] = []
 
     def close(self) -> None:
         """Close the HTTP connections."""
@@ -95,16 +93,19 @@ class Trainer:
         finally:
             self._pushed()
 
+    @functools.cached_property
+    def _engines_scheme(self) -> str | None:
+        """The scheme the engines want full-precision tensors quantized to (``/weight_info``), asked once."""
+        try:
+            info = self.client.weight_info()
+        except SkyinferError:  # a server that cannot say: it gets what the trainer holds
+            return None
+        schemes = {(node.get("quantization") or {}).get("trainer_scheme") for node in info.get("nodes", [info])}
+        # Nodes that disagree get what the trainer holds, and refuse what does not fit them.
+        return schemes.pop() if len(schemes) == 1 else None
+
     def _as_served(self, named_tensors: NamedTensors) -> NamedTensors:
-        if not self._scheme:
-            try:
-                info = self.client.weight_info()
-            except SkyinferError:  # a server that cannot say: it gets what the trainer holds
-                info = {}
-            schemes = {(node.get("quantization") or {}).get("trainer_scheme") for node in info.get("nodes", [info])}
-            # Nodes that disagree get what the trainer holds, and refuse what does not fit them.
-            self._scheme = [schemes.pop() if len(schemes) == 1 else None]
-        return quantize_w8a8_int8(named_tensors) if self._scheme == [W8A8_INT8] else named_tensors
+        return quantize_w8a8_int8(named_tensors) if self._engines_scheme == W8A8_INT8 else named_tensors
 
     def _pushed(self) -> None:
         """The push is over, however it ended: let go of what it held for the engines."""

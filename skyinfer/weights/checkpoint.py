@@ -16,7 +16,7 @@ from pathlib import Path
 import attrs
 
 from ..transfer.protocol import FLOATING, UpdateMetadata
-from ..transfer.quantize import W8A8_INT8, is_w8a8_int8
+from ..transfer.quantize import SCALE_SUFFIX, W8A8_INT8, is_w8a8_int8
 
 # safetensors' dtype names, as vLLM's dtype_names spell them.
 _SAFETENSORS_DTYPES = {
@@ -145,7 +145,7 @@ class CheckpointSpec:
     @property
     def quantized_modules(self) -> set[str]:
         """The modules whose weight the checkpoint stores quantized, with its scale (``<module>.weight_scale``)."""
-        return {name.rpartition(".")[0] for name in self.names if name.endswith(".weight_scale")}
+        return {name.rpartition(".")[0] for name in self.names if name.endswith(".weight" + SCALE_SUFFIX)}
 
     def check_whole_layers(self, names: Iterable[str]) -> None:
         """Raise ValueError naming a layer the update carries part of, where the part left out could
