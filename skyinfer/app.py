@@ -149,7 +149,7 @@ def create_app(config: ServeConfig) -> web.Application:
     add_vllm_routes(app, config.allow_collective_rpc)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
-    app.router.add_get("/engines", engines_view(config.engine_probe_timeout_s))
+    app.router.add_get("/engines", engines_view(config.engine_probe_timeout_s, app[WEIGHT_SYNC].quantization))
     add_supervisor_routes(app)
     add_catch_up_routes(app)
     app.router.add_get("/metrics", metrics_view(config.engine_probe_timeout_s))

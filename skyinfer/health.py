@@ -10,6 +10,7 @@ start-up or a restart): 200 only when every engine of the fleet is ``ready``
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import aiohttp
 from aiohttp import web
@@ -59,11 +60,16 @@ async def _engine_status(record: EngineRecord, timeout_s: float) -> dict:
     return view
 
 
-def engines_view(probe_timeout_s: float):
+def engines_view(probe_timeout_s: float, quantization: Callable[[], dict | None]):
+    """``quantization``: what the engines serve quantized (``/weight_info`` has the whole story)."""
+
     async def view(request: web.Request) -> web.Response:
-        """Every engine: state, process, devices, weights, load, and what it reports itself."""
+        """Every engine: state, process, devices, weights, quantization, load, and what it reports itself."""
         records = request.app[REGISTRY].records
         engines = await asyncio.gather(*(_engine_status(r, probe_timeout_s) for r in records))
+        served = quantization()
+        for engine in engines:  # every engine serves the same checkpoint, with the same arguments
+            engine["quantization"] = None if served is None else served["method"]
         return json_response({"engines": engines})
 
     return view

@@ -205,9 +205,11 @@ async def test_sleep_and_wake_up_round_trip(http, model_name):
     assert await greedy_on_each_engine(http, model_name, sessions) == before
 
 
-async def test_engines_view_says_cpu_sleep_frees_no_memory(http):
+async def test_engines_view_says_cpu_sleep_frees_no_memory_and_full_precision(http):
     engines = (await http.get("/engines")).json()["engines"]
     assert [e["devices"]["sleep_frees_memory"] for e in engines] == [False, False]
+    # What an int8 fleet names there (test_quantized); a full-precision one, nothing.
+    assert [e["quantization"] for e in engines] == [None, None]
 
 
 async def test_ordering_mistakes_are_409(http):

@@ -28,7 +28,7 @@ from skyinfer.transfer.quantize import quantize_w8a8_int8
 
 from moe_pushes import MoeFleet, assert_same
 from pushes import PROMPTS, modified_weights, run_trainer, save, sessions_per_engine
-from support import NO_SPARES, TRAINER, ServerProcess, module_servers, vllm_process
+from support import NO_SPARES, TRAINER, ServerProcess, is_openai_error, module_servers, vllm_process
 
 
 def new_full_precision(demo_model: Path) -> dict[str, torch.Tensor]:
@@ -51,7 +51,8 @@ def _launch(demo_model: Path, logs: Path) -> dict[str, ServerProcess]:
     save_file(dict(quantize_w8a8_int8(new_full_precision(demo_model))), str(new / "model.safetensors"))
     return {
         "fleet": _int8_fleet(checkpoint, logs / "fleet.log", 2),
-        "fresh_on_new": _int8_fleet(new, logs / "fresh-on-new.log", 1, *NO_SPARES),
+        # Colocated (sleep mode, shared-memory pushes): the module's last test pushes into it, once it judged the rest.
+        "fresh_on_new": _int8_fleet(new, logs / "fresh-on-new.log", 1, "--colocate", *NO_SPARES),
     }
 
 
@@ -78,10 +79,14 @@ def int8_file(model_dir: Path) -> Path:
 
 def test_the_fresh_int8_engines_serve_and_say_what_a_push_must_carry(fleet, served_on_new):
     """The ground the other tests stand on: the int8 engines serve (finite), and the new weights
-    serve something else than the checkpoint's; ``/weight_info`` says what a push must carry."""
+    serve something else than the checkpoint's; ``/weight_info`` says what a push must carry,
+    ``/engines`` and ``/server_info`` what each engine serves (what a TIS correction is told)."""
     quantization = httpx.get(f"{fleet.server.url}/weight_info", timeout=10).json()["quantization"]
     assert quantization["method"] == "compressed-tensors" and quantization["format"] == "int-quantized", quantization
     assert "with its scale" in quantization["push"] and quantization["trainer_scheme"] == "w8a8_int8", quantization
+    assert [e["quantization"] for e in fleet.server.engines()] == ["compressed-tensors"] * 2
+    server_info = httpx.get(f"{fleet.server.url}/server_info", timeout=60).json()
+    assert "quantization=compressed-tensors" in server_info["vllm_config"], server_info["vllm_config"][:2000]
     for per_prompt in (*fleet.fresh.values(), *served_on_new.values()):
         assert all(torch.isfinite(torch.tensor(values)).all() for values in per_prompt)
     with pytest.raises(AssertionError):
@@ -232,7 +237,7 @@ def test_an_engine_core_killed_after_a_push_cannot_catch_up_and_waits_for_the_ne
     checkpoint on disk. A peer's catch-up copies the tensors a worker holds, and vLLM's CPU int8
     kernel holds its weights only inside its oneDNN handler: copying the rest would serve the
     checkpoint's weights under the new label. It stays stale, saying why, while engine 0 serves;
-    the next push brings it in exact."""
+    a catch-up asked for is refused 409; the next push brings it in exact."""
     new_file = int8_file(Path(int8_servers["fresh_on_new"].model))
     fleet.push_file(new_file, "before-the-kill")
     before = fleet.server.engines()
@@ -243,6 +248,10 @@ def test_an_engine_core_killed_after_a_push_cannot_catch_up_and_waits_for_the_ne
         assert time.monotonic() < deadline, reason
         time.sleep(0.5)
     assert "int8" in reason and engines[0]["pid"] == before[0]["pid"], (reason, engines)
+    asked = httpx.post(f"{fleet.server.url}/engines/1/catch_up", timeout=60)
+    assert asked.status_code == 409 and is_openai_error(asked) and "kernel" in asked.json()["error"]["message"], (
+        asked.text
+    )
     fleet.push_file(new_file, "after-the-kill")
     fleet.sessions = sessions_per_engine(fleet.server, fleet.server.model)
     assert_same(fleet.served(), served_on_new)
@@ -286,3 +295,19 @@ def test_an_engine_core_killed_mid_receive_leaves_nothing_wrong_served(fleet, se
     assert_same(fleet.served(), served_on_new)
     fleet.push_file(int8_file(fleet.model_dir), "back")
     fleet.assert_serves_fresh()
+
+
+def test_colocated_pushes_into_an_int8_engine_land_exact(int8_servers, fleet, served_on_new, demo_model, tmp_path):
+    """The colocated path (shared memory; the engine asleep around the push, as SkyRL's colocated
+    trainer puts it), into the colocated engine started on the new weights, once it judged the
+    other tests: after a level-2 sleep (its weights discarded) the checkpoint's int8 weights, and it
+    serves what the fleet's fresh engines served; after a level-1 sleep the trainer's bf16 weights,
+    quantized as they are pushed, and it serves what it served fresh."""
+    judge = MoeFleet(int8_servers["fresh_on_new"], Path(int8_servers["fresh_on_new"].model))
+    assert_same(judge.fresh, {0: served_on_new[0]})
+    shm = ("--transport", "shm")
+    judge.push_file(int8_file(fleet.model_dir), "colocated-checkpoint", *shm, "--colocated-step", "2")
+    assert_same(judge.served(), {0: fleet.fresh[0]})
+    bf16 = save(new_full_precision(demo_model), tmp_path / "bf16.safetensors")
+    judge.push_file(bf16, "colocated-quantized-by-the-trainer", *shm, "--colocated-step", "1")
+    judge.assert_serves_fresh()

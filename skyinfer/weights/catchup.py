@@ -69,6 +69,10 @@ class NoSource(CatchUpRefused):
     """No peer engine serves the fleet's weights at the target's size."""
 
 
+class OutOfReach(CatchUpRefused):
+    """The engines keep their weights where no copy from a peer reaches them."""
+
+
 class PushArrived(CatchUpRefused):
     """A weight update began during the catch-up, which gave way to it."""
 
@@ -94,6 +98,14 @@ def restarted_reason(version: str) -> str:
 
 def _pushed_reason(source: int) -> str:
     return f"a push arrived during its catch-up from engine {source}; the push covers it"
+
+
+# vLLM's CPU kernels for quantized layers (int8 W8A8: oneDNN) pack the weights into themselves and
+# drop the parameters: what a peer can export is the rest, and would serve old weights under the new label.
+_PACKED_IN_KERNEL = (
+    "its model is quantized on CPU, whose kernels (vLLM's int8 oneDNN handlers) keep the weights inside"
+    " themselves, out of a copy's reach"
+)
 
 
 def _no_source(record: EngineRecord, version: str) -> str:
@@ -138,18 +150,18 @@ class CatchUp:
                 log.info("%s: once that push is over, it looks again", exc)
                 continue
             except NoSource as exc:
-                self._no_source_left(record, exc)
+                self._only_a_push(record, _no_source(record, self.registry.fleet_weight_version), exc)
+            except OutOfReach as exc:
+                self._only_a_push(record, _PACKED_IN_KERNEL, exc)
             except ApiError as exc:
                 log.warning("%s", exc)
             return
 
-    def _no_source_left(self, record: EngineRecord, exc: NoSource) -> None:
-        """Every peer is stale, down, or of another size: only a push brings it in; its reason says so."""
+    def _only_a_push(self, record: EngineRecord, why: str, exc: CatchUpRefused) -> None:
+        """No peer can give it the fleet's weights (``why``): only a push brings it in; its reason says so."""
         fleet = self.registry.fleet_weight_version
         if fleet is not None and record.up and record.stale == restarted_reason(fleet):
-            self.registry.set_stale(
-                record, f"it restarted from the checkpoint on disk; {_no_source(record, fleet)}: push to bring it in"
-            )
+            self.registry.set_stale(record, f"it restarted from the checkpoint on disk; {why}: push to bring it in")
         log.warning("%s", exc)
 
     # -- who ---------------------------------------------------------------------------------
@@ -192,6 +204,8 @@ class CatchUp:
             source = self._catching_up[record.engine_id]
             self._refuse_if(record, "it is already catching up" + ("" if source is None else f" from engine {source}"))
         self._refuse_if(record, self._refusal(record))
+        if record.devices.kind == "cpu" and self.sync.quantization() is not None:
+            raise OutOfReach(f"engine {record.engine_id} cannot catch up: {_PACKED_IN_KERNEL}; a push brings it in")
         self._catching_up[record.engine_id] = None
         try:
             async with self._one_at_a_time:
@@ -318,7 +332,8 @@ CATCH_UP = web.AppKey("catch_up", CatchUp)
 async def _catch_up_engine(request: web.Request) -> web.Response:
     """``POST /engines/{engine_id}/catch_up``: a stale engine copies the fleet's weights from a
     healthy peer engine of its size, verified by vLLM's checksums before it serves again. 409 when
-    it is not stale, a weight update is in progress, or no peer holds the fleet's weights; 502 when
+    it is not stale, a weight update is in progress, no peer holds the fleet's weights, or no copy
+    reaches them (a quantized model on CPU: its kernels hold the weights); 502 when
     a step failed (the engine stays stale, its reason saying which).
 
     If its caller leaves: the catch-up runs to its end; ``GET /engines`` shows where it stands."""

@@ -116,11 +116,15 @@ class WeightSync:
     def agreed_checksums(self) -> Checksums | None:
         return self.checks.agreed()
 
+    def quantization(self) -> dict | None:
+        """What the engines serve quantized and what a push must carry (None: full precision)."""
+        return describe_quantization(self.fleet.spec, self.online_quantization)
+
     def info(self) -> dict:
         return {
             "weight_version": self.registry.fleet_weight_version,
             "transport": self.transport.transport.name,
-            "quantization": describe_quantization(self.fleet.spec, self.online_quantization),
+            "quantization": self.quantization(),
             "update_in_progress": self.update.phase is not Phase.IDLE,
             **self.update.describe(),
             "last_update_seconds": self.push.last_update_s,
