@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import attrs
 
-from .engine_wire import CPU_WORKER_PATH
+from .engine_wire import CPU_WORKER_PATH, WORKER_SPIN_ENV
 from .ranks import LayoutError
 
 
@@ -181,6 +181,7 @@ def split_cores(cores: list[int], workers_per_engine: tuple[int, ...], cpu_kvcac
             "VLLM_CPU_OMP_THREADS_BIND": "|".join(_id_list(w) for w in workers),
             "VLLM_CPU_KVCACHE_SPACE": str(cpu_kvcache_gib),
             **_omp_wait_policy(),
+            **_worker_spin(),
         }
         plans.append(EngineDevices("cpu", workers, env))
     return plans
@@ -197,6 +198,18 @@ def _omp_wait_policy() -> dict[str, str]:
     threads that sleep"). ``OMP_WAIT_POLICY=ACTIVE`` in the environment keeps spinning, for cores
     nothing else runs on."""
     return {} if "OMP_WAIT_POLICY" in os.environ else {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+# How long a CPU worker spins on its queue after a message: longer than the EngineCore takes between
+# two steps of a running batch, far shorter than vLLM's 1 s.
+CPU_WORKER_SPIN_S = 0.05
+
+
+def _worker_spin() -> dict[str, str]:
+    """A worker spins on its message queue 50 ms after each message, not vLLM's 1 s, unless the
+    operator chose otherwise (``engine/cpu_setup.py`` says why; docs: benchmarks, "Workers that wait
+    asleep")."""
+    return {} if WORKER_SPIN_ENV in os.environ else {WORKER_SPIN_ENV: str(CPU_WORKER_SPIN_S)}
 
 
 def plan_engine_devices(

@@ -14,6 +14,7 @@ __all__ = [
     "ENGINE_DIED_HEADER",
     "EXTENSION_PATH",
     "NOT_CONTINUED_FIELD",
+    "WORKER_SPIN_ENV",
 ]
 
 # Named here (not imported from worker_extension, which imports vLLM) so the
@@ -21,6 +22,9 @@ __all__ = [
 EXTENSION_PATH = "skyinfer.engine.worker_extension.SkyinferWorkerExtension"
 # vLLM's CPU worker without its seeded-chunked-prefill crash (engine/cpu_worker.py says why).
 CPU_WORKER_PATH = "skyinfer.engine.cpu_worker.SkyinferCPUWorker"
+# Seconds a CPU worker spins on its message queue after each message (engine/cpu_setup.py), set by
+# the front for CPU engines (devices.py); unset, vLLM's own 1 s.
+WORKER_SPIN_ENV = "SKYINFER_WORKER_SPIN_S"
 # On an answer whose request the engine could not finish because its EngineCore died:
 # the request may be re-sent to another engine (the front does, once).
 ENGINE_DIED_HEADER = "X-Skyinfer-Engine-Died"

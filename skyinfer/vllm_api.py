@@ -56,6 +56,8 @@ NAMES: dict[str, tuple[str, ...]] = {
     "stateless_destroy_torch_distributed_process_group": ("vllm.distributed.utils",),
     # The CPU worker skyinfer's own CPU worker class extends (engine/cpu_worker.py).
     "CPUWorker": ("vllm.v1.worker.cpu_worker",),
+    # What a CPU worker's message queue spins on after each message read (engine/cpu_setup.py shortens it).
+    "SpinCondition": ("vllm.distributed.device_communicators.shm_broadcast",),
     # How a CPU linear layer packs its weight for its kernel (engine/cpu_setup.py keeps the weight too).
     "dispatch_cpu_unquantized_gemm": ("vllm.model_executor.layers.utils",),
     # The CPU int8 W8A8 kernel, whose oneDNN handler reads the weight scales it was built with (engine/cpu_setup.py).

@@ -359,6 +359,14 @@ ENGINE_ENVIRONMENT = {
         ' other processes and the front share their cores (docs: benchmarks, "OpenMP threads that'
         ' sleep"); ``ACTIVE`` keeps them spinning, for cores nothing else runs on',
     ),
+    "SKYINFER_WORKER_SPIN_S": EnvVar(
+        "SKYINFER_WORKER_SPIN_S",
+        "set to ``0.05`` for each engine on CPU where the front's environment does not set it"
+        " (``skyinfer/devices.py``)",
+        "seconds a worker spins on its message queue after each message before it sleeps on the"
+        " queue's socket (vLLM's own: 1 s, a core taken after every request; docs: benchmarks,"
+        ' "Workers that wait asleep")',
+    ),
     "PYTHONUNBUFFERED": EnvVar(
         "PYTHONUNBUFFERED",
         "set for each engine (``skyinfer/engine_process.py``)",

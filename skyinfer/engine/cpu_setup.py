@@ -1,7 +1,8 @@
 """A CPU worker's set-up: the AMX tile state asked of Linux before the first forward, CPU linear
 layers that keep their weight beside the packed copy their kernel computes with (packed again by
-``pack_cpu_gemms``), and int8 kernels that keep the scales they read. The worker extension calls
-the set-ups in every worker; GPU workers are untouched."""
+``pack_cpu_gemms``), int8 kernels that keep the scales they read, and a message queue that stops
+spinning soon after its last message. The worker extension calls the set-ups in every worker; GPU
+workers are untouched."""
 
 from __future__ import annotations
 
@@ -12,9 +13,16 @@ import sys
 
 import torch
 
-from ..vllm_api import CPUInt8ScaledMMLinearKernel, dispatch_cpu_unquantized_gemm
+from ..vllm_api import CPUInt8ScaledMMLinearKernel, SpinCondition, dispatch_cpu_unquantized_gemm
 
-__all__ = ["keep_cpu_gemm_weights", "keep_cpu_int8_scales", "pack_cpu_gemms", "request_amx_permission"]
+__all__ = [
+    "keep_cpu_gemm_weights",
+    "keep_cpu_int8_scales",
+    "pack_cpu_gemms",
+    "request_amx_permission",
+    "spin_briefly_after_reads",
+]
+
 
 log = logging.getLogger("skyinfer.engine.cpu_setup")
 
@@ -81,6 +89,30 @@ def keep_cpu_int8_scales() -> None:
 
     build_keeping_the_scales.keeps_its_scales = True
     CPUInt8ScaledMMLinearKernel.process_weights_for_onednn = build_keeping_the_scales
+
+
+def spin_briefly_after_reads(spin_s: float) -> None:
+    """A CPU worker polls its message queue for ``spin_s`` after each message, not vLLM's 1 s.
+
+    vLLM's CPU executor runs each worker in a process of its own, reading the EngineCore's calls
+    from a shared-memory queue; after each message read the reader spins on the queue
+    (``sched_yield`` in a loop) for ``busy_loop_s``, 1 s, before it sleeps on the queue's socket.
+    On CPU those are the cores the model runs on: every request, batch or call leaves a core busy
+    for a second after it, taken from the engine's EngineCore, its peers and the front. The spin is
+    shortened from a reader's first message on: until then it spins as vLLM's does (its socket is
+    connected by then). The front sets ``SKYINFER_WORKER_SPIN_S`` for CPU engines (``devices.py``)."""
+    if torch.cuda.is_available():
+        return
+    record_read = SpinCondition.record_read
+    if getattr(record_read, "then_spins_briefly", False):
+        return
+
+    def record_read_then_spin_briefly(condition) -> None:
+        record_read(condition)
+        condition.busy_loop_s = min(condition.busy_loop_s, spin_s)
+
+    record_read_then_spin_briefly.then_spins_briefly = True
+    SpinCondition.record_read = record_read_then_spin_briefly
 
 
 def pack_cpu_gemms(modules) -> int:

@@ -9,11 +9,17 @@ import os
 import torch
 from safetensors.torch import save_file
 
-from ..engine_wire import ADAPTER_WEIGHTS_FILE
+from ..engine_wire import ADAPTER_WEIGHTS_FILE, WORKER_SPIN_ENV
 from ..memory import give_back_freed_memory
 from . import backends  # noqa: F401 - registers skyinfer's backends with vLLM's factory
 from .catchup_files import catch_up_file, export_tensors, import_tensors, served_tensors
-from .cpu_setup import keep_cpu_gemm_weights, keep_cpu_int8_scales, pack_cpu_gemms, request_amx_permission
+from .cpu_setup import (
+    keep_cpu_gemm_weights,
+    keep_cpu_int8_scales,
+    pack_cpu_gemms,
+    request_amx_permission,
+    spin_briefly_after_reads,
+)
 from .staging import StagedPush
 from .targets import CopyTarget, ShadowTarget
 from .worker_calls import answers_every_rank
@@ -23,6 +29,8 @@ __all__ = ["SkyinferWorkerExtension"]
 request_amx_permission()
 keep_cpu_gemm_weights()
 keep_cpu_int8_scales()
+if (spin_s := os.environ.get(WORKER_SPIN_ENV)) is not None:
+    spin_briefly_after_reads(float(spin_s))
 
 
 class SkyinferWorkerExtension:
