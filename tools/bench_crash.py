@@ -27,7 +27,6 @@ import os
 import signal
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -39,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from skyinfer.demo_model import build_demo_model
 
-from benchlib import free_port, start_skyinfer, stop, wait_servers
+from benchlib import free_port, scratch_dir, start_skyinfer, stop, wait_servers
 
 PROMPT = "Reinforcement learning from verifiable rewards"
 VERSION = "bench-crash"
@@ -188,7 +187,7 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("serve_args", nargs=argparse.REMAINDER, help="after --: more `skyinfer serve` arguments")
     args = p.parse_args()
-    model = build_demo_model(Path(tempfile.mkdtemp(prefix="bench-crash-")) / "demo")
+    model = build_demo_model(scratch_dir("bench-crash-") / "demo")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     extra = [a for a in args.serve_args if a != "--"]

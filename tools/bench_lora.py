@@ -27,7 +27,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -37,13 +36,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_weight_sync import raw_gloo
+from bench_weight_sync import RawGloo
 
 from skyinfer.demo_model import build_demo_model
 from skyinfer.trainer import GlooTrainer
 from skyinfer.transfer.packing import DEFAULT_BUFFER_SIZE_BYTES
 
-from benchlib import free_port, start_reference, start_skyinfer, stop, wait_servers
+from benchlib import free_port, scratch_dir, start_reference, start_skyinfer, stop, wait_servers
 
 ADAPTER = "bench-lora"
 LONG_PROMPT = " ".join(f"w{i % 50} gamma" for i in range(300))  # about 2,000 tokens
@@ -143,7 +142,7 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
     args = p.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="bench-lora-"))
+    root = scratch_dir("bench-lora-")
     model = str(build_demo_model(root / "model"))
     paths = make_adapters(model, root, args.rank)
     engine_args = [
@@ -172,12 +171,14 @@ def main() -> None:
         push, nbytes = pushes(sky_url, paths, args.rounds)
         from safetensors.torch import load_file
 
-        raw = raw_gloo(
+        gloo = RawGloo(
             sorted(load_file(str(paths[0] / "adapter_model.safetensors")).items()),
-            args.rounds,
             DEFAULT_BUFFER_SIZE_BYTES,
             receivers=1,
+            pushes=args.rounds,
         )
+        raw = [gloo.push() for _ in range(args.rounds)]
+        gloo.close()
         costs = reset_cost(sky_url, model, paths, args.rounds)
         # The long prompt, never seen before: a cold prefill, for scale.
         costs["cold"] = [base_prompt_latency(sky_url, model, "never seen " + LONG_PROMPT)]

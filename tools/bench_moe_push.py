@@ -19,7 +19,6 @@ import asyncio
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -30,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from skyinfer.demo_model import build_demo_model, build_demo_moe_model
 from skyinfer.trainer import GlooTrainer
 
-from benchlib import free_port, start_skyinfer, stop, wait_servers
+from benchlib import free_port, scratch_dir, start_skyinfer, stop, wait_servers
 
 SHAPE = dict(hidden_size=1024, num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=4, head_dim=64)
 DENSE = dict(intermediate_size=4096)
@@ -54,7 +53,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds")
     args = p.parse_args()
-    base = Path(tempfile.mkdtemp(prefix="bench-moe-"))
+    base = scratch_dir("bench-moe-")
     models = {
         "dense": build_demo_model(base / "dense", **SHAPE, **DENSE),
         "moe": build_demo_moe_model(base / "moe", "qwen3_moe", **SHAPE, **MOE),

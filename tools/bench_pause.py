@@ -20,7 +20,6 @@ import asyncio
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -29,7 +28,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from skyinfer.demo_model import build_demo_model
 
-from benchlib import free_port, start_reference, start_skyinfer, stop, wait_healthy
+from benchlib import free_port, scratch_dir, start_reference, start_skyinfer, stop, wait_healthy
 
 
 async def call_all(session: aiohttp.ClientSession, urls: list[str], path: str, body: dict | None = None) -> float:
@@ -83,7 +82,7 @@ def main() -> None:
     p.add_argument("--cycles", type=int, default=20)
     p.add_argument("--max-tokens", type=int, default=4000)
     args = p.parse_args()
-    model = args.model or str(build_demo_model(Path(tempfile.mkdtemp(prefix="bench-model-"))))
+    model = args.model or str(build_demo_model(scratch_dir("bench-model-")))
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         raise SystemExit("needs two cores: one engine on each")

@@ -19,7 +19,6 @@ import asyncio
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -27,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from skyinfer.client import MultiNodeClient
 from skyinfer.demo_model import build_demo_model
 
-from benchlib import free_port, start_skyinfer, start_vllm_router, stop, wait_servers
+from benchlib import free_port, scratch_dir, start_skyinfer, start_vllm_router, stop, wait_servers
 
 
 async def run_load(client: MultiNodeClient, args) -> dict:
@@ -82,7 +81,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
-    model = str(build_demo_model(Path(tempfile.mkdtemp(prefix="bench-router-"))))
+    model = str(build_demo_model(scratch_dir("bench-router-")))
     cores = sorted(os.sched_getaffinity(0))
     ports = [free_port() for _ in range(2)]
     node_urls = [f"http://127.0.0.1:{port}" for port in ports]

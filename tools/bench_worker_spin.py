@@ -21,7 +21,6 @@ import asyncio
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -32,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from skyinfer.demo_model import build_demo_model
 from skyinfer.engine_wire import WORKER_SPIN_ENV
 
-from benchlib import free_port, start_reference, start_skyinfer, stop, wait_servers
+from benchlib import free_port, scratch_dir, start_reference, start_skyinfer, stop, wait_servers
 
 ENGINE_ARGS = ["--cpu-kvcache-gib", "1", "--max-model-len", "512"]
 
@@ -70,7 +69,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=10, help="requests per server per round")
     p.add_argument("--gap", type=float, default=1.5, help="seconds between two requests")
     args = p.parse_args()
-    model = str(build_demo_model(Path(tempfile.mkdtemp(prefix="bench-spin-")) / "demo"))
+    model = str(build_demo_model(scratch_dir("bench-spin-") / "demo"))
     env = {k: v for k, v in os.environ.items() if k != WORKER_SPIN_ENV}
     # The same arguments; skyinfer without spares (a spare would build an engine while it is measured).
     skyinfer_args = [*ENGINE_ARGS, "--warm-spares", "0"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import math
 import os
@@ -20,6 +21,13 @@ import aiohttp
 from skyinfer.demo_model import VOCAB_SIZE, build_demo_model
 from skyinfer.devices import detect_device_kind
 from skyinfer.engine_wire import CPU_WORKER_PATH, EXTENSION_PATH
+
+
+def scratch_dir(prefix: str) -> Path:
+    """A temporary folder removed when the bench exits: each holds models of hundreds of MiB."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 def free_port() -> int:

@@ -48,7 +48,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -59,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from skyinfer.demo_model import build_demo_model, build_demo_moe_model
 
-from benchlib import free_port, start_reference, start_skyinfer, stop, tree_memory_mib, wait_servers
+from benchlib import free_port, scratch_dir, start_reference, start_skyinfer, stop, tree_memory_mib, wait_servers
 
 PROMPTS = ["The quick brown fox", "Reinforcement learning updates a policy", "def main():"]
 TOLERANCE = 0.05
@@ -333,7 +332,7 @@ def colocated_push(server: Server, weights_file: Path, version: str) -> dict:
 
 def checkpoint_with(model_dir: Path, weights_file: Path) -> Path:
     """A checkpoint directory of ``model_dir``'s files (config, tokenizer) holding ``weights_file``'s weights."""
-    out = Path(tempfile.mkdtemp(prefix="gpu-check-pushed-"))
+    out = scratch_dir("gpu-check-pushed-")
     for item in model_dir.iterdir():
         if item.name != "model.safetensors":
             (out / item.name).symlink_to(item.resolve())
@@ -405,7 +404,7 @@ def check_sleep(c: Check, device: str, model_dir: Path, name: str) -> None:
                     refused,
                     f"generate before a push: {getattr(served, 'status_code', 200)}",
                 )
-                weights = modified_weights_file(model_dir, Path(tempfile.mkdtemp()) / "w.safetensors")
+                weights = modified_weights_file(model_dir, scratch_dir("gpu-check-") / "w.safetensors")
                 run_trainer("skyinfer", server, weights, "after-level-2")
                 gap = max_gap(server, model_dir, weights, device)
                 c.line(f"sleep.{name}.level2_push", gap <= TOLERANCE, f"after a push: max gap {gap:.4f}")
@@ -416,7 +415,7 @@ def check_sleep(c: Check, device: str, model_dir: Path, name: str) -> None:
 def check_ipc_push(c: Check, device: str, model_dir: Path, name: str) -> None:
     server = Server(model_dir, ["--colocate"], device, f"ipc-{name}")
     try:
-        weights = modified_weights_file(model_dir, Path(tempfile.mkdtemp()) / "w.safetensors")
+        weights = modified_weights_file(model_dir, scratch_dir("gpu-check-") / "w.safetensors")
         push = colocated_push(server, weights, "ipc-1")
         gap = max_gap(server, model_dir, weights, device)
         copy_s = device_copy_s(weights, device)
@@ -439,7 +438,7 @@ def check_moe(c: Check, device: str, model_dir: Path) -> None:
     try:
         gap = max_gap(server, model_dir, None, device)
         c.line("moe.serve", gap <= TOLERANCE, f"max |vLLM - transformers fp32| {gap:.4f}")
-        weights = modified_weights_file(model_dir, Path(tempfile.mkdtemp()) / "w.safetensors")
+        weights = modified_weights_file(model_dir, scratch_dir("gpu-check-") / "w.safetensors")
         for label, pushed in (("new", weights), ("back", model_dir / "model.safetensors")):
             push = colocated_push(server, pushed, f"moe-{label}")
             gap = max_gap(server, model_dir, pushed, device)
@@ -454,7 +453,7 @@ def check_quant(c: Check, device: str, model_dir: Path) -> None:
     weights, quantized at load; a push of the checkpoint back gives the first answers again. On CPU
     (a rehearsal of the script) the engines are unquantized."""
     quantization = ["--quantization", "fp8"] if device == "cuda" else []
-    weights = modified_weights_file(model_dir, Path(tempfile.mkdtemp()) / "w.safetensors")
+    weights = modified_weights_file(model_dir, scratch_dir("gpu-check-") / "w.safetensors")
     server = Server(model_dir, ["--colocate", *quantization], device, "quant", dtype="bfloat16")
     try:
         first = server.greedy_all()
@@ -491,7 +490,7 @@ def check_vllm_ipc(c: Check, device: str, model_dir: Path) -> None:
     # Pickles run code: a server that takes them has an admin key, which the trainer sends.
     server = Server(model_dir, ["--colocate", "--allow-pickled-ipc"], device, "vllm-ipc", admin_key=VLLM_IPC_ADMIN_KEY)
     try:
-        weights = modified_weights_file(model_dir, Path(tempfile.mkdtemp()) / "w.safetensors")
+        weights = modified_weights_file(model_dir, scratch_dir("gpu-check-") / "w.safetensors")
         push = run_trainer("vllm_ipc", server, weights, "vllm-ipc")
         gap = max_gap(server, model_dir, weights, device)
         c.line("vllm_ipc", gap <= TOLERANCE, f"max gap {gap:.4f}; push {push['push_s']:.3f} s")
@@ -652,7 +651,7 @@ def main() -> int:
             f"# {time.strftime('%Y-%m-%d %H:%M')} device {gpu}; vLLM {vllm.__version__}; torch {torch.__version__};"
             f" Python {sys.version.split()[0]}; tensor parallel {args.tensor_parallel_size}"
         )
-        base = Path(tempfile.mkdtemp(prefix="gpu-check-"))
+        base = scratch_dir("gpu-check-")
         demo = build_demo_model(base / "demo")
         # On CPU the wide model would take minutes per engine start: the script's own check runs the demo.
         wide = build_demo_model(base / "wide", **WIDE_MODEL) if args.device == "cuda" else demo
