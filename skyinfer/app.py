@@ -22,6 +22,7 @@ from .health import engines_view, health, ready
 from .leasing import LocalLeases
 from .metrics import METRICS, WORKER_METRICS, ServiceMetrics, metrics_view
 from .proxy import GROUP_PREFIX_CHARS, LEASES, add_data_plane_routes
+from .ranks import LayoutError
 from .registry import REGISTRY, EngineRegistry
 from .routing import SessionRouter
 from .security import DATA_PLANE_PATHS, AccessPolicy
@@ -31,12 +32,26 @@ from .supervisor import SUPERVISOR, Supervisor, add_supervisor_routes
 from .transfer import transport_for
 from .vllm_routes import add_vllm_routes
 from .weights.catchup import CATCH_UP, CatchUp, add_catch_up_routes
+from .weights.checkpoint import CheckpointSpec
 from .weights.routes import add_weight_routes
 from .weights.sync import WEIGHT_SYNC, WeightSync
 from .weights.transports import FrontTransport
 
+# Measured with vLLM 0.32 alone (vllm serve --data-parallel-size 2 of a tiny Qwen3-MoE on CPU): the
+# engine starts, then its first request raises NotImplementedError in every rank and the engine dies.
+_CPU_MOE_DATA_PARALLEL = (
+    "a mixture-of-experts model cannot run data-parallel on vLLM's CPU backend: its experts' data-parallel"
+    " dispatch gathers the ranks' tokens with all_gatherv, which vLLM's CPU communicator does not implement"
+    " (the first request kills the engine, in vllm serve too). Run it with -dp 1 (--engines N for more"
+    " engines), or on GPUs"
+)
+
 
 def build_registry(config: ServeConfig, kind: str, socket_dir: str) -> EngineRegistry:
+    if kind == "cpu" and config.data_parallel_size > 1:
+        spec = CheckpointSpec.find(config.model)
+        if spec is not None and spec.has_experts:
+            raise LayoutError(_CPU_MOE_DATA_PARALLEL)
     plans = plan_engine_devices(kind, config.workers_per_engine, config.cpu_kvcache_gib)
     records = [
         EngineRecord(

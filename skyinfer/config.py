@@ -14,6 +14,7 @@ import sys
 import attrs
 
 from .devices import given, given_value
+from .ranks import EngineSize
 
 CLI = "skyinfer.cli"
 # What a colocated engine takes of its GPUs' memory, unless told otherwise: the rest is the trainer's.
@@ -117,6 +118,14 @@ class ServeConfig:
     )
     pipeline_parallel_size: int = _option(
         1, "pipeline stages per engine", metavar="PP", aliases=("-pp",), validator=_at_least_one
+    )
+    data_parallel_size: int = _option(
+        1,
+        "data-parallel ranks inside each engine (vLLM's DP: one engine whose ranks each hold the model, or"
+        " with --enable-expert-parallel a share of its experts; each rank takes TP x PP GPUs or CPU workers)",
+        metavar="DP",
+        aliases=("-dp",),
+        validator=_at_least_one,
     )
     engine_sizes: tuple[tuple[int, int], ...] | None = _option(
         None,
@@ -326,10 +335,10 @@ class ServeConfig:
         check_bind(self.host, self.admin_key, self.allow_unauthenticated_admin)
         if self.engine_sizes is not None:
             self._check_engine_sizes()
-        if given("--data-parallel-size", self.engine_args) or given("-dp", self.engine_args):
+        if any(given(flag, self.engine_args) for flag in ("--data-parallel-size", "-dp", "--data-parallel-size-local")):
             raise ValueError(
-                "--data-parallel-size among the engine arguments: skyinfer runs data parallelism itself, one engine"
-                " process per --engines, each with its own devices and rank layout; use --engines N"
+                "--data-parallel-size among the engine arguments: give it to skyinfer (-dp N, before the engine"
+                " arguments), which counts each engine's workers for devices and weight-transfer ranks"
             )
         if self.allow_pickled_ipc and not self.colocate:
             raise ValueError("--allow-pickled-ipc is for a colocated server's IPC transport: add --colocate")
@@ -350,16 +359,16 @@ class ServeConfig:
         return given_value(("--quantization", "-q"), self.engine_args)
 
     @property
-    def engine_parallel(self) -> tuple[tuple[int, int], ...]:
-        """Each engine's (tensor, pipeline) parallel size: ``engine_sizes``, or ``-tp`` x ``-pp`` for every one."""
-        if self.engine_sizes is not None:
-            return self.engine_sizes
-        return ((self.tensor_parallel_size, self.pipeline_parallel_size),) * self.engines
+    def engine_parallel(self) -> tuple[EngineSize, ...]:
+        """Each engine's sizes: ``engine_sizes`` (tensor, pipeline), or ``-tp`` x ``-pp`` for every
+        one; ``-dp`` for every one."""
+        pairs = self.engine_sizes or ((self.tensor_parallel_size, self.pipeline_parallel_size),) * self.engines
+        return tuple(EngineSize(tp, pp, self.data_parallel_size) for tp, pp in pairs)
 
     @property
     def workers_per_engine(self) -> tuple[int, ...]:
-        """Each engine's workers (GPUs, or CPU worker ranks): tp x pp of its own."""
-        return tuple(tp * pp for tp, pp in self.engine_parallel)
+        """Each engine's workers (GPUs, or CPU worker ranks): tp x pp x dp of its own."""
+        return tuple(size.workers for size in self.engine_parallel)
 
     def _check_engine_sizes(self) -> None:
         """``--engine-sizes`` sets the engines and their sizes: ``--engines``, ``-tp`` and ``-pp`` may

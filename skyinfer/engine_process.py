@@ -75,7 +75,7 @@ class EngineProcess:
         """Its command line; with ``report_fd``, a spare's (spares.py), which reports there."""
         c = self.config
         # Its own sizes: engines of a fleet may differ (--engine-sizes).
-        tensor_parallel_size, pipeline_parallel_size = self.record.parallel
+        size = self.record.parallel
         vllm_args = [
             "--model",
             c.model,
@@ -83,9 +83,11 @@ class EngineProcess:
             "--worker-extension-cls",
             EXTENSION_PATH,
             "--tensor-parallel-size",
-            str(tensor_parallel_size),
+            str(size.tensor),
             "--pipeline-parallel-size",
-            str(pipeline_parallel_size),
+            str(size.pipeline),
+            "--data-parallel-size",
+            str(size.data),
             *platform_engine_args(
                 self.record.devices.kind,
                 c.engine_args,

@@ -1,11 +1,12 @@
 """Where each engine's workers sit in a weight-transfer group (``RankLayout``, the one place it is
-computed), and ``LayoutError``: engines that do not fit, on this machine's devices or in a group's ranks."""
+computed; ``EngineSize`` counts an engine's workers, ``worker_index`` places one among them), and
+``LayoutError``: engines that do not fit, on this machine's devices or in a group's ranks."""
 
 from __future__ import annotations
 
 import attrs
 
-__all__ = ["LayoutError", "RankLayout"]
+__all__ = ["EngineSize", "LayoutError", "RankLayout", "worker_index"]
 
 
 class LayoutError(ValueError):
@@ -14,8 +15,46 @@ class LayoutError(ValueError):
 
 
 @attrs.frozen
+class EngineSize:
+    """One engine's parallel sizes: tensor x pipeline workers per data-parallel rank, and its
+    data-parallel ranks (vLLM's DP inside one engine: each rank a copy of the model, or with
+    ``--enable-expert-parallel`` its share of the experts; vLLM balances requests among them)."""
+
+    tensor: int = 1
+    pipeline: int = 1
+    data: int = 1
+
+    @classmethod
+    def of(cls, value) -> EngineSize:
+        """An ``EngineSize``, or one from a (tensor, pipeline[, data]) tuple."""
+        return value if isinstance(value, cls) else cls(*value)
+
+    @property
+    def workers(self) -> int:
+        return self.tensor * self.pipeline * self.data
+
+    def describe(self) -> dict:
+        return {
+            "tensor_parallel_size": self.tensor,
+            "pipeline_parallel_size": self.pipeline,
+            "data_parallel_size": self.data,
+        }
+
+    def __str__(self) -> str:
+        return f"tp {self.tensor} x pp {self.pipeline}" + (f" x dp {self.data}" if self.data > 1 else "")
+
+
+def worker_index(parallel_config) -> int:
+    """A worker's place among its engine's workers, from vLLM's ``ParallelConfig`` in the worker:
+    data-parallel ranks in order, each one's tp x pp workers in vLLM's rank order, as vLLM's own
+    NCCL receivers number them (``data_parallel_index``: ``data_parallel_rank`` is 0 in every rank
+    of a model without experts)."""
+    return parallel_config.data_parallel_index * parallel_config.world_size + parallel_config.rank
+
+
+@attrs.frozen
 class RankLayout:
-    """The trainer is rank 0. Each engine's workers (tp x pp of them) take consecutive ranks after
+    """The trainer is rank 0. Each engine's workers (tp x pp x dp of them) take consecutive ranks after
     the ranks before them. A client's ``rank_offset`` is where this server's workers start: 1 for a
     single node (what vLLM's trainer helpers send); on node k of several, 1 plus the workers of the
     nodes before (``MultiNodeClient``)."""

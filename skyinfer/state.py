@@ -30,6 +30,7 @@ import attrs
 
 from .devices import EngineDevices
 from .errors import ApiError
+from .ranks import EngineSize
 
 log = logging.getLogger("skyinfer.state")
 
@@ -295,9 +296,9 @@ class EngineRecord:
     connection_limit: int = 4096
     # Requests that may wait for a connection before new ones are refused; 0: no cap.
     queue_limit: int = 0
-    # Its (tensor, pipeline) parallel size: its process is started with them, and its workers
-    # (tp x pp of them) take that many ranks of a trainer's group.
-    parallel: tuple[int, int] = (1, 1)
+    # Its parallel sizes: its process is started with them, and its workers (tp x pp x dp of them)
+    # take that many ranks of a trainer's group.
+    parallel: EngineSize = attrs.field(default=EngineSize(), converter=EngineSize.of)
     lifecycle: Lifecycle = attrs.field(default=Lifecycle.STARTING, on_setattr=_announce)
     # While it is up: its scheduler and memory, why its weights are not the fleet's (None:
     # they are), whether it is inside a weight update. A new process starts with none of it.
@@ -456,8 +457,7 @@ class EngineRecord:
             "staging": self.staging,
             "pid": self.pid,
             "devices": self.devices.describe(),
-            "tensor_parallel_size": self.parallel[0],
-            "pipeline_parallel_size": self.parallel[1],
+            **self.parallel.describe(),
             "in_flight": self.in_flight_count,
             "queued": self.queued,
             "weight_version": self.weight_version,

@@ -89,6 +89,9 @@ NAMES: dict[str, tuple[str, ...]] = {
     "WeightVersionSpan": ("vllm.outputs",),
     "Logprob": ("vllm.logprobs",),
     "merge_async_iterators": ("vllm.utils.async_utils",),
+    # The engine's client: its call_utility_all_async asks every data-parallel rank's EngineCore and
+    # returns each one's answer (engine/worker_calls.py); AsyncLLM.collective_rpc returns the first's.
+    "AsyncMPClient": ("vllm.v1.engine.core_client",),
     # LoRA: the request an adapter is loaded and served with.
     "LoRARequest": ("vllm.lora.request",),
 }

@@ -274,6 +274,26 @@ def process_tree(srv: ServerProcess) -> list[psutil.Process]:
     return tree
 
 
+def until_engine(server: ServerProcess, predicate, timeout_s: float = 240) -> dict:
+    """A one-engine server's engine once ``predicate`` holds for it (``/engines``), polled."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate(engine := server.engines()[0]):
+        assert time.monotonic() < deadline, engine
+        time.sleep(0.5)
+    return engine
+
+
+def killed_until_stale(server: ServerProcess, victim: psutil.Process, what: str) -> dict:
+    """SIGKILL ``victim`` (a process of a one-engine server's engine); the engine once it is back,
+    stale (the pushed weights went with the old one), saying it restarted."""
+    victim.send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    engine = until_engine(server, lambda e: e["restarts"] == 1 and e["state"] == "stale")
+    print(f"{what}: engine back (stale) {time.monotonic() - killed_at:.1f}s after the SIGKILL")
+    assert "restarted" in engine["stale_reason"], engine
+    return engine
+
+
 def vllm_process(engine_pid: int, role: str) -> psutil.Process:
     """vLLM's EngineCore or worker process under one engine."""
     (proc,) = [p for p in psutil.Process(engine_pid).children(recursive=True) if role in " ".join(p.cmdline())]

@@ -16,7 +16,7 @@ from skyinfer.__main__ import _config_from_args, _serve_parser
 from skyinfer.app import create_app
 from skyinfer.config import ServeConfig
 from skyinfer.devices import parse_visible_devices, split_cores, split_gpus
-from skyinfer.ranks import LayoutError
+from skyinfer.ranks import EngineSize, LayoutError
 from skyinfer.registry import REGISTRY
 from skyinfer.weights.checkpoint import safetensors_shapes
 
@@ -68,10 +68,22 @@ async def told_rank_offset(app, engine: int) -> int:
     return (await fake_get(app, engine, "/fake/bodies"))["/init_weight_transfer"]["init_info"]["rank_offset"]
 
 
+_SIZE_FLAGS = ("--tensor-parallel-size", "--pipeline-parallel-size", "--data-parallel-size")
+
+
 async def started_with(app, engine: int) -> tuple[int, int]:
-    """The --tensor-parallel-size and --pipeline-parallel-size the engine's process was started with."""
+    """The --tensor-parallel-size and --pipeline-parallel-size the engine's process was started with
+    (each engine with --data-parallel-size 1 unless a test says otherwise: ``started_dp``)."""
     args = (await fake_get(app, engine, "/fake/args"))["vllm_args"]
-    return tuple(int(args[args.index(flag) + 1]) for flag in ("--tensor-parallel-size", "--pipeline-parallel-size"))
+    tp, pp, dp = (int(args[args.index(flag) + 1]) for flag in _SIZE_FLAGS)
+    assert dp == 1, args
+    return tp, pp
+
+
+async def started_dp(app, engine: int) -> tuple[int, int, int]:
+    """The tensor, pipeline and data-parallel sizes the engine's process was started with."""
+    args = (await fake_get(app, engine, "/fake/args"))["vllm_args"]
+    return tuple(int(args[args.index(flag) + 1]) for flag in _SIZE_FLAGS)
 
 
 async def init(client, group_init, **init_info):
@@ -100,6 +112,50 @@ async def test_two_engines_of_tp_2_take_two_gpus_and_two_ranks_each(
     assert r.status == 200, await r.text()
     assert (await r.json())["rank_offsets"] == [1, 3]
     assert [await told_rank_offset(app, i) for i in (0, 1)] == [1, 3]
+
+
+async def test_two_engines_of_dp_2_x_tp_2_take_four_gpus_and_four_ranks_each(
+    aiohttp_client, demo_model, tmp_path, eight_gpus, group_init
+):
+    """vLLM's data parallelism inside each engine: one engine process (vLLM balances among its
+    ranks), each of its 2 ranks tp 2 wide; the engine counts its 4 workers for GPUs and ranks."""
+    app, client = await fleet_on_gpus(aiohttp_client, demo_model, tmp_path, ["--engines", "2", "-tp", "2", "-dp", "2"])
+    fleet = await engines(client)
+    assert [e["devices"]["ids"] for e in fleet] == [["0", "1", "2", "3"], ["4", "5", "6", "7"]]
+    assert [(e["tensor_parallel_size"], e["pipeline_parallel_size"], e["data_parallel_size"]) for e in fleet] == [
+        (2, 1, 2),
+        (2, 1, 2),
+    ]
+    assert [await started_dp(app, i) for i in (0, 1)] == [(2, 1, 2), (2, 1, 2)]
+    assert await world_size(client) == 8
+    r = await init(client, group_init, world_size=9)
+    assert r.status == 200, await r.text()
+    assert (await r.json())["rank_offsets"] == [1, 5]
+    assert [await told_rank_offset(app, i) for i in (0, 1)] == [1, 5]
+    r = await init(client, group_init, world_size=8)
+    assert r.status == 400 and "world_size >= 9" in (await r.json())["error"]["message"]
+
+
+def test_data_parallel_ranks_are_counted_in_workers_and_given_to_skyinfer_not_vllm():
+    config = serve_config(["--model", "m", "--engine-sizes", "2x1,1x1", "-dp", "2"])
+    assert [str(size) for size in config.engine_parallel] == ["tp 2 x pp 1 x dp 2", "tp 1 x pp 1 x dp 2"]
+    assert config.workers_per_engine == (4, 2)
+    for flag in ("--data-parallel-size", "-dp", "--data-parallel-size-local"):
+        with pytest.raises(ValueError, match="give it to skyinfer"):
+            serve_config(["--model", "m", "--", flag, "2"])
+
+
+def test_a_mixture_of_experts_model_is_not_run_data_parallel_on_cpu(tmp_path):
+    """vLLM 0.32's CPU communicator has no all_gatherv, which the experts' data-parallel dispatch
+    calls: the first request kills such an engine (in vllm serve too). Refused before any engine starts."""
+    from skyinfer.demo_model import build_demo_moe_model
+
+    moe = build_demo_moe_model(tmp_path / "moe")
+    config = serve_config(["--model", str(moe), "--device", "cpu", "-dp", "2"], socket_dir=str(tmp_path))
+    with pytest.raises(LayoutError, match="mixture-of-experts model cannot run data-parallel on vLLM's CPU backend"):
+        create_app(config)
+    # The same model without data parallelism is no layout error.
+    create_app(attrs.evolve(config, data_parallel_size=1))
 
 
 # -- engines of their own sizes -----------------------------------------------------------------
@@ -184,13 +240,13 @@ async def _all_ready(client) -> bool:
 def test_engine_sizes_set_the_count_and_each_engines_sizes():
     config = serve_config(["--model", "m", "--engine-sizes", " 2x1, 1X2 ,1x1"])
     assert config.engines == 3
-    assert config.engine_parallel == ((2, 1), (1, 2), (1, 1))
+    assert config.engine_parallel == (EngineSize(2, 1), EngineSize(1, 2), EngineSize(1, 1))
     assert config.workers_per_engine == (2, 2, 1)
     # The same count, or sizes that agree with every engine's, are no disagreement.
     assert serve_config(["--model", "m", "--engines", "3", "--engine-sizes", MIXED]).engines == 3
     assert serve_config(["--model", "m", "-tp", "2", "--engine-sizes", "2x1,2x2"]).workers_per_engine == (2, 4)
     uniform = serve_config(["--model", "m", "--engines", "3", "-tp", "2", "-pp", "2"])
-    assert uniform.engine_parallel == ((2, 2),) * 3 and uniform.workers_per_engine == (4, 4, 4)
+    assert uniform.engine_parallel == (EngineSize(2, 2),) * 3 and uniform.workers_per_engine == (4, 4, 4)
     # From Python: pairs, or the string.
     assert ServeConfig(model="m", engine_sizes=[(1, 1), (4, 1)]).workers_per_engine == (1, 4)
 

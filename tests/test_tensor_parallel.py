@@ -12,7 +12,6 @@ colocated) is started once per class.
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 import time
@@ -24,7 +23,7 @@ import pytest
 
 from lora_support import assert_serves, make_adapter
 from pushes import assert_engines_match, modified_weights, run_trainer, save, start_trainer
-from support import ServerProcess, free_port, module_servers, vllm_process
+from support import ServerProcess, free_port, killed_until_stale, module_servers, until_engine, vllm_process
 
 TP2 = ("--tensor-parallel-size", "2", "--dtype", "float32", "--hold-requests", "1")
 MAX_LORA_RANK = 16
@@ -36,14 +35,6 @@ def workers(server: ServerProcess) -> list[psutil.Process]:
     found = sorted(core.children(), key=lambda p: p.name())
     assert [p.name() for p in found] == ["VLLM::Worker_TP0", "VLLM::Worker_TP1"], [p.name() for p in found]
     return found
-
-
-def until_engine(server: ServerProcess, predicate, timeout_s: float = 240) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while not predicate(engine := server.engines()[0]):
-        assert time.monotonic() < deadline, engine
-        time.sleep(0.5)
-    return engine
 
 
 def _launch(demo_model: Path, logs: Path) -> dict[str, ServerProcess]:
@@ -154,12 +145,7 @@ class TestGroupPushes:
         engine comes back with two new ones on the same cores, stale (the pushed weights are gone)
         until the next push, which lands whole."""
         old_workers = workers(tp2)
-        core = vllm_process(tp2.engines()[0]["pid"], "EngineCore")
-        core.send_signal(signal.SIGKILL)
-        killed_at = time.monotonic()
-        engine = until_engine(tp2, lambda e: e["restarts"] == 1 and e["state"] == "stale")
-        print(f"tp-2 engine back (stale) {time.monotonic() - killed_at:.1f}s after its EngineCore's SIGKILL")
-        assert "restarted" in engine["stale_reason"], engine
+        killed_until_stale(tp2, vllm_process(tp2.engines()[0]["pid"], "EngineCore"), "tp 2, its EngineCore")
         gone = psutil.wait_procs(old_workers, timeout=10)[1]
         assert not gone, f"workers left behind: {gone}"
         assert [w.cpu_affinity() for w in workers(tp2)] == [[0], [1]]

@@ -557,3 +557,31 @@ def test_every_backend_keeps_a_failed_chunk_for_the_engine_to_ask(backend):
     receiver = object.__new__(getattr(backends, backend))  # no group, no model: the chunk fails first
     receiver.update_weights({"names": ["w"], "dtype_names": ["no-such-dtype"], "shapes": [[1]]})
     assert receiver.update_failure is not None
+
+
+async def test_a_worker_call_reads_every_data_parallel_rank_and_fails_on_any():
+    """vLLM's collective_rpc returns data-parallel rank 0's answers alone: skyinfer asks each rank's
+    EngineCore (vLLM's call_utility_all_async) and reads them all, in worker order; a failure on
+    rank 1's worker fails the call, named."""
+    from types import SimpleNamespace
+
+    from skyinfer.engine.worker_calls import WorkerFailed, every_worker_answers, on_every_worker
+
+    asked = []
+
+    class EngineCore:  # vLLM's client of a data-parallel-2 engine, each rank tp 2
+        def __init__(self, rank_1_fails: bool):
+            self.rank_1_fails = rank_1_fails
+
+        async def call_utility_all_async(self, method, *args):
+            asked.append((method, args))
+            second = {"skyinfer_worker_failed": "RuntimeError: out of memory"} if self.rank_1_fails else {"ok": 3}
+            return [[{"ok": 0}, {"ok": 1}], [{"ok": 2}, second]]
+
+    engine = SimpleNamespace(engine_core=EngineCore(rank_1_fails=False))
+    assert await on_every_worker(engine, "skyinfer_status", "x") == [{"ok": 0}, {"ok": 1}, {"ok": 2}, {"ok": 3}]
+    assert asked == [("collective_rpc", ("skyinfer_status", None, ("x",), None))]
+    engine.engine_core.rank_1_fails = True
+    with pytest.raises(WorkerFailed, match=r"^worker 3: RuntimeError: out of memory$"):
+        await on_every_worker(engine, "skyinfer_status")
+    assert len(await every_worker_answers(engine, "skyinfer_status")) == 4

@@ -27,6 +27,9 @@ same way, so that memory figures mean something:
   of transformers float32.
 - quant: an fp8 engine (online quantization of the bf16 demo checkpoint) takes two bf16 pushes; each
   then serves the greedy tokens and logprobs (within 1e-3) of an fp8 engine started on those weights.
+- dp: one engine of data-parallel size 2 (a Qwen3-MoE with expert parallelism; it needs 2 GPUs, x
+  tp, and says so where there are fewer), a gloo push of new weights and of the checkpoint's back;
+  each rank, asked by itself, within 0.05 of transformers float32. On CPU: the dense demo.
 
 ``--enforce-eager`` starts every engine without CUDA graphs and torch.compile (a minute less per
 start): for a short device lease where the weight path, not the graphs, is what is checked.
@@ -63,7 +66,7 @@ from benchlib import free_port, scratch_dir, start_reference, start_skyinfer, st
 PROMPTS = ["The quick brown fox", "Reinforcement learning updates a policy", "def main():"]
 TOLERANCE = 0.05
 # The checks, in the order a run without --only takes them.
-CHECKS = ("serve", "sleep", "ipc_push", "vllm_ipc", "restart", "throughput", "soak", "moe", "quant")
+CHECKS = ("serve", "sleep", "ipc_push", "vllm_ipc", "restart", "throughput", "soak", "moe", "quant", "dp")
 # A push into a quantized engine is exact when it serves as an engine started on the pushed weights.
 QUANT_EXACT = 1e-3
 # About 1.3 GB in bf16: 16 layers of 2048 wide (head_dim 64, as the demo model).
@@ -190,24 +193,28 @@ class Server:
     def post(self, path: str, body: dict | None = None, **params) -> httpx.Response:
         return self.http.post(path, json=body, params=params)
 
-    def greedy(self, prompt: str, n: int = 8) -> tuple[list[int], list[int], list[float]] | httpx.Response:
-        """(prompt ids, output ids, logprobs) of a greedy completion; the response if it failed."""
+    def greedy(
+        self, prompt: str, n: int = 8, rank: int | None = None
+    ) -> tuple[list[int], list[int], list[float]] | httpx.Response:
+        """(prompt ids, output ids, logprobs) of a greedy completion (by data-parallel rank ``rank``
+        of a ``-dp`` engine, if given); the response if it failed."""
         ids = self.prompt_ids[prompt]
-        r = self.post(
+        r = self.http.post(
             "/inference/v1/generate",
-            {
+            json={
                 "token_ids": ids,
                 "sampling_params": {"max_tokens": n, "temperature": 0, "logprobs": 0, "ignore_eos": True},
             },
+            headers={} if rank is None else {"X-data-parallel-rank": str(rank)},
         )
         if r.status_code != 200:
             return r
         choice = r.json()["choices"][0]
         return ids, choice["token_ids"], [e["logprob"] for e in choice["logprobs"]["content"]]
 
-    def greedy_all(self) -> list[tuple[list[int], list[int], list[float]]]:
+    def greedy_all(self, rank: int | None = None) -> list[tuple[list[int], list[int], list[float]]]:
         """``greedy`` for every prompt; an error if one failed."""
-        cases = [self.greedy(p) for p in PROMPTS]
+        cases = [self.greedy(p, rank=rank) for p in PROMPTS]
         for case in cases:
             if isinstance(case, httpx.Response):
                 raise RuntimeError(f"generate answered {case.status_code}: {case.text[:300]}")
@@ -237,8 +244,8 @@ def reference_logprobs(model_dir: Path, weights_file: Path | None, device: str, 
     return out
 
 
-def max_gap(server: Server, model_dir: Path, weights_file: Path | None, device: str) -> float:
-    cases = server.greedy_all()
+def max_gap(server: Server, model_dir: Path, weights_file: Path | None, device: str, rank: int | None = None) -> float:
+    cases = server.greedy_all(rank)
     refs = reference_logprobs(model_dir, weights_file, device, cases)
     return max(abs(a - b) for (_, _, got), ref in zip(cases, refs) for a, b in zip(got, ref))
 
@@ -298,6 +305,14 @@ def trainer_main(kind: str, url: str, weights_file: str, version: str) -> None:
         )
         started = time.perf_counter()
         engine.send_weights()
+    elif kind == "gloo":
+        from skyinfer.trainer import GlooTrainer
+
+        tensors = [(k, v.cpu()) for k, v in tensors]
+        trainer = GlooTrainer(url, admin_key=admin_key, timeout_s=300)
+        trainer.init()
+        started = time.perf_counter()
+        trainer.push(tensors, version)
     else:
         from skyinfer.trainer import IPCTrainer, SharedMemoryTrainer
 
@@ -481,6 +496,34 @@ def check_quant(c: Check, device: str, model_dir: Path) -> None:
 
 
 VLLM_IPC_ADMIN_KEY = "sk-gpu-check-admin-0123456789"
+
+
+def check_dp(c: Check, device: str, dense: Path, moe: Path) -> None:
+    """One engine of data-parallel size 2 (vLLM's DP inside it), taking a gloo push from a trainer
+    process: on GPUs a Qwen3-MoE with expert parallelism (each rank its share of the experts, on
+    GPUs of its own), on CPU the dense demo (vLLM's CPU backend cannot run an MoE data-parallel;
+    skyinfer refuses it). Each rank, asked by itself (``X-data-parallel-rank``), is judged against
+    transformers float32: before a push, after new weights, after the checkpoint's own back."""
+    if device == "cuda":
+        import torch
+
+        needed = 2 * Server.tensor_parallel_size
+        if torch.cuda.device_count() < needed:
+            c.say(f"# dp: not run: needs {needed} GPUs, {torch.cuda.device_count()} here")
+            return
+    model, extra = (moe, ["--enable-expert-parallel"]) if device == "cuda" else (dense, [])
+    server = Server(model, ["-dp", "2", *extra], device, "dp")
+    try:
+        weights = modified_weights_file(model, scratch_dir("gpu-check-") / "w.safetensors")
+        for label, pushed in (("serve", None), ("push_new", weights), ("push_back", model / "model.safetensors")):
+            push = (
+                "" if pushed is None else f"; push {run_trainer('gloo', server, pushed, f'dp-{label}')['push_s']:.3f} s"
+            )
+            for rank in (0, 1):
+                gap = max_gap(server, model, pushed, device, rank)
+                c.line(f"dp.{label}.rank{rank}", gap <= TOLERANCE, f"max |vLLM - transformers fp32| {gap:.4f}{push}")
+    finally:
+        server.close()
 
 
 def check_vllm_ipc(c: Check, device: str, model_dir: Path) -> None:
@@ -669,6 +712,7 @@ def main() -> int:
             "soak": lambda: check_soak(c, args.device, wide, args.soak_pushes),
             "moe": lambda: check_moe(c, args.device, build_demo_moe_model(base / "moe", "qwen3_moe")),
             "quant": lambda: check_quant(c, args.device, demo),
+            "dp": lambda: check_dp(c, args.device, demo, build_demo_moe_model(base / "dp-moe", "qwen3_moe")),
         }
         for name in args.only or checks:
             run = checks[name]

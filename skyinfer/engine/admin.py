@@ -23,6 +23,7 @@ from ..wire import (
     WireError,
 )
 from .appkeys import ENGINE_CLIENT
+from .worker_calls import every_worker_answers
 
 log = logging.getLogger("skyinfer.engine.admin")
 
@@ -99,7 +100,7 @@ async def _weight_checker(engine, request: web.Request) -> dict:
     body = await request.read()
     p = WeightCheckRequest.parse(parse_json_object(body) if body else {})
     if p.action == "reset":
-        await engine.collective_rpc("reset_weights")
+        await every_worker_answers(engine, "reset_weights")
         return {"status": "reset"}
     checksums: dict[str, str] = {}
     for per_worker in await engine.compute_weight_checksums():

@@ -25,7 +25,7 @@ from . import (
 )
 from .admin import abort
 from .appkeys import ENGINE_CLIENT, KV_EPOCHS
-from .worker_calls import on_every_worker
+from .worker_calls import every_worker_answers, on_every_worker
 
 __all__ = ["KvEpochs", "add_weight_routes", "engine_call_route"]
 
@@ -92,7 +92,7 @@ async def _until_every_worker(poll, ready: str, timeout_s: float, poll_s: float)
 
 async def _wait_for_rendezvous(engine, timeout_s: float) -> web.Response:
     try:
-        statuses = await _until_every_worker(lambda: engine.collective_rpc(STATUS_RPC), "ready", timeout_s, 0.1)
+        statuses = await _until_every_worker(lambda: every_worker_answers(engine, STATUS_RPC), "ready", timeout_s, 0.1)
     except _WorkersFailed as failed:
         return error_response(502, f"joining the trainer's group failed: {failed}")
     if statuses is None:

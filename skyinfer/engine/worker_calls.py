@@ -39,10 +39,19 @@ def answers_every_rank(method: Callable) -> Callable:
     return call
 
 
+async def every_worker_answers(engine, method: str, *args: Any) -> list:
+    """``method``'s answer from every worker of ``engine`` (an AsyncLLM), of every data-parallel rank,
+    in ``ranks.worker_index`` order. ``AsyncLLM.collective_rpc`` asks every data-parallel rank of an
+    engine but returns the first rank's answers alone; vLLM's client asks each rank's EngineCore
+    itself for the answers of all (as vLLM's own weight checksums do)."""
+    per_rank = await engine.engine_core.call_utility_all_async("collective_rpc", method, None, args, None)
+    return [answer for answers in per_rank for answer in answers]
+
+
 async def on_every_worker(engine, method: str, *args: Any) -> list:
     """Call a worker method decorated with ``answers_every_rank`` on every worker of ``engine``
-    (an AsyncLLM): their answers in rank order, or ``WorkerFailed`` naming each worker that failed."""
-    answers = await engine.collective_rpc(method, args=args)
+    (an AsyncLLM): their answers in worker order, or ``WorkerFailed`` naming each worker that failed."""
+    answers = await every_worker_answers(engine, method, *args)
     failed = [
         f"worker {rank}: {answer[_FAILED]}"
         for rank, answer in enumerate(answers)

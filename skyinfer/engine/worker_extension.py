@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 
 from ..engine_wire import ADAPTER_WEIGHTS_FILE, WORKER_SPIN_ENV
 from ..memory import give_back_freed_memory
+from ..ranks import worker_index
 from . import backends  # noqa: F401 - registers skyinfer's backends with vLLM's factory
 from .catchup_files import catch_up_file, export_tensors, import_tensors, served_tensors
 from .cpu_setup import (
@@ -100,8 +101,8 @@ class SkyinferWorkerExtension:
             engine.receive_weights(engine.parse_update_info(update_info))
         finally:
             engine.reset_weight_update_target()
-        # Every worker of the engine takes part in the broadcast; one writes the file.
-        if self.rank == 0:
+        # Every worker of the engine (of every data-parallel rank) takes part in the broadcast; one writes the file.
+        if worker_index(self.parallel_config) == 0:
             save_file(collector.tensors, os.path.join(directory, ADAPTER_WEIGHTS_FILE))
         return {"tensors": len(collector.tensors)}
 
@@ -179,13 +180,13 @@ class SkyinferWorkerExtension:
         """Write what this worker serves with into its catch-up file (the front removes it), and
         vLLM's checksums of it, taken in the same call: nothing can change them in between."""
         model_tensors = served_tensors(self.model_runner.get_model())
-        size = export_tensors(model_tensors, catch_up_file(prefix, self.rank))
+        size = export_tensors(model_tensors, catch_up_file(prefix, worker_index(self.parallel_config)))
         return {"tensors": len(model_tensors), "bytes": size, "checksums": self.compute_weight_checksums()}
 
     @answers_every_rank
     def skyinfer_import_weights(self, prefix: str) -> dict:
-        """Copy a peer worker of the same rank's catch-up file into this worker's tensors, in place
+        """Copy a peer worker of the same place's catch-up file into this worker's tensors, in place
         (CUDA graphs keep pointing at them), after checking that every tensor matches."""
         model = self.model_runner.get_model()
-        copied = import_tensors(served_tensors(model), catch_up_file(prefix, self.rank))
+        copied = import_tensors(served_tensors(model), catch_up_file(prefix, worker_index(self.parallel_config)))
         return {"tensors": copied, "repacked": pack_cpu_gemms(model.modules())}

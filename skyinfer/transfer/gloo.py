@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ..client import Client, SkyinferError
+from ..ranks import worker_index
 from .packing import DEFAULT_BUFFER_SIZE_BYTES, TensorMeta, dtype_from_name, pack, plan_chunks, unpack
 from .protocol import GroupInitInfo, GroupUpdateInfo
 from .pushing import NamedTensors, OneCall, Trainer, tensor_list, update_weights_call
@@ -236,8 +237,8 @@ class GlooReceiver(LayerwiseReceiver):
         self._info = init_info
         self._join_error = None
         self._join_timed_out = False
-        # A worker's rank: its place in this engine (tp x pp), after the ranks before it.
-        rank = init_info.rank_offset + self.parallel_config.rank
+        # A worker's rank: its place in this engine (tp x pp x dp), after the ranks before it.
+        rank = init_info.rank_offset + worker_index(self.parallel_config)
         self._joining = threading.Thread(
             target=self._join, args=(init_info, rank, self._attempt), daemon=True, name="gloo-rendezvous"
         )

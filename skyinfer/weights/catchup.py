@@ -109,8 +109,7 @@ _PACKED_IN_KERNEL = (
 
 
 def _no_source(record: EngineRecord, version: str) -> str:
-    tp, pp = record.parallel
-    return f"no healthy engine holds {version} (of its size, tp {tp} x pp {pp}) to catch up from"
+    return f"no healthy engine holds {version} (of its size, {record.parallel}) to catch up from"
 
 
 class CatchUp:

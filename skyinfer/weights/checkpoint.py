@@ -143,6 +143,11 @@ class CheckpointSpec:
         return cls(shapes, dtypes, stored, config.get("quantization_config"))
 
     @property
+    def has_experts(self) -> bool:
+        """Whether the model is a mixture of experts (it stores expert tensors)."""
+        return bool(_by_expert_layer(self.names))
+
+    @property
     def quantized_modules(self) -> set[str]:
         """The modules whose weight the checkpoint stores quantized, with its scale (``<module>.weight_scale``)."""
         return {name.rpartition(".")[0] for name in self.names if name.endswith(".weight" + SCALE_SUFFIX)}

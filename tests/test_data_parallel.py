@@ -1,0 +1,158 @@
+"""One engine of data-parallel size 2, on CPU (``-dp 2``): vLLM's data parallelism inside one
+engine, each rank its own EngineCore with its worker on its own core, vLLM balancing requests
+between them (and a DP coordinator beside them). skyinfer counts the engine's two workers for
+cores and for the trainer's group, numbers them as vLLM's own receivers do (rank 1 for data-parallel
+rank 0's worker, rank 2 for rank 1's: before, both took rank 1 and the group never formed), and
+reads every rank's answer to its worker calls (``AsyncLLM.collective_rpc`` returns rank 0's alone).
+
+Each rank is judged by itself: a request with vLLM's ``X-data-parallel-rank`` header is served by
+that rank, and vLLM's per-tensor checksums carry each worker's rank. A mixture-of-experts model
+cannot run data-parallel on vLLM 0.32's CPU backend (its first request kills the engine, in vllm
+serve too): refused up front, in tests/test_layout.py, and on GPUs tools/gpu_check.py's ``dp``.
+"""
+
+from __future__ import annotations
+
+import httpx
+import psutil
+import pytest
+
+from pushes import PROMPTS, modified_weights, reference_logprobs, run_trainer, save
+from support import ServerProcess, killed_until_stale, module_servers, until_engine
+
+DP2 = ("-dp", "2", "--dtype", "float32", "--health-interval", "1")
+RANKS = (0, 1)
+
+
+def _launch(demo_model, logs) -> ServerProcess:
+    return ServerProcess(demo_model, engines=1, log_path=logs / "dp2.log", extra_args=DP2)
+
+
+dp2_server = module_servers(__name__, _launch)
+
+
+def engine_cores(server: ServerProcess) -> list[psutil.Process]:
+    """The engine's EngineCores, one per data-parallel rank, in rank order."""
+    engine = psutil.Process(server.engines()[0]["pid"])
+    cores = sorted((p for p in engine.children(recursive=True) if p.name().startswith("VLLM::EngineCor")), key=_title)
+    assert [_title(p) for p in cores] == ["VLLM::EngineCore_DP0", "VLLM::EngineCore_DP1"]
+    return cores
+
+
+def _title(proc: psutil.Process) -> str:
+    return " ".join(proc.cmdline()).strip()
+
+
+def worker_cores(server: ServerProcess) -> list[list[int]]:
+    """Each rank's worker's cores, in rank order (one worker under each rank's EngineCore)."""
+    workers = [core.children() for core in engine_cores(server)]
+    assert [len(w) for w in workers] == [1, 1], workers
+    return [w.cpu_affinity() for (w,) in workers]
+
+
+def assert_each_rank_serves(server: ServerProcess, model_name: str, demo_model, weights: dict, version: str) -> None:
+    """Each data-parallel rank, asked by itself, serves greedy logprobs of ``weights`` (transformers
+    float32) under ``version``."""
+    for prompt in PROMPTS:
+        prompt_ids = httpx.post(
+            f"{server.url}/tokenize", json={"model": model_name, "prompt": prompt}, timeout=30
+        ).json()["tokens"]
+        for rank in RANKS:
+            r = httpx.post(
+                f"{server.url}/v1/completions",
+                json={"model": model_name, "prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": 1,
+                      "return_token_ids": True, "ignore_eos": True},
+                headers={"X-data-parallel-rank": str(rank)},
+                timeout=120,
+            )  # fmt: skip
+            assert r.status_code == 200, r.text
+            assert r.headers["X-Weight-Version"] == version
+            choice = r.json()["choices"][0]
+            expected = reference_logprobs(demo_model, weights, prompt_ids, choice["token_ids"])
+            diff = max(abs(a - b) for a, b in zip(choice["logprobs"]["token_logprobs"], expected, strict=True))
+            assert diff < 0.05, f"data-parallel rank {rank}, {prompt!r}: logprobs differ by {diff:.4f}"
+
+
+def checksums_by_rank(server: ServerProcess) -> dict[str, dict[str, str]]:
+    """vLLM's per-tensor digests of the engine's weights, by data-parallel rank (``dp0``, ``dp1``)."""
+    r = httpx.post(f"{server.url}/weight_checker", json={"action": "checksum"}, timeout=120)
+    assert r.status_code == 200, r.text
+    by_rank: dict[str, dict[str, str]] = {}
+    for key, digest in r.json()["checksums"].items():
+        rank, _, name = key.partition(":")
+        by_rank.setdefault(rank, {})[name] = digest
+    assert sorted(by_rank) == ["dp0", "dp1"], sorted(by_rank)
+    return by_rank
+
+
+@pytest.fixture(scope="module")
+def pushed(demo_model, tmp_path_factory) -> dict[str, tuple[dict, object]]:
+    root = tmp_path_factory.mktemp("dp2-weights")
+    weights = {label: modified_weights(demo_model, seed) for label, seed in (("a", 21), ("b", 22), ("c", 23))}
+    return {label: (w, save(w, root / f"{label}.safetensors")) for label, w in weights.items()}
+
+
+def test_one_engine_spans_two_data_parallel_ranks_each_on_its_own_core(dp2_server, model_name, demo_model):
+    (engine,) = dp2_server.engines()
+    assert (engine["tensor_parallel_size"], engine["pipeline_parallel_size"], engine["data_parallel_size"]) == (1, 1, 2)
+    assert engine["devices"]["ids"] == [0, 1]
+    assert worker_cores(dp2_server) == [[0], [1]]
+    assert httpx.get(f"{dp2_server.url}/get_world_size", timeout=30).json()["world_size"] == 2
+    assert_each_rank_serves(dp2_server, model_name, demo_model, {}, "default")
+    # A rank the engine does not have is the caller's mistake.
+    r = httpx.post(
+        f"{dp2_server.url}/v1/completions",
+        json={"model": model_name, "prompt": "x", "max_tokens": 1},
+        headers={"X-data-parallel-rank": "2"},
+        timeout=60,
+    )
+    assert r.status_code == 400 and "out of range" in r.json()["error"]["message"], r.text
+
+
+def test_a_push_lands_on_both_ranks(dp2_server, model_name, demo_model, pushed):
+    """skyinfer's trainer (a process of its own) pushes into a group of 3: the worker of each rank
+    joins as its own rank and takes every tensor."""
+    before = checksums_by_rank(dp2_server)
+    assert before["dp0"] == before["dp1"]
+    weights, path = pushed["a"]
+    done = run_trainer(dp2_server, path, "dp2-a")
+    assert done.returncode == 0 and "pushed dp2-a" in done.stdout, done.stdout + done.stderr[-3000:]
+    after = checksums_by_rank(dp2_server)
+    assert after["dp0"] == after["dp1"]
+    changed = {name for name in after["dp1"] if after["dp1"][name] != before["dp1"][name]}
+    assert any("q_proj" in n or "qkv_proj" in n for n in changed) and any("embed_tokens" in n for n in changed)
+    assert_each_rank_serves(dp2_server, model_name, demo_model, weights, "dp2-a")
+
+
+def test_a_trainer_killed_mid_push_costs_no_restart_and_the_next_push_lands_on_both_ranks(
+    dp2_server, model_name, demo_model, pushed
+):
+    cores = [p.pid for p in engine_cores(dp2_server)]
+    _, path = pushed["b"]
+    died = run_trainer(dp2_server, path, "never-served", "--die-after", "3")
+    assert died.returncode == 9, died.stdout + died.stderr[-3000:]
+    engine = until_engine(dp2_server, lambda e: e["state"] == "stale", timeout_s=60)
+    assert engine["restarts"] == 0 and [p.pid for p in engine_cores(dp2_server)] == cores
+    weights, path = pushed["b"]
+    done = run_trainer(dp2_server, path, "dp2-b")
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert_each_rank_serves(dp2_server, model_name, demo_model, weights, "dp2-b")
+
+
+def test_rank_1s_engine_core_killed_brings_the_whole_engine_back_and_the_next_push_lands_on_both(
+    dp2_server, model_name, demo_model, pushed
+):
+    """SIGKILL of data-parallel rank 1's EngineCore: the engine (every rank, the coordinator) is
+    replaced, nothing of it left behind, stale until the next push, which lands on both ranks."""
+    old = psutil.Process(dp2_server.engines()[0]["pid"])
+    old_tree = [old, *old.children(recursive=True)]
+    killed_until_stale(dp2_server, engine_cores(dp2_server)[1], "dp 2, rank 1's EngineCore")
+    left = psutil.wait_procs(old_tree, timeout=15)[1]
+    assert not left, f"left behind: {[(p.pid, _title(p)) for p in left]}"
+    assert worker_cores(dp2_server) == [[0], [1]]
+    weights, path = pushed["c"]
+    done = run_trainer(dp2_server, path, "dp2-c")
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert_each_rank_serves(dp2_server, model_name, demo_model, weights, "dp2-c")
+    after = checksums_by_rank(dp2_server)
+    assert after["dp0"] == after["dp1"]
