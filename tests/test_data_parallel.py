@@ -88,7 +88,9 @@ def checksums_by_rank(server: ServerProcess) -> dict[str, dict[str, str]]:
 @pytest.fixture(scope="module")
 def pushed(demo_model, tmp_path_factory) -> dict[str, tuple[dict, object]]:
     root = tmp_path_factory.mktemp("dp2-weights")
-    weights = {label: modified_weights(demo_model, seed) for label, seed in (("a", 21), ("b", 22), ("c", 23))}
+    weights = {
+        label: modified_weights(demo_model, seed) for label, seed in (("a", 21), ("s", 24), ("b", 22), ("c", 23))
+    }
     return {label: (w, save(w, root / f"{label}.safetensors")) for label, w in weights.items()}
 
 
@@ -122,6 +124,16 @@ def test_a_push_lands_on_both_ranks(dp2_server, model_name, demo_model, pushed):
     changed = {name for name in after["dp1"] if after["dp1"][name] != before["dp1"][name]}
     assert any("q_proj" in n or "qkv_proj" in n for n in changed) and any("embed_tokens" in n for n in changed)
     assert_each_rank_serves(dp2_server, model_name, demo_model, weights, "dp2-a")
+
+
+def test_a_staged_push_lands_on_both_ranks(dp2_server, model_name, demo_model, pushed):
+    """Received into each rank's staging copy while the engine serves, then swapped in by every rank."""
+    weights, path = pushed["s"]
+    done = run_trainer(dp2_server, path, "dp2-staged", "--staged")
+    assert done.returncode == 0 and "pushed dp2-staged" in done.stdout, done.stdout + done.stderr[-3000:]
+    after = checksums_by_rank(dp2_server)
+    assert after["dp0"] == after["dp1"]
+    assert_each_rank_serves(dp2_server, model_name, demo_model, weights, "dp2-staged")
 
 
 def test_a_trainer_killed_mid_push_costs_no_restart_and_the_next_push_lands_on_both_ranks(
