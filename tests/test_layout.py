@@ -136,13 +136,11 @@ async def test_two_engines_of_dp_2_x_tp_2_take_four_gpus_and_four_ranks_each(
     assert r.status == 400 and "world_size >= 9" in (await r.json())["error"]["message"]
 
 
-def test_data_parallel_ranks_are_counted_in_workers_and_given_to_skyinfer_not_vllm():
+def test_data_parallel_ranks_are_counted_in_every_engines_workers():
+    """(``--data-parallel-size`` among vLLM's engine arguments is refused: tests/test_transfer.py.)"""
     config = serve_config(["--model", "m", "--engine-sizes", "2x1,1x1", "-dp", "2"])
     assert [str(size) for size in config.engine_parallel] == ["tp 2 x pp 1 x dp 2", "tp 1 x pp 1 x dp 2"]
     assert config.workers_per_engine == (4, 2)
-    for flag in ("--data-parallel-size", "-dp", "--data-parallel-size-local"):
-        with pytest.raises(ValueError, match="give it to skyinfer"):
-            serve_config(["--model", "m", "--", flag, "2"])
 
 
 def test_a_mixture_of_experts_model_is_not_run_data_parallel_on_cpu(tmp_path):

@@ -335,8 +335,8 @@ def test_cuda_visible_devices_by_index_or_uuid_and_mig_instances():
 
 
 def test_serve_options_that_cannot_work_are_refused(tmp_path):
-    for engine_args in (("--data-parallel-size", "2"), ("-dp=2",)):
-        with pytest.raises(ValueError, match="--engines N"):
+    for engine_args in (("--data-parallel-size", "2"), ("-dp=2",), ("--data-parallel-size-local", "1")):
+        with pytest.raises(ValueError, match=r"give it to skyinfer \(-dp N"):
             ServeConfig(model=str(tmp_path), engine_args=engine_args)
     with pytest.raises(ValueError, match="add --colocate"):
         ServeConfig(model=str(tmp_path), allow_pickled_ipc=True)
