@@ -14,6 +14,7 @@ __all__ = [
     "ENGINE_DIED_HEADER",
     "EXTENSION_PATH",
     "NOT_CONTINUED_FIELD",
+    "SESSION_HEADER",
     "WORKER_SPIN_ENV",
 ]
 
@@ -25,6 +26,9 @@ CPU_WORKER_PATH = "skyinfer.engine.cpu_worker.SkyinferCPUWorker"
 # Seconds a CPU worker spins on its message queue after each message (engine/cpu_setup.py), set by
 # the front for CPU engines (devices.py); unset, vLLM's own 1 s.
 WORKER_SPIN_ENV = "SKYINFER_WORKER_SPIN_S"
+# A multi-turn session's id: the front keeps a session on one engine, and an engine of several
+# data-parallel ranks keeps it on one rank (engine/server.py), where its earlier turns are cached.
+SESSION_HEADER = "X-Session-ID"
 # On an answer whose request the engine could not finish because its EngineCore died:
 # the request may be re-sent to another engine (the front does, once).
 ENGINE_DIED_HEADER = "X-Skyinfer-Engine-Died"

@@ -24,7 +24,7 @@ import orjson
 from aiohttp import web
 
 from . import stream_relay
-from .engine_wire import CONTINUE_FIELD, CONTINUE_HEADER, ENGINE_DIED_HEADER, NOT_CONTINUED_FIELD
+from .engine_wire import CONTINUE_FIELD, CONTINUE_HEADER, ENGINE_DIED_HEADER, NOT_CONTINUED_FIELD, SESSION_HEADER
 from .errors import error_body, error_response, parse_json_object
 from .leasing import Ask, Engine, Leases, NotConnected
 from .state import EngineBusy, EngineRecord, NoEngineAvailable
@@ -38,7 +38,6 @@ ENGINE_CONNECTIONS = web.AppKey("engine_connections", stream_relay.EngineConnect
 LEASES = web.AppKey("leases", Leases)
 GROUP_PREFIX_CHARS = web.AppKey("group_prefix_chars", int)
 
-SESSION_HEADER = "X-Session-ID"
 RESPONSES_PATH = "/v1/responses"
 ENGINE_HEADER = "X-Skyinfer-Engine"
 WEIGHT_VERSION_HEADER = "X-Weight-Version"

@@ -20,7 +20,7 @@ import pytest
 from pushes import PROMPTS, modified_weights, reference_logprobs, run_trainer, save
 from support import ServerProcess, killed_until_stale, module_servers, until_engine
 
-DP2 = ("-dp", "2", "--dtype", "float32", "--health-interval", "1")
+DP2 = ("-dp", "2", "--dtype", "float32", "--health-interval", "1", "--enable-prompt-tokens-details")
 RANKS = (0, 1)
 
 
@@ -85,6 +85,17 @@ def checksums_by_rank(server: ServerProcess) -> dict[str, dict[str, str]]:
     return by_rank
 
 
+def cached_tokens(server: ServerProcess, model_name: str, prompt: str, headers: dict) -> int:
+    r = httpx.post(
+        f"{server.url}/v1/completions",
+        json={"model": model_name, "prompt": prompt, "max_tokens": 1, "temperature": 0},
+        headers=headers,
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
 @pytest.fixture(scope="module")
 def pushed(demo_model, tmp_path_factory) -> dict[str, tuple[dict, object]]:
     root = tmp_path_factory.mktemp("dp2-weights")
@@ -111,6 +122,28 @@ def test_one_engine_spans_two_data_parallel_ranks_each_on_its_own_core(dp2_serve
     assert r.status_code == 400 and "out of range" in r.json()["error"]["message"], r.text
 
 
+def test_a_sessions_turns_stay_on_one_rank_and_find_their_prefix_cached(dp2_server, model_name):
+    """vLLM balances each request among the ranks by load, alternating between idle ones: a
+    session's second turn would go to the rank that never saw its first. The engine keeps each
+    session on one rank (picked by its id), so every next turn finds the turns before it cached;
+    a caller's own ``X-data-parallel-rank`` still wins."""
+    history = " ".join(f"turn {i} of a long conversation about weights and rewards;" for i in range(40))
+    for session in ("episode-1", "episode-2", "episode-3", "episode-4"):
+        headers = {"X-Session-ID": session}
+        assert cached_tokens(dp2_server, model_name, f"{session}: {history}", headers) == 0
+        for turn in range(2):
+            history += f" and then turn {turn} of {session} answered"
+            assert cached_tokens(dp2_server, model_name, f"{session}: {history}", headers) > 0, (session, turn)
+    # The session's rank is its id's, unless the caller names one: the other rank holds nothing of it.
+    other = {"X-Session-ID": "episode-5"}
+    assert cached_tokens(dp2_server, model_name, f"episode-5: {history}", other) == 0
+    ranks = [
+        cached_tokens(dp2_server, model_name, f"episode-5: {history}", {**other, "X-data-parallel-rank": r})
+        for r in "01"
+    ]
+    assert sorted(ranks) == [0, max(ranks)] and max(ranks) > 0, ranks
+
+
 def test_a_push_lands_on_both_ranks(dp2_server, model_name, demo_model, pushed):
     """skyinfer's trainer (a process of its own) pushes into a group of 3: the worker of each rank
     joins as its own rank and takes every tensor."""
@@ -126,14 +159,18 @@ def test_a_push_lands_on_both_ranks(dp2_server, model_name, demo_model, pushed):
     assert_each_rank_serves(dp2_server, model_name, demo_model, weights, "dp2-a")
 
 
-def test_a_staged_push_lands_on_both_ranks(dp2_server, model_name, demo_model, pushed):
-    """Received into each rank's staging copy while the engine serves, then swapped in by every rank."""
-    weights, path = pushed["s"]
+def test_a_staged_push_is_refused_before_any_byte_moves(dp2_server, model_name, demo_model, pushed):
+    """Not offered into a data-parallel engine yet (a quarter of them hung in the receive, measured):
+    409 at the push's start, the engine serving on with the weights it held."""
+    _, path = pushed["s"]
+    before = checksums_by_rank(dp2_server)
     done = run_trainer(dp2_server, path, "dp2-staged", "--staged")
-    assert done.returncode == 0 and "pushed dp2-staged" in done.stdout, done.stdout + done.stderr[-3000:]
-    after = checksums_by_rank(dp2_server)
-    assert after["dp0"] == after["dp1"]
-    assert_each_rank_serves(dp2_server, model_name, demo_model, weights, "dp2-staged")
+    said = done.stdout + done.stderr
+    assert done.returncode != 0 and "pushed dp2-staged" not in said, said
+    assert "409" in said and "a staged push into a data-parallel engine is not offered yet" in said, said[-3000:]
+    (engine,) = dp2_server.engines()
+    assert (engine["state"], engine["weight_version"]) == ("ready", "dp2-a"), engine
+    assert checksums_by_rank(dp2_server) == before
 
 
 def test_a_trainer_killed_mid_push_costs_no_restart_and_the_next_push_lands_on_both_ranks(

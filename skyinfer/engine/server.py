@@ -11,21 +11,23 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable
+import zlib
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from typing import Any
 
 import orjson
 import prometheus_client
 import pydantic
 from aiohttp import web
+from multidict import CIMultiDict
 
-from ..engine_wire import CONTINUE_FIELD, CONTINUE_HEADER, ENGINE_DIED_HEADER
+from ..engine_wire import CONTINUE_FIELD, CONTINUE_HEADER, ENGINE_DIED_HEADER, SESSION_HEADER
 from ..errors import error_body, error_response, json_response, parse_json_object
 from ..vllm_api import ErrorResponse, create_error_response
 from . import continuation
 from .adapters import add_adapter_routes
 from .admin import add_admin_routes
-from .appkeys import ENGINE_CLIENT, KV_EPOCHS, SERVING_CALLS, SERVING_STATE
+from .appkeys import DATA_PARALLEL_SIZE, ENGINE_CLIENT, KV_EPOCHS, SERVING_CALLS, SERVING_STATE
 from .refusals import constraints_conflict
 from .standby import Standby
 from .stream_end import choice_count, with_finish_reasons
@@ -37,14 +39,31 @@ __all__ = ["create_engine_app", "serve_engine"]
 log = logging.getLogger("skyinfer.engine")
 
 
+# vLLM's header naming the data-parallel rank that serves a request (its serving classes read it).
+DATA_PARALLEL_RANK_HEADER = "X-data-parallel-rank"
+
+
 class VllmRequestView:
     """What vLLM's serving classes read from a starlette ``Request``: headers and a state bag."""
 
     __slots__ = ("headers", "state")
 
     def __init__(self, request: web.Request):
-        self.headers = request.headers
+        self.headers = _with_session_rank(request.headers, request.app[DATA_PARALLEL_SIZE])
         self.state = _StateBag()
+
+
+def _with_session_rank(headers: Mapping[str, str], data_parallel_size: int) -> Mapping[str, str]:
+    """The request's headers, with a session's data-parallel rank where the engine has several and
+    the caller named none. vLLM balances each request among the ranks by load (and alternates
+    between idle ones), so a session's next turn would land on a rank that has not cached its
+    earlier ones; the session's id picks its rank instead, the same on every turn."""
+    session = headers.get(SESSION_HEADER)
+    if data_parallel_size < 2 or not session or DATA_PARALLEL_RANK_HEADER in headers:
+        return headers
+    pinned = CIMultiDict(headers)
+    pinned[DATA_PARALLEL_RANK_HEADER] = str(zlib.crc32(session.encode()) % data_parallel_size)
+    return pinned
 
 
 class _StateBag:
@@ -257,6 +276,7 @@ def create_engine_app(engine_client: Any, serving_state: Any) -> web.Application
     app[ENGINE_CLIENT] = engine_client
     app[SERVING_STATE] = serving_state
     app[SERVING_CALLS] = set()
+    app[DATA_PARALLEL_SIZE] = engine_client.vllm_config.parallel_config.data_parallel_size
     serving = {
         "/v1/completions": (
             CompletionRequest,
