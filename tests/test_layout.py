@@ -74,9 +74,8 @@ _SIZE_FLAGS = ("--tensor-parallel-size", "--pipeline-parallel-size", "--data-par
 async def started_with(app, engine: int) -> tuple[int, int]:
     """The --tensor-parallel-size and --pipeline-parallel-size the engine's process was started with
     (each engine with --data-parallel-size 1 unless a test says otherwise: ``started_dp``)."""
-    args = (await fake_get(app, engine, "/fake/args"))["vllm_args"]
-    tp, pp, dp = (int(args[args.index(flag) + 1]) for flag in _SIZE_FLAGS)
-    assert dp == 1, args
+    tp, pp, dp = await started_dp(app, engine)
+    assert dp == 1, (tp, pp, dp)
     return tp, pp
 
 

@@ -10,7 +10,8 @@ from typing import Any
 import aiohttp
 import orjson
 
-SESSION_HEADER = "X-Session-ID"
+from ..engine_wire import SESSION_HEADER
+
 # Shorter than the server's keep-alive (aiohttp's default 75 s).
 KEEPALIVE_S = 30.0
 
