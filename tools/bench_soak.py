@@ -250,11 +250,17 @@ def reference_prompt_logprobs(model_dir: Path, weights, ids: list[list[int]], de
 
 
 def last_weights_gaps(
-    url: str, model: str, model_dir: Path, last: int, engines: int, device: str = "cpu"
+    url: str, model: str, model_dir: Path, last: int, engines: int, device: str = "cpu", refs: list | None = None
 ) -> dict[str, tuple[float, float]]:
-    """Per engine: max |served - reference| of the prompt logprobs, on the last pushed set and on the other."""
+    """Per engine: max |served - reference| of the prompt logprobs, on the last pushed set and on the other.
+    ``refs``: a list to keep the references in (transformers on each set), filled by the first call
+    and read by the next (a forward of a wide model on each set takes seconds of a lent GPU)."""
     ids, served = served_prompt_logprobs(url, model, engines)
-    refs = [reference_prompt_logprobs(model_dir, soak_weights(model_dir, w), ids, device) for w in (last, 1 - last)]
+    refs = [] if refs is None else refs
+    if not refs:
+        refs += [
+            reference_prompt_logprobs(model_dir, soak_weights(model_dir, w), ids, device) for w in (last, 1 - last)
+        ]
 
     def gap(got, ref) -> float:
         return max(abs(a - b) for g, r in zip(got, ref) for a, b in zip(g, r))
