@@ -32,8 +32,13 @@ __all__ = ["KvEpochs", "add_weight_routes", "engine_call_route"]
 log = logging.getLogger("skyinfer.engine.weights")
 
 STATUS_RPC = "skyinfer_transfer_status"
-# How often a staged push's progress is asked for: each ask waits for the EngineCore's next step boundary.
-_STAGING_POLL_S = 0.01
+# How soon a staged push's progress is first asked for; each ask waits for the EngineCore's next step
+# boundary, and the wait between asks doubles up to _POLL_CEILING_S. Every ask wakes each EngineCore
+# and its workers, whose queue then spins: asked every 10 ms, a dp-2 engine's two workers and two
+# EngineCores took 3.3 of this machine's 2 cores and starved the receive they were asked about (pushes
+# of a few MB took 30-60 s, a quarter of them timing out in the gloo receive).
+_STAGING_FIRST_POLL_S = 0.01
+_POLL_CEILING_S = 0.25
 
 
 class KvEpochs:
@@ -76,7 +81,8 @@ class _WorkersFailed(Exception):
 
 async def _until_every_worker(poll, ready: str, timeout_s: float, poll_s: float) -> list[dict] | None:
     """Poll every worker's status (``poll()``) until each is ``ready``: their statuses, or None once
-    ``timeout_s`` passed (or a worker timed out itself); a worker that failed raises its error."""
+    ``timeout_s`` passed (or a worker timed out itself); a worker that failed raises its error. The
+    wait between polls starts at ``poll_s`` and doubles up to ``_POLL_CEILING_S``."""
     deadline = time.monotonic() + timeout_s
     while True:
         statuses = await poll()
@@ -88,6 +94,7 @@ async def _until_every_worker(poll, ready: str, timeout_s: float, poll_s: float)
         if "timeout" in states or time.monotonic() > deadline:
             return None
         await asyncio.sleep(poll_s)
+        poll_s = min(2 * poll_s, max(poll_s, _POLL_CEILING_S))
 
 
 async def _wait_for_rendezvous(engine, timeout_s: float) -> web.Response:
@@ -145,7 +152,7 @@ async def stage_weights(request: web.Request) -> web.Response:
     await on_every_worker(engine, STAGE_WEIGHTS_RPC, body["update_info"], int(body["update_nbytes"]))
     try:
         statuses = await _until_every_worker(
-            lambda: on_every_worker(engine, STAGING_STATUS_RPC), "staged", timeout_s, _STAGING_POLL_S
+            lambda: on_every_worker(engine, STAGING_STATUS_RPC), "staged", timeout_s, _STAGING_FIRST_POLL_S
         )
     except _WorkersFailed as failed:
         return error_response(502, f"staging the push failed: {failed}")

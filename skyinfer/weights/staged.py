@@ -26,16 +26,6 @@ log = logging.getLogger("skyinfer.weights")
 _CPU_COPIES = 2
 
 
-# Measured on CPU (2026-11-27, a dp-2 engine of the demo model, 12 staged pushes one after the other
-# from skyinfer's trainer): 3 hung in the gloo receive until its 60 s timeout (the trainer's broadcast
-# and the workers' receives never met), the others took 0.1 s, 21-23 s or 60 s. Cause not found.
-_DATA_PARALLEL_STAGING = (
-    "a staged push into a data-parallel engine is not offered yet: into a dp-2 engine on CPU, a quarter of"
-    " staged pushes hung in the transfer group's receive until its timeout. Push without staged: a"
-    " pause-push lands on every data-parallel rank"
-)
-
-
 def _gib(nbytes: int) -> str:
     return f"{nbytes / 2**30:.2f} GiB"
 
@@ -59,10 +49,7 @@ class StagedPath:
     def fits(self, records: list[EngineRecord], meta: UpdateMetadata | None) -> None:
         """Refuse (409, with the figures) a staged push whose copies would not fit beside what the
         engines hold: ``meta`` the tensors of a chunk (or of the whole push, at its start), or None
-        for a start without metadata, which may carry the whole checkpoint. Refused as well into an
-        engine of several data-parallel ranks."""
-        if any(record.parallel.data > 1 for record in records):
-            raise SyncError(409, _DATA_PARALLEL_STAGING)
+        for a start without metadata, which may carry the whole checkpoint."""
         if meta is None and self.fleet.spec is None:
             return  # nothing to size it by yet: each chunk is checked as it comes
         elements = meta.elements() if meta is not None else self.fleet.spec.elements
