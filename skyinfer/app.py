@@ -13,7 +13,7 @@ from .adapters import ADAPTERS, AdapterFleet, add_adapter_routes
 from .bringup import Bringup
 from .config import ServeConfig
 from .control import CONTROL, ControlPlane, add_control_routes
-from .devices import detect_device_kind, plan_engine_devices
+from .devices import detect_device_kind, given, plan_engine_devices
 from .draining import IN_FLIGHT, InFlight
 from .errors import openai_errors_middleware
 from .front_workers.leases import LeaseHub
@@ -45,13 +45,33 @@ _CPU_MOE_DATA_PARALLEL = (
     " (the first request kills the engine, in vllm serve too). Run it with -dp 1 (--engines N for more"
     " engines), or on GPUs"
 )
+# Measured the same way (vllm serve --enable-lora of the same model): with LoRA on, vLLM runs the experts
+# through its Triton kernel, which vLLM's CPU backend lacks; the first request, to the base model too,
+# raises AttributeError (triton.language has no float32) and the engine dies.
+_CPU_MOE_LORA = (
+    "a mixture-of-experts model cannot serve LoRA adapters on vLLM's CPU backend: with --enable-lora vLLM"
+    " runs its experts through a Triton kernel the CPU backend lacks (the first request kills the engine,"
+    " in vllm serve too). Leave --enable-lora out, or serve it on GPUs"
+)
+
+
+def _refuse_what_cpu_moe_cannot_run(config: ServeConfig) -> None:
+    """What vLLM's CPU backend cannot run for a mixture-of-experts model, refused before any engine
+    starts rather than found at the first request, which kills the engine."""
+    refusals = [
+        (config.data_parallel_size > 1, _CPU_MOE_DATA_PARALLEL),
+        (given("--enable-lora", config.engine_args), _CPU_MOE_LORA),
+    ]
+    if not any(applies for applies, _ in refusals):
+        return
+    spec = CheckpointSpec.find(config.model)
+    if spec is not None and spec.has_experts:
+        raise LayoutError(next(reason for applies, reason in refusals if applies))
 
 
 def build_registry(config: ServeConfig, kind: str, socket_dir: str) -> EngineRegistry:
-    if kind == "cpu" and config.data_parallel_size > 1:
-        spec = CheckpointSpec.find(config.model)
-        if spec is not None and spec.has_experts:
-            raise LayoutError(_CPU_MOE_DATA_PARALLEL)
+    if kind == "cpu":
+        _refuse_what_cpu_moe_cannot_run(config)
     plans = plan_engine_devices(kind, config.workers_per_engine, config.cpu_kvcache_gib)
     records = [
         EngineRecord(

@@ -155,6 +155,21 @@ def test_a_mixture_of_experts_model_is_not_run_data_parallel_on_cpu(tmp_path):
     create_app(attrs.evolve(config, data_parallel_size=1))
 
 
+def test_a_mixture_of_experts_model_serves_no_lora_on_cpu(tmp_path, demo_model):
+    """With --enable-lora vLLM 0.32 runs the experts through its Triton kernel, which its CPU backend
+    lacks: the first request, to the base model too, kills the engine (in vllm serve too, measured).
+    Refused before any engine starts; a dense model takes LoRA on CPU (tests/test_lora.py)."""
+    from skyinfer.demo_model import build_demo_moe_model
+
+    moe = build_demo_moe_model(tmp_path / "moe")
+    lora = ["--device", "cpu", "--", "--enable-lora", "--max-lora-rank", "16"]
+    config = serve_config(["--model", str(moe), *lora], socket_dir=str(tmp_path))
+    with pytest.raises(LayoutError, match="mixture-of-experts model cannot serve LoRA adapters on vLLM's CPU"):
+        create_app(config)
+    create_app(attrs.evolve(config, engine_args=()))
+    create_app(serve_config(["--model", str(demo_model), *lora], socket_dir=str(tmp_path)))
+
+
 # -- engines of their own sizes -----------------------------------------------------------------
 
 
