@@ -14,12 +14,13 @@ serve too): refused up front, in tests/test_layout.py, and on GPUs tools/gpu_che
 from __future__ import annotations
 
 import threading
+import time
 
 import httpx
 import psutil
 import pytest
 
-from pushes import PROMPTS, modified_weights, reference_logprobs, run_trainer, save
+from pushes import PROMPTS, modified_weights, reference_logprobs, run_trainer, save, start_trainer
 from support import ServerProcess, killed_until_stale, module_servers, until_engine
 
 DP2 = ("-dp", "2", "--dtype", "float32", "--health-interval", "1", "--enable-prompt-tokens-details")
@@ -202,6 +203,39 @@ def test_staged_pushes_land_on_both_ranks_while_both_serve(dp2_server, model_nam
             caller.join(120)
     assert not failures and served[0] > 0, failures[:3]
     assert_each_rank_serves(dp2_server, model_name, demo_model, pushed["s"][0], "dp2-staged-2")
+
+
+def test_a_trainer_killed_mid_staging_costs_both_ranks_nothing_and_the_next_staged_push_lands(
+    dp2_server, model_name, demo_model, pushed
+):
+    """A trainer hangs after 3 tensors of a staged push into the dp-2 engine, both ranks' workers
+    receiving on their staging threads, and is SIGKILLed: the copies are dropped, the engine is not
+    restarted nor held out, both ranks keep the weights they served bit for bit; the next staged
+    push lands on both."""
+    cores = [p.pid for p in engine_cores(dp2_server)]
+    before = checksums_by_rank(dp2_server)
+    (engine,) = dp2_server.engines()
+    version = engine["weight_version"]
+    trainer = start_trainer(dp2_server, pushed["b"][1], "never-served", "--staged", "--hang-after", "3")
+    try:
+        line = trainer.stdout.readline()
+        assert line.strip() == "hanging", line + trainer.stderr.read()
+        until_engine(dp2_server, lambda e: (e["staging"] or {}).get("state") == "receiving", timeout_s=60)
+    finally:
+        trainer.kill()
+        trainer.wait()
+    engine = until_engine(dp2_server, lambda e: e["staging"] is None and not e["receiving"], timeout_s=120)
+    assert (engine["state"], engine["stale_reason"], engine["weight_version"]) == ("ready", None, version), engine
+    assert engine["restarts"] == 0 and [p.pid for p in engine_cores(dp2_server)] == cores
+    deadline = time.monotonic() + 120
+    while httpx.get(f"{dp2_server.url}/weight_info", timeout=10).json()["update_phase"] != "idle":
+        assert time.monotonic() < deadline, "the killed trainer's update never ended"
+        time.sleep(0.2)
+    assert checksums_by_rank(dp2_server) == before
+    weights, path = pushed["a"]
+    done = run_trainer(dp2_server, path, "dp2-staged-after-kill", "--staged")
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert_each_rank_serves(dp2_server, model_name, demo_model, weights, "dp2-staged-after-kill")
 
 
 def test_a_trainer_killed_mid_push_costs_no_restart_and_the_next_push_lands_on_both_ranks(
