@@ -58,15 +58,16 @@ _CPU_MOE_LORA = (
 def _refuse_what_cpu_moe_cannot_run(config: ServeConfig) -> None:
     """What vLLM's CPU backend cannot run for a mixture-of-experts model, refused before any engine
     starts rather than found at the first request, which kills the engine."""
-    refusals = [
-        (config.data_parallel_size > 1, _CPU_MOE_DATA_PARALLEL),
-        (given("--enable-lora", config.engine_args), _CPU_MOE_LORA),
+    reasons = [
+        reason
+        for applies, reason in (
+            (config.data_parallel_size > 1, _CPU_MOE_DATA_PARALLEL),
+            (given("--enable-lora", config.engine_args), _CPU_MOE_LORA),
+        )
+        if applies
     ]
-    if not any(applies for applies, _ in refusals):
-        return
-    spec = CheckpointSpec.find(config.model)
-    if spec is not None and spec.has_experts:
-        raise LayoutError(next(reason for applies, reason in refusals if applies))
+    if reasons and (spec := CheckpointSpec.find(config.model)) is not None and spec.has_experts:
+        raise LayoutError(reasons[0])
 
 
 def build_registry(config: ServeConfig, kind: str, socket_dir: str) -> EngineRegistry:
