@@ -585,3 +585,54 @@ async def test_a_worker_call_reads_every_data_parallel_rank_and_fails_on_any():
     with pytest.raises(WorkerFailed, match=r"^worker 3: RuntimeError: out of memory$"):
         await on_every_worker(engine, "skyinfer_status")
     assert len(await every_worker_answers(engine, "skyinfer_status")) == 4
+
+
+@pytest.mark.parametrize("caller_paused", [False, True])
+async def test_a_staged_swap_runs_inside_a_keep_pause(aiohttp_client, caller_paused):
+    """The swap, the new version and the KV reset are three EngineCore calls that arrive in no set
+    order: a step between two of them labels a token of the old weights with the new version (seen
+    in CI). The engine is keep-paused before any of them and resumed after all three; an engine its
+    caller paused is neither paused again nor resumed."""
+    from aiohttp import web
+
+    from skyinfer.engine.appkeys import ENGINE_CLIENT, KV_EPOCHS
+    from skyinfer.engine.weights import KvEpochs, swap_staged
+
+    calls = []
+
+    class EngineCore:
+        async def call_utility_all_async(self, method, rpc, *args):
+            calls.append(rpc)
+            return [[{"tensors": 26}]]
+
+    class Engine:
+        engine_core = EngineCore()
+
+        async def is_paused(self):
+            return caller_paused
+
+        async def pause_generation(self, *, mode, clear_cache):
+            calls.append(f"pause {mode} clear_cache={clear_cache}")
+
+        async def resume_generation(self):
+            calls.append("resume")
+
+        async def update_weight_version(self, version):
+            await asyncio.sleep(0)  # arrives late, as the version can
+            calls.append(f"version {version}")
+
+        async def reset_prefix_cache(self, reset_running_requests):
+            calls.append(f"reset running={reset_running_requests}")
+
+    app = web.Application()
+    app[ENGINE_CLIENT], app[KV_EPOCHS] = Engine(), KvEpochs()
+    app.router.add_post("/swap_staged", swap_staged)
+    client = await aiohttp_client(app)
+    r = await client.post("/swap_staged", json={"weight_version": "v2", "kv": "recompute"})
+    assert r.status == 200 and (await r.json())["weight_version"] == "v2"
+    swap = {"skyinfer_swap_staged", "version v2", "reset running=True"}
+    if caller_paused:
+        assert set(calls) == swap and len(calls) == 3
+    else:
+        assert calls[0] == "pause keep clear_cache=False" and calls[-1] == "resume"
+        assert set(calls[1:-1]) == swap and len(calls) == 5

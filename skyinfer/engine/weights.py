@@ -172,13 +172,19 @@ async def stage_weights(request: web.Request) -> web.Response:
 async def swap_staged(request: web.Request) -> web.Response:
     """A staged push's second half: every worker loads its staged copy into the live weights
     (vLLM's layerwise reload, opened and closed in the same worker call), then the new version and
-    the KV rule (finish_weight_update's). No pause: the three calls are sent together, and the
-    EngineCore handles every call queued before its next step (``_process_input_queue`` drains its
-    queue), so no step runs between the swap and the reset of the KV it made stale; the engine
-    stops for the swap alone. If a worker fails, the engine's weights may be part new: every
-    request held here is dropped (the front holds the engine out, stale)."""
+    the KV rule (finish_weight_update's), all inside a keep-pause: the engine stops for the swap
+    alone. The three are separate EngineCore calls, in no set order (logged: the new version came
+    first in 6 swaps of 6), and a step can run between two of them: once in CI, a token the old
+    weights made came out labelled with the new version. With vLLM's async scheduling (GPUs) a step
+    is in flight besides whenever they arrive. The pause lets that step end and sends its tokens
+    under the old version, and no step runs until all three are done.
+    If a worker fails, the engine's weights may be part new: every request held here is dropped
+    (the front holds the engine out, stale). An engine its caller paused stays paused."""
     engine = request.app[ENGINE_CLIENT]
     body = parse_json_object(await request.read())
+    paused_here = not await engine.is_paused()
+    if paused_here:
+        await engine.pause_generation(mode="keep", clear_cache=False)
     try:
         swapped, _, _ = await asyncio.gather(
             on_every_worker(engine, SWAP_STAGED_RPC),
@@ -188,6 +194,9 @@ async def swap_staged(request: web.Request) -> web.Response:
     except Exception:
         await abort(engine)
         raise
+    finally:
+        if paused_here:
+            await engine.resume_generation()
     return json_response(
         {"status": "swapped", "tensors": sum(a["tensors"] for a in swapped), "weight_version": body["weight_version"]}
     )
