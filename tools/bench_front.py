@@ -1,7 +1,9 @@
 #!/usr/bin/env python
 """The front's own cost, with no model behind it: skyinfer over fake engines (tools/fake_engine.py)
-that answer as fast as they can, beside vllm-router over the same fake engines on TCP and beside the
-load generator talking to the fake engines directly.
+that answer as fast as they can, beside vllm-router over the same fake engines on TCP, beside the
+load generator talking to the fake engines directly, and (``--floor``) beside the floor of an aiohttp
+front: aiohttp's server and skyinfer's engine connection (``stream_relay``), round robin over the
+same TCP fake engines, with none of skyinfer's routing, middlewares or headers (plain phase only).
 
 Per round and target (targets in alternating order), a load generator in its own process sends:
 
@@ -131,6 +133,57 @@ def fake_engine_main(argv: list[str]) -> None:
     web.run_app(app, host="127.0.0.1", port=args.port, print=None, access_log=None)
 
 
+def floor_main(argv: list[str]) -> None:
+    """What any front built on aiohttp's server pays per plain request: the body read, one answer
+    read whole over a kept engine connection (skyinfer's own, ``stream_relay``), the answer written."""
+    parser = argparse.ArgumentParser(prog="bench_front.py floor")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--engine", action="append", required=True, help="host:port of a fake engine")
+    args = parser.parse_args(argv)
+    import itertools
+
+    import uvloop
+    from aiohttp import web
+
+    from skyinfer import stream_relay
+
+    async def tcp_send(address, method, path, body, headers, kept=None):
+        # skyinfer's engines listen on Unix sockets; these fake engines, shared with vllm-router, on TCP.
+        loop = asyncio.get_running_loop()
+        host, port = address.rsplit(":", 1)
+        _, answer = await loop.create_connection(
+            lambda: stream_relay.EngineAnswer(loop, kept, address), host, int(port)
+        )
+        answer.send_request(method, path, body, headers)
+        return answer
+
+    stream_relay.send = tcp_send
+    connections = stream_relay.EngineConnections()
+    engines = itertools.cycle(args.engine)
+
+    async def relay(request: web.Request) -> web.Response:
+        body = await request.read()
+        headers = {"Content-Type": "application/json"}
+        answer = await connections.send(next(engines), request.method, request.raw_path, body, headers)
+        try:
+            head = await answer.head()
+            payload = await answer.body()
+            return web.Response(
+                status=head.status, body=payload, headers={"Content-Type": head.headers["Content-Type"]}
+            )
+        finally:
+            answer.finish()
+
+    async def health(_request: web.Request) -> web.Response:
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", relay)
+    app.router.add_get("/health", health)
+    uvloop.install()
+    web.run_app(app, host="127.0.0.1", port=args.port, print=None, access_log=None)
+
+
 def front_main(argv: list[str]) -> None:
     """``skyinfer serve`` with fake engines in place of vLLM's."""
     parser = argparse.ArgumentParser(prog="bench_front.py front")
@@ -165,7 +218,7 @@ def _self(*argv: str) -> list[str]:
 class Targets:
     """The fake engines on TCP, vllm-router over them, and skyinfer over its own fake engines."""
 
-    def __init__(self, engines: int, front_workers: list[int]) -> None:
+    def __init__(self, engines: int, front_workers: list[int], floor: bool = False) -> None:
         env = dict(os.environ)
         self.engine_urls, self.procs = [], []
         for i in range(engines):
@@ -183,6 +236,14 @@ class Targets:
             self.fronts[name] = (f"http://127.0.0.1:{port}", spawn_logged(argv, env, f"bench-front-{name}.log"))
         servers = [(self.router_url, self.router), *self.fronts.values()]
         asyncio.run(wait_servers(servers, path="/v1/models"))
+        self.floor = None
+        if floor:
+            port = free_port()
+            engines_arg = [f"--engine={url.removeprefix('http://')}" for url in self.engine_urls]
+            floor_proc = spawn_logged(_self("floor", "--port", str(port), *engines_arg), env, "bench-front-floor.log")
+            self.floor = (f"http://127.0.0.1:{port}", floor_proc)
+            asyncio.run(wait_servers([self.floor]))
+            self.procs.append(floor_proc)
         asyncio.run(wait_servers(list(self.fronts.values()), path="/ready"))
         self.procs += [self.router, *(proc for _, proc in self.fronts.values())]
 
@@ -196,6 +257,8 @@ class Targets:
             front = psutil.Process(proc.pid)
             workers = [c for c in front.children() if "skyinfer.front_workers.worker" in c.cmdline()]
             targets[name] = ([url], [front, *workers])
+        if self.floor is not None:
+            targets["aiohttp floor"] = ([self.floor[0]], [psutil.Process(self.floor[1].pid)])
         return targets
 
     def stop(self) -> None:
@@ -256,8 +319,9 @@ def report(results: dict[str, dict[str, list[dict]]], phases: list[str]) -> None
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] in {"load", "fake-engine", "front"}:
-        {"load": load_main, "fake-engine": fake_engine_main, "front": front_main}[sys.argv[1]](sys.argv[2:])
+    if len(sys.argv) > 1 and sys.argv[1] in {"load", "fake-engine", "front", "floor"}:
+        subcommands = {"load": load_main, "fake-engine": fake_engine_main, "front": front_main, "floor": floor_main}
+        subcommands[sys.argv[1]](sys.argv[2:])
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engines", type=int, default=2)
@@ -275,6 +339,9 @@ def main() -> None:
     parser.add_argument(
         "--front-workers", type=int, action="append", help="skyinfer with N front workers (repeatable; default 1)"
     )
+    parser.add_argument(
+        "--floor", action="store_true", help="add the floor of an aiohttp front (plain phase only; see above)"
+    )
     args = parser.parse_args()
     phases = args.only or ["plain", "stream", "flood"]
     # Per phase: clients at once, requests per round, tokens per request.
@@ -288,7 +355,7 @@ def main() -> None:
     for phase in phases:
         pace = args.tokens_per_s if phase == "stream" else 0
         os.environ["FAKE_ENGINE_SCRIPT"] = json.dumps({"tokens_per_s": pace})
-        targets = Targets(args.engines, args.front_workers or [1])
+        targets = Targets(args.engines, args.front_workers or [1], floor=args.floor and phase == "plain")
         try:
             names = list(targets.by_name().items())
             for round_no in range(args.rounds):
