@@ -636,3 +636,11 @@ async def test_a_staged_swap_runs_inside_a_keep_pause(aiohttp_client, caller_pau
     else:
         assert calls[0] == "pause keep clear_cache=False" and calls[-1] == "resume"
         assert set(calls[1:-1]) == swap and len(calls) == 5
+
+
+def test_the_front_imports_no_torch():
+    """The front reads checkpoints' names and configs and relays bytes: torch (most of a front's
+    start-up CPU and about 190 MiB of its memory, measured) is for the engines and trainers."""
+    code = "import sys, skyinfer.app, skyinfer.service, skyinfer.front_workers.worker; print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'vllm', 'transformers')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out

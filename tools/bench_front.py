@@ -358,6 +358,10 @@ def main() -> None:
         targets = Targets(args.engines, args.front_workers or [1], floor=args.floor and phase == "plain")
         try:
             names = list(targets.by_name().items())
+            for name, (_, middle) in names:
+                if middle:  # what each middle took to start, and holds at rest
+                    rss = sum(p.memory_info().rss for p in middle) >> 20
+                    print(f"{name}: ready, {_cpu_s(middle):.2f} CPU-s so far, {rss} MiB resident", file=sys.stderr)
             for round_no in range(args.rounds):
                 order = names if round_no % 2 == 0 else names[::-1]
                 for name, (urls, middle) in order:

@@ -7,7 +7,12 @@ checkpoint's own weights quantized here is the checkpoint."""
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    # Imported where a tensor is quantized (a trainer, the demo's checkpoint): the front reads the
+    # scheme's names and configs from here, and torch is most of its start-up and memory otherwise.
+    import torch
 
 # The decoder layers' linear projections (Qwen2's and Llama's names); embeddings, norms and the
 # head stay in full precision, as llm-compressor leaves them by default.
@@ -63,6 +68,8 @@ def is_quantized_linear(name: str) -> bool:
 
 def int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight`` [out, in] as int8 and its float32 scales [out, 1]: round(w / s), s = max|w| / 127 per row."""
+    import torch
+
     w = weight.detach().float()
     scale = (w.abs().amax(dim=1, keepdim=True) / 127.0).clamp(min=torch.finfo(torch.float32).tiny)
     return torch.round(w / scale).clamp(-127, 127).to(torch.int8), scale
