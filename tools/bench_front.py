@@ -292,6 +292,8 @@ def report(results: dict[str, dict[str, list[dict]]], phases: list[str]) -> None
     for phase in phases:
         direct = results["direct"][phase]
         for target, by_phase in results.items():
+            if phase not in by_phase:
+                continue  # the floor runs the plain phase alone
             rounds = by_phase[phase]
             per = [
                 {
