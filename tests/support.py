@@ -131,6 +131,10 @@ MAX_LOGPROBS = 100
 # The session's servers live as long as it: a warm spare per engine would hold 0.6 GiB throughout
 # (test_warm_restarts' and the fault modules' own servers have theirs, the default).
 NO_SPARES = ("--warm-spares", "0")
+# A server's environment for engines of one worker that keep vLLM's worker process (skyinfer runs
+# the worker inside the EngineCore unless the front's environment says otherwise: devices.py): its
+# message queues in /dev/shm are what the fault and shutdown tests check are not left behind.
+WORKER_PROCESSES = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
 
 
 def two_float32_engines(model: Path, log_path: Path, *more_args: str) -> ServerProcess:

@@ -16,6 +16,7 @@ import psutil
 from support import (
     NO_SPARES,
     TRAINER,
+    WORKER_PROCESSES,
     ServerProcess,
     admit_while_paused,
     left_in_shm,
@@ -39,6 +40,7 @@ def _launch(demo_model: Path, logs: Path) -> dict[str, ServerProcess]:
             log_path=logs / "finish.log",
             extra_args=("--shutdown-grace", "60", *NO_SPARES),
             cpus={0},
+            env=WORKER_PROCESSES,
         ),
         "grace": ServerProcess(
             demo_model,
@@ -46,6 +48,7 @@ def _launch(demo_model: Path, logs: Path) -> dict[str, ServerProcess]:
             log_path=logs / "grace.log",
             extra_args=("--shutdown-grace", str(GRACE_S), *NO_SPARES),
             cpus={1},
+            env=WORKER_PROCESSES,
         ),
     }
 

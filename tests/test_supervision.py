@@ -30,6 +30,7 @@ from support import (
     FRONTS,
     ONE_FRONT,
     TRAINER,
+    WORKER_PROCESSES,
     WORKERS_ARGS,
     ServerProcess,
     admit_while_paused,
@@ -72,7 +73,7 @@ def crash_process(demo_model, log_path, *more_args: str) -> ServerProcess:
             str(HOLD_S),
             "--enable-log-requests",
         ),
-        env={"VLLM_LOGGING_LEVEL": "DEBUG"},
+        env={"VLLM_LOGGING_LEVEL": "DEBUG", **WORKER_PROCESSES},
     )
 
 

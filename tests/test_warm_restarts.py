@@ -135,8 +135,9 @@ def test_an_enginecore_killed_is_replaced_by_the_spare(servers):
     print(f"\nWARM EngineCore SIGKILL: ready again {time.monotonic() - killed_at:.1f}s after")
     assert engine["pid"] == spare.pid and engine["restarts"] == 1, engine
     completes(warm)
-    # The replacement's workers wait as the first one's did: 50 ms of spin after a message, not vLLM's 1 s.
-    assert psutil.Process(engine["pid"]).environ().get("SKYINFER_WORKER_SPIN_S") == "0.05"
+    # The replacement runs its one worker inside its EngineCore, as the first one did: no worker process.
+    assert psutil.Process(engine["pid"]).environ().get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+    assert not vllm_process(engine["pid"], "EngineCore").children(), "a worker process under the EngineCore"
     # From the takeover on, the spare's output (its vLLM processes' too) goes under the engine's
     # prefix, none under the spare's; it loaded no model again: it had before it stood by.
     log = warm.log_path.read_text(errors="replace")
