@@ -367,6 +367,14 @@ ENGINE_ENVIRONMENT = {
         " queue's socket (vLLM's own: 1 s, a core taken after every request; docs: benchmarks,"
         ' "Workers that wait asleep")',
     ),
+    "VLLM_ENABLE_V1_MULTIPROCESSING": EnvVar(
+        "VLLM_ENABLE_V1_MULTIPROCESSING",
+        "set to 0 for each engine of one worker on CPU where the front's environment does not set it"
+        " (``skyinfer/devices.py``)",
+        "vLLM runs the engine's one worker inside its EngineCore, as on a GPU, instead of in a process"
+        " of its own that imports torch and vLLM again (a third of an engine's start, 0.6 GiB; docs:"
+        ' benchmarks, "One worker inside the EngineCore"); 1 keeps the worker process',
+    ),
     "PYTHONUNBUFFERED": EnvVar(
         "PYTHONUNBUFFERED",
         "set for each engine (``skyinfer/engine_process.py``)",
