@@ -259,16 +259,17 @@ async def test_a_push_into_running_engines_holds_their_requests(colocated, demo_
 
 async def test_a_slow_trainer_waiting_for_the_fleet_is_not_aborted(colocated, demo_model, pushes):
     """The trainer's silence limit is 3 s. Between its start and update calls a wait-mode pause
-    takes the fleet while 8 long requests drain, and its update call waits behind it for longer
+    takes the fleet while 16 long requests drain, and its update call waits behind it for longer
     than the limit. The trainer was there all along: its push is not aborted, and lands. (Shared
     memory: no collective whose own timeout would end a transfer that waits.)"""
     weights, path, version = pushes.next()
-    body = {"model": colocated.model, "prompt": "drain slowly", "max_tokens": 2000, "ignore_eos": True}
+    # 16 requests of 4,000 tokens (the model's context is 4,096) drain for several seconds on a fast day.
+    body = {"model": colocated.model, "prompt": "drain slowly", "max_tokens": 4000, "ignore_eos": True}
     trainer = start_trainer(colocated, path, version, "--transport", "shm", "--hold-before-update", "--timeout", "3")
     try:
         async with httpx.AsyncClient(base_url=colocated.url, timeout=300) as http:
             draining = await admit_while_paused(
-                http, (http.post("/v1/completions", json={**body, "prompt": f"drain {i}"}) for i in range(8))
+                http, (http.post("/v1/completions", json={**body, "prompt": f"drain {i}"}) for i in range(16))
             )
             assert (await asyncio.to_thread(trainer.stdout.readline)).strip() == "before update"
             assert (await http.post("/resume")).status_code == 200
@@ -289,7 +290,7 @@ async def test_a_slow_trainer_waiting_for_the_fleet_is_not_aborted(colocated, de
             assert took.startswith("update took "), took
             assert (await pausing).status_code == 200
             for r in await asyncio.gather(*draining):
-                assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2000, r.text
+                assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4000, r.text
             assert (await http.post("/resume")).status_code == 200
     finally:
         trainer.kill()

@@ -25,28 +25,14 @@ import time
 from pathlib import Path
 
 import httpx
-import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from skyinfer.demo_model import build_demo_model
 from skyinfer.engine_wire import WORKER_SPIN_ENV
 
-from benchlib import free_port, scratch_dir, start_reference, start_skyinfer, stop, wait_servers
+from benchlib import free_port, scratch_dir, start_reference, start_skyinfer, stop, tree_cpu_s, wait_servers
 
 ENGINE_ARGS = ["--cpu-kvcache-gib", "1", "--max-model-len", "512"]
-
-
-def tree_cpu_s(pid: int) -> float:
-    """CPU-seconds of a process and every descendant alive now."""
-    root = psutil.Process(pid)
-    total = 0.0
-    for proc in (root, *root.children(recursive=True)):
-        try:
-            times = proc.cpu_times()
-        except psutil.NoSuchProcess:
-            continue
-        total += times.user + times.system
-    return total
 
 
 def one_server(url: str, model: str, pid: int, requests: int, gap_s: float) -> tuple[float, float]:

@@ -191,6 +191,21 @@ def tree_processes(pid: int) -> dict[int, tuple[str, float]]:
     return out
 
 
+def tree_cpu_s(pid: int) -> float:
+    """CPU-seconds of a process and every descendant alive now."""
+    import psutil
+
+    root = psutil.Process(pid)
+    total = 0.0
+    for proc in (root, *root.children(recursive=True)):
+        try:
+            times = proc.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
+
+
 def gpu_memory_mib(pids: set[int]) -> float | None:
     """The GPU memory NVML counts for ``pids`` on every GPU, MiB; None without NVML (a CPU host)."""
     try:
