@@ -182,7 +182,7 @@ def split_cores(cores: list[int], workers_per_engine: tuple[int, ...], cpu_kvcac
             "VLLM_CPU_KVCACHE_SPACE": str(cpu_kvcache_gib),
             **_omp_wait_policy(),
             **_worker_spin(),
-            **_worker_in_engine_core(count),
+            **_worker_in_engine_core(workers),
         }
         plans.append(EngineDevices("cpu", workers, env))
     return plans
@@ -213,7 +213,7 @@ def _worker_spin() -> dict[str, str]:
     return {} if WORKER_SPIN_ENV in os.environ else {WORKER_SPIN_ENV: str(CPU_WORKER_SPIN_S)}
 
 
-def _worker_in_engine_core(workers: int) -> dict[str, str]:
+def _worker_in_engine_core(workers: tuple[tuple[int, ...], ...]) -> dict[str, str]:
     """An engine of one CPU worker runs it inside vLLM's EngineCore, as vLLM does on a GPU.
 
     vLLM's CPU platform otherwise gives every engine a worker process of its own
@@ -222,12 +222,15 @@ def _worker_in_engine_core(workers: int) -> dict[str, str]:
     caller's process; AsyncLLM always runs its EngineCore in a spawned process of its own, which
     inherits the engine's environment before it imports torch). That process imports torch and
     vLLM a third time and holds its own copy of them: measured on the demo model, one engine ready
-    in 13.6 s and 14.7 CPU-s instead of 20.2 s and 22.4, 0.6 GiB less resident (docs: benchmarks,
-    "One worker inside the EngineCore"). Engines of several workers keep vLLM's worker processes;
-    the variable set in the front's environment is the operator's choice."""
-    if workers != 1 or "VLLM_ENABLE_V1_MULTIPROCESSING" in os.environ:
+    in 14.1 s and 14.4 CPU-s instead of 20.1 s and 19.6, 0.6 GiB less resident (docs: benchmarks,
+    "One worker inside the EngineCore"). ``OMP_NUM_THREADS`` is the worker's cores, as vLLM's
+    worker process gets it: without it vLLM serves with one torch thread in the EngineCore.
+    Engines of several workers keep vLLM's worker processes; the variables set in the front's
+    environment are the operator's choice."""
+    if len(workers) != 1 or "VLLM_ENABLE_V1_MULTIPROCESSING" in os.environ:
         return {}
-    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    threads = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": str(len(workers[0]))}
+    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **threads}
 
 
 def plan_engine_devices(

@@ -320,6 +320,7 @@ def test_mixed_fleets_split_gpus_and_cores_engine_by_engine():
     assert [p.ids for p in plans] == [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9)]
     # The engine of one worker runs it inside vLLM's EngineCore; the others keep their worker processes.
     assert [p.env.get("VLLM_ENABLE_V1_MULTIPROCESSING") for p in plans] == [None, None, "0"]
+    assert [p.env.get("OMP_NUM_THREADS") for p in plans] == [None, None, "2"]
     with pytest.raises(LayoutError, match=r"3 engine\(s\) of 2, 2, 1 worker\(s\) need 5 CPU cores, but .* use 4"):
         split_cores(list(range(4)), (2, 2, 1), cpu_kvcache_gib=1)
     # MIG instances: one per engine, so only engines of one worker.

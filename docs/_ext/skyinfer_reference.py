@@ -375,6 +375,13 @@ ENGINE_ENVIRONMENT = {
         " of its own that imports torch and vLLM again (a third of an engine's start, 0.6 GiB; docs:"
         ' benchmarks, "One worker inside the EngineCore"); 1 keeps the worker process',
     ),
+    "OMP_NUM_THREADS": EnvVar(
+        "OMP_NUM_THREADS",
+        "set for each engine of one worker on CPU where the front's environment does not set it"
+        " (``skyinfer/devices.py``)",
+        "the worker's cores: the torch threads it serves with inside the EngineCore (vLLM sets the"
+        " same for a worker process of its own; unset, vLLM serves with one thread there)",
+    ),
     "PYTHONUNBUFFERED": EnvVar(
         "PYTHONUNBUFFERED",
         "set for each engine (``skyinfer/engine_process.py``)",
