@@ -213,6 +213,10 @@ def _worker_spin() -> dict[str, str]:
     return {} if WORKER_SPIN_ENV in os.environ else {WORKER_SPIN_ENV: str(CPU_WORKER_SPIN_S)}
 
 
+# vLLM's switch between a worker inside the EngineCore (0) and a worker process of its own (1) on CPU.
+WORKER_PROCESSES_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
 def _worker_in_engine_core(workers: tuple[tuple[int, ...], ...]) -> dict[str, str]:
     """An engine of one CPU worker runs it inside vLLM's EngineCore, as vLLM does on a GPU.
 
@@ -227,10 +231,10 @@ def _worker_in_engine_core(workers: tuple[tuple[int, ...], ...]) -> dict[str, st
     worker process gets it: without it vLLM serves with one torch thread in the EngineCore.
     Engines of several workers keep vLLM's worker processes; the variables set in the front's
     environment are the operator's choice."""
-    if len(workers) != 1 or "VLLM_ENABLE_V1_MULTIPROCESSING" in os.environ:
+    if len(workers) != 1 or WORKER_PROCESSES_ENV in os.environ:
         return {}
     threads = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": str(len(workers[0]))}
-    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **threads}
+    return {WORKER_PROCESSES_ENV: "0", **threads}
 
 
 def plan_engine_devices(

@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from skyinfer.app import create_app
 from skyinfer.config import ServeConfig
+from skyinfer.devices import WORKER_PROCESSES_ENV
 
 START_TIMEOUT_S = 300
 # A trainer in a process of its own (torch and skyinfer.trainer only).
@@ -134,7 +135,7 @@ NO_SPARES = ("--warm-spares", "0")
 # A server's environment for engines of one worker that keep vLLM's worker process (skyinfer runs
 # the worker inside the EngineCore unless the front's environment says otherwise: devices.py): its
 # message queues in /dev/shm are what the fault and shutdown tests check are not left behind.
-WORKER_PROCESSES = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+WORKER_PROCESSES = {WORKER_PROCESSES_ENV: "1"}
 
 
 def two_float32_engines(model: Path, log_path: Path, *more_args: str) -> ServerProcess:

@@ -10,6 +10,7 @@ spare outliving the front however it ends.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import signal
@@ -23,10 +24,11 @@ import pytest
 from fakes import FAKE_ENGINE, fake_fleet, kill, until
 
 from skyinfer.config import ServeConfig
+from skyinfer.devices import WORKER_PROCESSES_ENV
 from skyinfer.registry import REGISTRY
 from skyinfer.supervisor import SUPERVISOR
 
-from support import ChildProcess, ServerProcess, engine_socket, free_port, module_servers, vllm_process
+from support import ChildProcess, ServerProcess, engine_socket, engine_tree, free_port, module_servers, vllm_process
 
 # A spare imports torch and vLLM on one busy core: it may take a while.
 SPARE_TIMEOUT_S = 300
@@ -136,7 +138,7 @@ def test_an_enginecore_killed_is_replaced_by_the_spare(servers):
     assert engine["pid"] == spare.pid and engine["restarts"] == 1, engine
     completes(warm)
     # The replacement runs its one worker inside its EngineCore, as the first one did: no worker process.
-    assert psutil.Process(engine["pid"]).environ().get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+    assert psutil.Process(engine["pid"]).environ().get(WORKER_PROCESSES_ENV) == "0"
     assert not vllm_process(engine["pid"], "EngineCore").children(), "a worker process under the EngineCore"
     # From the takeover on, the spare's output (its vLLM processes' too) goes under the engine's
     # prefix, none under the spare's; it loaded no model again: it had before it stood by.
@@ -179,6 +181,52 @@ def test_without_spares_a_restart_starts_cold(servers):
     completes(cold)
     time.sleep(2)
     assert cold.engines()[0]["spare"] is None and spares_of(cold) == []
+
+
+def greedy(srv: ServerProcess) -> tuple[list[int], list[float]]:
+    r = httpx.post(
+        f"{srv.url}/v1/completions",
+        json={"model": srv.model, "prompt": "the same", "max_tokens": 8, "temperature": 0, "logprobs": 1,
+              "return_token_ids": True, "ignore_eos": True},
+        timeout=120,
+    )  # fmt: skip
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    return choice["token_ids"], choice["logprobs"]["token_logprobs"]
+
+
+def test_an_engine_core_killed_under_load_takes_its_worker_with_it(servers):
+    """An engine of one worker runs it inside its EngineCore (``devices.py``). SIGKILL of the
+    EngineCore while the worker computes a long request: nothing of the engine's old processes
+    lives on (no worker left computing on the core), and the cold engine that replaces it is again
+    one EngineCore with its worker inside, on its core's one thread, serving the greedy tokens and
+    logprobs the first served."""
+    cold = servers["cold"]
+    before = cold.engines()[0]
+    core = vllm_process(before["pid"], "EngineCore")
+    assert not core.children(), "a worker process under the EngineCore"
+    reference = greedy(cold)
+    old_tree = engine_tree(before["pid"])
+    with httpx.Client(timeout=300) as http:
+        long = {"model": cold.model, "prompt": "busy", "max_tokens": 3000, "ignore_eos": True}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            busy = pool.submit(http.post, f"{cold.url}/v1/completions", json=long)
+            computed = sum(core.cpu_times()[:2])
+            time.sleep(2)  # the request is being generated, by the worker inside the EngineCore
+            assert not busy.done(), "the long request ended before the kill"
+            assert sum(core.cpu_times()[:2]) - computed > 0.5, "the EngineCore was not computing"
+            core.send_signal(signal.SIGKILL)
+            _, alive = psutil.wait_procs(old_tree, timeout=30)
+            assert not alive, [(p.pid, _cmdline(p)) for p in alive]
+            busy.result(timeout=300)
+    engine = back_up(cold, before["pid"])
+    new_core = vllm_process(engine["pid"], "EngineCore")
+    assert not new_core.children(), "a worker process under the new EngineCore"
+    # The engine's environment, which its EngineCore inherits (vLLM's process title overwrites the
+    # EngineCore's own copy in /proc).
+    environ = psutil.Process(engine["pid"]).environ()
+    assert (environ.get(WORKER_PROCESSES_ENV), environ.get("OMP_NUM_THREADS")) == ("0", "1")
+    assert greedy(cold) == reference
 
 
 # Last: it stops the module's servers.

@@ -26,7 +26,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from skyinfer.demo_model import build_demo_model
-from skyinfer.devices import split_cores
+from skyinfer.devices import WORKER_PROCESSES_ENV, split_cores
 
 from benchlib import (
     free_port,
@@ -40,7 +40,6 @@ from benchlib import (
 )
 
 ENGINE_ARGS = ["--cpu-kvcache-gib", "1", "--max-model-len", "512"]
-WORKER_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 
 def latency_s(url: str, model: str, requests: int) -> float:
@@ -77,10 +76,10 @@ def main() -> None:
     args = p.parse_args()
     model = str(build_demo_model(scratch_dir("bench-start-") / "demo"))
     cores = set(sorted(os.sched_getaffinity(0))[:2])
-    env = {k: v for k, v in os.environ.items() if k != WORKER_PROCESS_ENV}
+    env = {k: v for k, v in os.environ.items() if k != WORKER_PROCESSES_ENV}
     # vLLM's server gets the cores and CPU settings skyinfer gives its engine, and vLLM's own layout.
     engine_env = split_cores(sorted(cores), (1,), cpu_kvcache_gib=1)[0].env
-    reference_env = {**env, **{k: v for k, v in engine_env.items() if k != WORKER_PROCESS_ENV}}
+    reference_env = {**env, **{k: v for k, v in engine_env.items() if k != WORKER_PROCESSES_ENV}}
     sky_args = [*ENGINE_ARGS, "--warm-spares", "0"]  # a spare would start while the engine is measured
     servers = {
         "skyinfer": (
@@ -89,7 +88,12 @@ def main() -> None:
         ),
         "skyinfer, worker process": (
             lambda port: start_skyinfer(
-                model, port, sky_args, {**env, WORKER_PROCESS_ENV: "1"}, log_name="bench-start-sky-mp.log", cores=cores
+                model,
+                port,
+                sky_args,
+                {**env, WORKER_PROCESSES_ENV: "1"},
+                log_name="bench-start-sky-mp.log",
+                cores=cores,
             ),
             "/ready",
         ),
