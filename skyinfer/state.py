@@ -171,7 +171,10 @@ APPLY, DONE = "apply", "done"
 # it after, so no request is scheduled on half-loaded layers.
 PAUSE_FOR_PUSH = "pause for the push"
 
-_RECEIVING = "it is receiving a weight update; POST /finish_weight_update first"
+_RECEIVING = (
+    "it is receiving a weight update; POST /finish_weight_update first (an aborted one it is still ending"
+    " ends by itself)"
+)
 
 
 def _pause(mode: str | None) -> Callable[[EngineRecord], str]:
@@ -236,6 +239,9 @@ _NOTHING_TO_DO = {"resume": "it is not paused", "wake_up": "it is not sleeping"}
 def push_verdict(r: EngineRecord) -> str:
     """Whether a weight update may start on an up engine: APPLY (paused, or asleep with its weights
     awake: the colocated push), PAUSE_FOR_PUSH (running), or why not."""
+    if r.mid_update:
+        # Between two updates: still ending an aborted one inside the trainer's broken transfer.
+        return "it is still ending an aborted weight update; retry once it is stale (GET /engines)"
     if not r.residency.weights_awake:
         return "its weights are asleep; POST /wake_up?tags=weights first"
     if r.residency.paused:

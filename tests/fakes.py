@@ -17,6 +17,7 @@ from skyinfer.app import create_app
 from skyinfer.config import ServeConfig
 from skyinfer.registry import REGISTRY
 from skyinfer.supervisor import SUPERVISOR
+from skyinfer.weights.checkpoint import safetensors_shapes
 
 FAKE_ENGINE = str(Path(__file__).resolve().parent.parent / "tools" / "fake_engine.py")
 
@@ -63,3 +64,10 @@ async def calls(app: web.Application, engine: int) -> dict[str, int]:
     """How many times each route of an engine's process was called."""
     async with app[REGISTRY].records[engine].client.get("/fake/calls") as r:
         return await r.json()
+
+
+def whole_checkpoint(demo_model) -> dict:
+    """update_info naming every tensor the demo checkpoint stores."""
+    shapes = safetensors_shapes(demo_model / "model.safetensors")
+    names = sorted(shapes)
+    return {"names": names, "dtype_names": ["float32"] * len(names), "shapes": [list(shapes[n]) for n in names]}

@@ -15,7 +15,7 @@ import math
 import socket
 
 import pytest
-from fakes import calls, fake_fleet, kill, script, states, until
+from fakes import calls, fake_fleet, kill, script, states, until, whole_checkpoint
 
 from skyinfer.registry import REGISTRY
 from skyinfer.weights import staged
@@ -37,13 +37,6 @@ async def abandon(client, method: str, path: str, after_s: float = GIVE_UP_S, **
     except asyncio.TimeoutError:
         return
     raise AssertionError(f"{path} answered {r.status} before its caller gave up: {await r.text()}")
-
-
-def whole_checkpoint(demo_model) -> dict:
-    """update_info naming every tensor the demo checkpoint stores."""
-    shapes = safetensors_shapes(demo_model / "model.safetensors")
-    names = sorted(shapes)
-    return {"names": names, "dtype_names": ["float32"] * len(names), "shapes": [list(shapes[n]) for n in names]}
 
 
 def pushed_adapter(demo_model) -> dict:

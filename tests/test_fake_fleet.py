@@ -14,7 +14,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from fakes import fake_fleet, kill, script, states, until
+from fakes import fake_fleet, kill, script, states, until, whole_checkpoint
 
 import skyinfer.supervisor
 from skyinfer.registry import REGISTRY
@@ -108,6 +108,34 @@ async def test_a_push_step_one_engine_fails_ends_the_update_everywhere_without_a
     # The next push is refused with the code that tells a trainer to set its group up again.
     r = await client.post("/start_weight_update")
     assert r.status == 409 and (await r.json())["error"]["code"] == "transfer_group_gone"
+
+
+async def test_an_engine_slow_to_end_an_aborted_push_ends_it_beside_the_fleet(
+    aiohttp_client, demo_model, tmp_path, group_init
+):
+    """Engine 1 fails its part of a push while engine 0 takes 15 s to end the update (as an engine
+    whose workers are inside the trainer's broken collective answers at the group's timeout): the
+    push fails without waiting for it, the update over and engine 0 shown receiving (the front's
+    lock is free: an engine that crashed meanwhile could come back). A reload is refused 409 naming
+    it; a new trainer's init waits for it; it is then stale and resumed, as the push paused it; the
+    next push covers both."""
+    app, client = await fake_fleet(aiohttp_client, demo_model, tmp_path)
+    assert (await client.post("/init_weight_transfer", json={"init_info": group_init})).status == 200
+    await script(app, 0, {"delay_s": {"/abort_weight_update": 15}})
+    await script(app, 1, {"fail": {"/update_weights": 500}})
+    meta = {"names": ["model.norm.weight"], "dtype_names": ["float32"], "shapes": [[128]]}
+    r = await client.post("/update_weights", json={"update_info": meta, "weight_version": "v1"})
+    assert r.status in (500, 502), await r.text()
+    info = await (await client.get("/weight_info")).json()
+    assert info["update_phase"] == "idle" and await states(client) == ["receiving", "stale"]
+    r = await client.post("/reload_weights")
+    assert r.status == 409 and "engine 0: it is still ending an aborted weight update" in await r.text()
+    await script(app, 1, {})
+    assert (await client.post("/init_weight_transfer", json={"init_info": group_init})).status == 200
+    engines = (await (await client.get("/engines")).json())["engines"]
+    assert [(e["state"], e["paused"]) for e in engines] == [("stale", False), ("stale", False)]
+    r = await client.post("/update_weights", json={"update_info": whole_checkpoint(demo_model), "weight_version": "v2"})
+    assert r.status == 200 and await states(client) == ["ready", "ready"], await r.text()
 
 
 async def _stream_past_first_token(client, body: dict):

@@ -272,23 +272,35 @@ def test_a_trainer_killed_halfway_through_a_push_leaves_nothing_wrong_served(fle
     fleet.assert_serves_fresh()
 
 
+# A trainer that sends two tensors and hangs, its group's collectives bounded by 600 s.
+HUNG_FOR_600_S = ("--hang-after", "2", "--timeout", "600")
+
+
 def test_an_engine_core_killed_mid_receive_leaves_nothing_wrong_served(fleet, served_on_new, int8_servers):
-    """The trainer has sent two tensors when engine 1's EngineCore is SIGKILLed: the update is
-    aborted on every engine; both serve nothing (stale) until the next push, which lands exact."""
+    """The trainer has sent two tensors and hangs, holding the transfer open (its group's timeout
+    600 s), when engine 1's EngineCore is SIGKILLed: the update is aborted on every engine at once.
+    Engine 1 comes back in a new process while engine 0's workers are still inside the hung
+    trainer's collective (its restart does not wait for them); both serve nothing (stale) until the
+    next push; the trainer's death ends engine 0's part; the next push lands exact."""
     new_file = int8_file(Path(int8_servers["fresh_on_new"].model))
     before = fleet.server.engines()
     trainer = subprocess.Popen(
-        [sys.executable, str(TRAINER), fleet.server.url, str(new_file), "never-served", "--hang-after", "2"],
+        [sys.executable, str(TRAINER), fleet.server.url, str(new_file), "never-served", *HUNG_FOR_600_S],
         stdout=subprocess.PIPE,
         text=True,
     )
     try:
         assert trainer.stdout.readline().strip() == "hanging"
         vllm_process(before[1]["pid"], "EngineCore").send_signal(signal.SIGKILL)
-        wait_states(fleet, ["stale", "stale"], new_pid=(1, before[1]["pid"]))
+        wait_states(fleet, ["receiving", "stale"], new_pid=(1, before[1]["pid"]))
+        weight_info = httpx.get(f"{fleet.server.url}/weight_info", headers=fleet.server.admin_headers, timeout=10)
+        assert weight_info.json()["update_phase"] == "idle"
+        assert completion_status(fleet) == 503
     finally:
         trainer.kill()
         trainer.wait()
+    wait_states(fleet, ["stale", "stale"])
+    assert fleet.server.engines()[0]["pid"] == before[0]["pid"]
     assert completion_status(fleet) == 503
     fleet.push_file(new_file, "after-the-kill")
     fleet.sessions = sessions_per_engine(fleet.server, fleet.server.model)

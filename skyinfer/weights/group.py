@@ -64,6 +64,7 @@ class TransferGroup:
                     self.fleet.update.phase.value,
                 )
                 await self._push.end_abandoned("a trainer set up a new transfer")
+            await self._push.ends_of_aborts()
             self.fleet.update.start_over()
             records = self.fleet.engines()
             if records != members:  # an engine retired or rejoined meanwhile: its ranks move
@@ -161,6 +162,7 @@ class TransferGroup:
             self.fleet.refuse_unless(Phase.IDLE, Phase.STARTED)
             if self.fleet.update.phase is Phase.STARTED:
                 await self._push.end()
+            await self._push.ends_of_aborts()
             self.fleet.update.start_over()
             replies = await self.leave(self.registry.records)
             self._colocated_init = None

@@ -5,10 +5,13 @@ engine, without a restart where the engine can end it."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
+
+import attrs
 
 from ..engine_calls import EngineReply, call_engine, failure, gather_until_failure
 from ..state import PAUSE_FOR_PUSH, EngineRecord, push_verdict
@@ -33,8 +36,26 @@ ABORTED = (
     "a weight update was aborted while it received: its layers are part new; push again, or POST"
     " /reload_weights for the checkpoint on disk"
 )
+# How long an aborted update waits for engines to end it: one outside any collective answers at
+# once; one inside the trainer's broken collective ends it beside the fleet (``Push._abort``).
+_ABORT_ANSWER_S = 10.0
 # vLLM's label for the weights an engine loaded at start-up (what a restarted engine serves).
 CHECKPOINT_VERSION = "default"
+
+
+@attrs.define(eq=False)
+class _LateAbort:
+    """An engine's answer to an aborted update's end, still awaited after the update ended."""
+
+    record: EngineRecord
+    # The process that began the update: a new one has nothing to end.
+    pid: int | None
+    call: asyncio.Future
+    reason: str
+    # The push paused it: resumed once it has ended the update.
+    resume: bool
+    # Awaits ``call`` (the loop holds tasks only weakly).
+    task: asyncio.Task | None = None
 
 
 def _version(weight_version: str | None) -> str:
@@ -111,6 +132,8 @@ class Push:
         self.updates_begun = 0
         # Schedules a peer catch-up for an engine a staged swap left behind (catchup.py, set by the app).
         self.catch_up_later: Callable[[EngineRecord], None] | None = None
+        # Engines ending an aborted update after it ended (``_abort``), by engine id.
+        self._ending: dict[int, _LateAbort] = {}
 
     def _path(self) -> LivePath | StagedPath:
         return self.staged if self.update.current.staged else self.live
@@ -329,26 +352,85 @@ class Push:
     async def _abort(self, reason: str) -> None:
         """End the update on every engine that may have begun it: each keeps its process and serves
         nothing (stale) until the next push; one that cannot even end it is restarted. Called with
-        the registry's lock held."""
+        the registry's lock held, which it gives back within ``_ABORT_ANSWER_S``: an engine whose
+        workers are inside the trainer's broken collective answers only once the group's own timeout
+        ends it (a hung trainer holds it open), and waiting for it would keep a crashed engine's
+        replacement out of the fleet for as long; such an engine ends its part beside the fleet,
+        shown ``receiving``, and a new transfer group waits for it (``ends_of_aborts``)."""
         self.fleet.metrics.push_failures.inc()
         began = [r for r in self.registry.records if r.mid_update]
         for record in began:
             if record.up:
                 self.registry.set_stale(record, ABORTED)  # out of routing now, not once it answers
-        # An engine still inside a broken collective answers once the group's own timeout ends it.
         group = self.fleet.transport.transport.group
         timeout_s = self.fleet.group_timeout_s + 30 if group else self.fleet.timeout_s
-        replies = await self.fleet.call_all(began, "/abort_weight_update", timeout_s=timeout_s)
-        for record, reply in zip(began, replies):
-            record.mid_update = False
-            if record.up and not reply.ok:
-                self._supervisor.restart_in_background(
-                    record, f"a weight update was aborted ({reason}) and the engine could not end it: {reply.message}"
-                )
+        resume = {record: record in self.update.current.paused_for_push for record in began}
+        calls = {
+            record: asyncio.ensure_future(call_engine(record, "/abort_weight_update", timeout_s=timeout_s))
+            for record in began
+        }
+        if calls:
+            await asyncio.wait(calls.values(), timeout=_ABORT_ANSWER_S)
+        late = 0
+        for record, call in calls.items():
+            if call.done():
+                self._ended(record, call.result(), reason)
+            else:
+                late += 1
+                ending = _LateAbort(record, record.pid, call, reason, resume[record])
+                ending.task = asyncio.create_task(self._end_late(ending))
+                self._ending[record.engine_id] = ending
         if group:
             self.fleet.leave_group()
-        log.error("weight update aborted: %s; %d engine(s) held out until the next push", reason, len(began))
+        log.error(
+            "weight update aborted: %s; %d engine(s) held out until the next push%s",
+            reason,
+            len(began),
+            f", {late} still ending it inside the broken transfer" if late else "",
+        )
         await self.end(abandoned_because=reason)
+
+    def _ended(self, record: EngineRecord, reply: EngineReply, reason: str) -> None:
+        """An engine answered the abort: its update is over; one that could not end it is restarted."""
+        record.mid_update = False
+        if record.up and not reply.ok:
+            self._supervisor.restart_in_background(
+                record, f"a weight update was aborted ({reason}) and the engine could not end it: {reply.message}"
+            )
+
+    async def _end_late(self, ending: _LateAbort) -> None:
+        await asyncio.wait({ending.call})
+        async with self.registry.fleet_change():
+            await self._ended_late(ending)
+
+    async def _ended_late(self, ending: _LateAbort) -> None:
+        """An engine answered the abort after the update ended: as ``_ended``, under the fleet's
+        lock (once: by ``_end_late`` or ``ends_of_aborts``); resumed as the update's end would
+        have (``end``), if the push paused it."""
+        if self._ending.get(ending.record.engine_id) is not ending:
+            return
+        del self._ending[ending.record.engine_id]
+        record = ending.record
+        if record.pid != ending.pid or not record.mid_update:
+            return  # a new process since, which began no update
+        reply = ending.call.result()
+        self._ended(record, reply, ending.reason)
+        if reply.ok:
+            log.info("engine %d: ended the aborted update", record.engine_id)
+        if ending.resume and record.up:
+            await self._resume([record])
+
+    async def ends_of_aborts(self) -> None:
+        """Once every engine still ending an aborted update has answered (each within its call's
+        timeout): a new transfer group needs their workers out of the old one. Called with the
+        registry's lock held."""
+        if not self._ending:
+            return
+        log.info("waiting for %d engine(s) to end an aborted update", len(self._ending))
+        endings = list(self._ending.values())
+        await asyncio.wait({ending.call for ending in endings})
+        for ending in endings:
+            await self._ended_late(ending)
 
     async def end(self, abandoned_because: str | None = None) -> None:
         """An update is over, however: staging copies it left go, engines it paused run again, its
@@ -358,20 +440,24 @@ class Push:
         if current.copies_held:
             await self._drop_copies(self.registry.members())
         self.update.end(abandoned_because)
-        resumable = [
-            r
-            for r in current.paused_for_push
-            if r.up and r.residency.paused and not r.residency.sleeping and not r.mid_update
-        ]
-        if not self.registry.intent.paused:
-            replies = await self.fleet.call_all(resumable, "/resume")
-            for record, reply in zip(resumable, replies):
-                if reply.ok and record.up:
-                    self.registry.record_call(record, "resume")
-                elif record.up:
-                    await self._still_paused(record, reply.message)
+        await self._resume(current.paused_for_push)
         if removed := self.fleet.transport.update_ended():
             log.info("removed %d shared-memory segment(s) the trainer left", len(removed))
+
+    async def _resume(self, paused_for_push: list[EngineRecord]) -> None:
+        """Engines a push paused run again, unless the fleet is paused (or the engine asleep, or
+        still inside an update: ``_end_late`` resumes it once it has ended)."""
+        if self.registry.intent.paused:
+            return
+        resumable = [
+            r for r in paused_for_push if r.up and r.residency.paused and not r.residency.sleeping and not r.mid_update
+        ]
+        replies = await self.fleet.call_all(resumable, "/resume")
+        for record, reply in zip(resumable, replies):
+            if reply.ok and record.up:
+                self.registry.record_call(record, "resume")
+            elif record.up:
+                await self._still_paused(record, reply.message)
 
     async def _drop_copies(self, records: list[EngineRecord]) -> None:
         """Every engine throws its staging copy away; one that cannot is restarted (a copy left
