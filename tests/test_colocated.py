@@ -402,9 +402,9 @@ def test_a_trainer_killed_mid_push_costs_no_restart_and_leaves_no_segment(coloca
 
 def test_engines_hung_or_killed_while_the_fleet_sleeps_come_back_in_its_state(colocated, demo_model, pushes):
     """The fleet asleep (level 1) with its weights awake. Engine 1's EngineCore stops (SIGSTOP)
-    right before the trainer's update call: the push times out on it and fails at once; engine 0
-    ends the update in its own process and is held out; engine 1, which cannot end it, is
-    restarted once its call to end it times out. While
+    right before the trainer's update call: the push times out on it and fails; engine 0 ends the
+    update in its own process and is held out; engine 1, which cannot end it, is restarted (kept
+    stopped until then). While
     it restarts, engine 0's EngineCore is SIGKILLed. Both come back as new processes asleep with
     their weights awake, as the fleet is, from the checkpoint on disk (stale), vLLM's own state
     saying the same, never serving meanwhile; the next push covers both."""
@@ -416,8 +416,6 @@ def test_engines_hung_or_killed_while_the_fleet_sleeps_come_back_in_its_state(co
         _, path, version = pushes.next()
         failed = run_trainer(colocated, path, version, "--transport", "shm", "--stop-before-update", str(core.pid))
         assert failed.returncode == 3 and "refused 504" in failed.stdout, failed.stdout + failed.stderr
-        # The push failed without waiting for engine 1 to end it: its call times out beside the fleet.
-        assert engines(colocated)[1]["state"] == "receiving"
         assert engines(colocated)[0]["pid"] == pid0 and engines(colocated)[0]["stale_reason"].startswith(ABORTED)
         wait_until(lambda: engines(colocated)[1]["pid"] != pid1, 60, "engine 1 was not restarted")
     finally:
