@@ -138,6 +138,29 @@ async def test_an_engine_slow_to_end_an_aborted_push_ends_it_beside_the_fleet(
     assert r.status == 200 and await states(client) == ["ready", "ready"], await r.text()
 
 
+async def test_an_engine_killed_while_it_ends_an_aborted_push_comes_back_and_holds_nothing_up(
+    aiohttp_client, demo_model, tmp_path, group_init
+):
+    """As above, engine 0 still ending the aborted update, when its process is SIGKILLed: it comes
+    back in a new process, not receiving; the next init does not wait for the dead process's call
+    (the group's timeout plus 30 s, 150 s here), and the next push covers both."""
+    app, client = await fake_fleet(aiohttp_client, demo_model, tmp_path)
+    assert (await client.post("/init_weight_transfer", json={"init_info": group_init})).status == 200
+    await script(app, 0, {"delay_s": {"/abort_weight_update": 600}})
+    await script(app, 1, {"fail": {"/update_weights": 500}})
+    meta = {"names": ["model.norm.weight"], "dtype_names": ["float32"], "shapes": [[128]]}
+    r = await client.post("/update_weights", json={"update_info": meta, "weight_version": "v1"})
+    assert r.status in (500, 502) and await states(client) == ["receiving", "stale"], await r.text()
+    pid = kill(app, 0)
+    await until(lambda: asyncio.sleep(0, app[REGISTRY].records[0].pid != pid and app[REGISTRY].records[0].up))
+    await script(app, 1, {})
+    init = client.post("/init_weight_transfer", json={"init_info": group_init})
+    assert (await asyncio.wait_for(init, 60)).status == 200
+    assert (await states(client))[0] != "receiving"
+    r = await client.post("/update_weights", json={"update_info": whole_checkpoint(demo_model), "weight_version": "v2"})
+    assert r.status == 200 and await states(client) == ["ready", "ready"], await r.text()
+
+
 async def _stream_past_first_token(client, body: dict):
     """A chat stream that has sent the caller a token: its engine, and a task reading the rest."""
     r = await client.post("/v1/chat/completions", json={**body, "stream": True})
