@@ -110,6 +110,21 @@ async def test_a_push_step_one_engine_fails_ends_the_update_everywhere_without_a
     assert r.status == 409 and (await r.json())["error"]["code"] == "transfer_group_gone"
 
 
+async def _a_push_engine_0_is_slow_to_end(aiohttp_client, demo_model, tmp_path, group_init, abort_s: float):
+    """A fake fleet in the trainer's group; a push engine 1 fails, and whose abort takes engine 0
+    ``abort_s``: it answers without waiting for engine 0, the update over, engine 0 receiving."""
+    app, client = await fake_fleet(aiohttp_client, demo_model, tmp_path)
+    assert (await client.post("/init_weight_transfer", json={"init_info": group_init})).status == 200
+    await script(app, 0, {"delay_s": {"/abort_weight_update": abort_s}})
+    await script(app, 1, {"fail": {"/update_weights": 500}})
+    meta = {"names": ["model.norm.weight"], "dtype_names": ["float32"], "shapes": [[128]]}
+    r = await client.post("/update_weights", json={"update_info": meta, "weight_version": "v1"})
+    assert r.status in (500, 502), await r.text()
+    info = await (await client.get("/weight_info")).json()
+    assert info["update_phase"] == "idle" and await states(client) == ["receiving", "stale"]
+    return app, client
+
+
 async def test_an_engine_slow_to_end_an_aborted_push_ends_it_beside_the_fleet(
     aiohttp_client, demo_model, tmp_path, group_init
 ):
@@ -119,15 +134,7 @@ async def test_an_engine_slow_to_end_an_aborted_push_ends_it_beside_the_fleet(
     lock is free: an engine that crashed meanwhile could come back). A reload is refused 409 naming
     it; a new trainer's init waits for it; it is then stale and resumed, as the push paused it; the
     next push covers both."""
-    app, client = await fake_fleet(aiohttp_client, demo_model, tmp_path)
-    assert (await client.post("/init_weight_transfer", json={"init_info": group_init})).status == 200
-    await script(app, 0, {"delay_s": {"/abort_weight_update": 15}})
-    await script(app, 1, {"fail": {"/update_weights": 500}})
-    meta = {"names": ["model.norm.weight"], "dtype_names": ["float32"], "shapes": [[128]]}
-    r = await client.post("/update_weights", json={"update_info": meta, "weight_version": "v1"})
-    assert r.status in (500, 502), await r.text()
-    info = await (await client.get("/weight_info")).json()
-    assert info["update_phase"] == "idle" and await states(client) == ["receiving", "stale"]
+    app, client = await _a_push_engine_0_is_slow_to_end(aiohttp_client, demo_model, tmp_path, group_init, 15)
     r = await client.post("/reload_weights")
     assert r.status == 409 and "engine 0: it is still ending an aborted weight update" in await r.text()
     await script(app, 1, {})
@@ -144,13 +151,7 @@ async def test_an_engine_killed_while_it_ends_an_aborted_push_comes_back_and_hol
     """As above, engine 0 still ending the aborted update, when its process is SIGKILLed: it comes
     back in a new process, not receiving; the next init does not wait for the dead process's call
     (the group's timeout plus 30 s, 150 s here), and the next push covers both."""
-    app, client = await fake_fleet(aiohttp_client, demo_model, tmp_path)
-    assert (await client.post("/init_weight_transfer", json={"init_info": group_init})).status == 200
-    await script(app, 0, {"delay_s": {"/abort_weight_update": 600}})
-    await script(app, 1, {"fail": {"/update_weights": 500}})
-    meta = {"names": ["model.norm.weight"], "dtype_names": ["float32"], "shapes": [[128]]}
-    r = await client.post("/update_weights", json={"update_info": meta, "weight_version": "v1"})
-    assert r.status in (500, 502) and await states(client) == ["receiving", "stale"], await r.text()
+    app, client = await _a_push_engine_0_is_slow_to_end(aiohttp_client, demo_model, tmp_path, group_init, 600)
     pid = kill(app, 0)
     await until(lambda: asyncio.sleep(0, app[REGISTRY].records[0].pid != pid and app[REGISTRY].records[0].up))
     await script(app, 1, {})
