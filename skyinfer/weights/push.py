@@ -364,7 +364,6 @@ class Push:
                 self.registry.set_stale(record, ABORTED)  # out of routing now, not once it answers
         group = self.fleet.transport.transport.group
         timeout_s = self.fleet.group_timeout_s + 30 if group else self.fleet.timeout_s
-        resume = {record: record in self.update.current.paused_for_push for record in began}
         calls = {
             record: asyncio.ensure_future(call_engine(record, "/abort_weight_update", timeout_s=timeout_s))
             for record in began
@@ -377,7 +376,8 @@ class Push:
                 self._ended(record, call.result(), reason)
             else:
                 late += 1
-                ending = _LateAbort(record, record.pid, call, reason, resume[record])
+                paused_for_push = record in self.update.current.paused_for_push
+                ending = _LateAbort(record, record.pid, call, reason, paused_for_push)
                 ending.task = asyncio.create_task(self._end_late(ending))
                 self._ending[record.engine_id] = ending
         if group:
