@@ -223,8 +223,9 @@ def _worker_in_engine_core(workers: tuple[tuple[int, ...], ...]) -> dict[str, st
     vLLM's CPU platform otherwise gives every engine a worker process of its own
     (``platforms/cpu.py`` turns the ``uni`` executor into ``mp`` unless
     ``VLLM_ENABLE_V1_MULTIPROCESSING`` is 0, for the OpenMP environment of an engine run in the
-    caller's process; AsyncLLM always runs its EngineCore in a spawned process of its own, which
-    inherits the engine's environment before it imports torch). That process imports torch and
+    caller's process; AsyncLLM always runs its EngineCore in a process of its own, which gets the
+    engine's environment before it imports torch: forked from the engine process, see
+    ``engine/cpu_platform.py``). That process imports torch and
     vLLM a third time and holds its own copy of them: measured on the demo model, one engine ready
     in 14.1 s and 14.4 CPU-s instead of 20.1 s and 19.6, 0.6 GiB less resident (docs: benchmarks,
     "One worker inside the EngineCore"). ``OMP_NUM_THREADS`` is the worker's cores, as vLLM's

@@ -56,6 +56,10 @@ NAMES: dict[str, tuple[str, ...]] = {
     "stateless_destroy_torch_distributed_process_group": ("vllm.distributed.utils",),
     # The CPU worker skyinfer's own CPU worker class extends (engine/cpu_worker.py).
     "CPUWorker": ("vllm.v1.worker.cpu_worker",),
+    # vLLM's CPU platform, which a CPU engine of one worker extends to fork its EngineCore
+    # (engine/cpu_platform.py), and what chooses the platform of a process.
+    "CpuPlatform": ("vllm.platforms.cpu",),
+    "resolve_current_platform_cls_qualname": ("vllm.platforms",),
     # What a CPU worker's message queue spins on after each message read (engine/cpu_setup.py shortens it).
     "SpinCondition": ("vllm.distributed.device_communicators.shm_broadcast",),
     # How a CPU linear layer packs its weight for its kernel (engine/cpu_setup.py keeps the weight too).

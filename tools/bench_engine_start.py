@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """What one CPU engine costs to start, and to serve a few requests: skyinfer's engine of one worker
-(the worker inside vLLM's EngineCore), the same with vLLM's worker process
+(the worker inside vLLM's EngineCore, which is forked), the same with its EngineCore spawned
+(``VLLM_WORKER_MULTIPROC_METHOD=spawn``), the same with vLLM's worker process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=1``), and ``vllm serve`` on the same model and arguments.
 
 One server at a time on the same cores (each alone on the machine), in turn, ``--rounds`` times.
@@ -27,6 +28,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from skyinfer.demo_model import build_demo_model
 from skyinfer.devices import WORKER_PROCESSES_ENV, split_cores
+from skyinfer.engine.cpu_platform import START_METHOD_ENV
 
 from benchlib import (
     free_port,
@@ -76,7 +78,7 @@ def main() -> None:
     args = p.parse_args()
     model = str(build_demo_model(scratch_dir("bench-start-") / "demo"))
     cores = set(sorted(os.sched_getaffinity(0))[:2])
-    env = {k: v for k, v in os.environ.items() if k != WORKER_PROCESSES_ENV}
+    env = {k: v for k, v in os.environ.items() if k not in (WORKER_PROCESSES_ENV, START_METHOD_ENV)}
     # vLLM's server gets the cores and CPU settings skyinfer gives its engine, and vLLM's own layout.
     engine_env = split_cores(sorted(cores), (1,), cpu_kvcache_gib=1)[0].env
     reference_env = {**env, **{k: v for k, v in engine_env.items() if k != WORKER_PROCESSES_ENV}}
@@ -84,6 +86,17 @@ def main() -> None:
     servers = {
         "skyinfer": (
             lambda port: start_skyinfer(model, port, sky_args, env, log_name="bench-start-sky.log", cores=cores),
+            "/ready",
+        ),
+        "skyinfer, EngineCore spawn": (
+            lambda port: start_skyinfer(
+                model,
+                port,
+                sky_args,
+                {**env, START_METHOD_ENV: "spawn"},
+                log_name="bench-start-sky-spawn.log",
+                cores=cores,
+            ),
             "/ready",
         ),
         "skyinfer, worker process": (

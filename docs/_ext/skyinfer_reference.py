@@ -375,6 +375,15 @@ ENGINE_ENVIRONMENT = {
         " of its own that imports torch and vLLM again (a third of an engine's start, 0.6 GiB; docs:"
         ' benchmarks, "One worker inside the EngineCore"); 1 keeps the worker process',
     ),
+    "VLLM_WORKER_MULTIPROC_METHOD": EnvVar(
+        "VLLM_WORKER_MULTIPROC_METHOD",
+        "set to ``fork`` by each engine process of one worker on CPU, after vLLM's CPU platform set it"
+        " to ``spawn`` (``skyinfer/engine/cpu_platform.py``), unless the front's environment sets"
+        " ``spawn``",
+        "vLLM forks the engine's EngineCore from the engine process, as it does on a GPU, instead of"
+        " spawning one that imports torch and vLLM again (about 4 s and 5 CPU-s of an engine's start;"
+        ' docs: benchmarks, "The EngineCore forked"); ``spawn`` keeps vLLM\'s spawned EngineCore',
+    ),
     "OMP_NUM_THREADS": EnvVar(
         "OMP_NUM_THREADS",
         "set for each engine of one worker on CPU where the front's environment does not set it"

@@ -115,6 +115,7 @@ def import_engine() -> None:
     and this package's engine modules, as a cold engine imports them on its way to the socket;
     nothing is built, no device touched (neither torch's nor vLLM's import initialises CUDA)."""
     _dev_mode()
+    _choose_platform()
     from .. import vllm_api
 
     for name in _START_UP_NAMES:
@@ -124,10 +125,19 @@ def import_engine() -> None:
     from . import server  # noqa: F401
 
 
+def _choose_platform() -> None:
+    # Before vLLM's parser or engine resolves the platform; after the output relay's fork, which
+    # is made while the process has no thread (torch's import starts one).
+    from .cpu_platform import fork_engine_core_on_cpu
+
+    fork_engine_core_on_cpu()
+
+
 def main(argv: list[str] | None = None) -> None:
     ns, vllm_argv = set_up_process(sys.argv[1:] if argv is None else argv, warm_up=import_engine)
 
     _dev_mode()
+    _choose_platform()
     from ..vllm_api import cli_env_setup, configure_logging_from_args
 
     cli_env_setup()
