@@ -7,10 +7,12 @@ whatever the environment says), so that a worker process's OpenMP runtime starts
 environment the executor gives it. An EngineCore that runs its one worker itself
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``devices.py``) gets no environment of its own: the engine
 process's is already the worker's (its cores, ``OMP_NUM_THREADS``). Spawned, it imports torch and
-vLLM a second time, about 5 CPU-seconds of an engine start of 13 on the demo model; forked, as
+vLLM a second time, 5 CPU-seconds of an engine start of 14 on the demo model; forked, as
 vLLM starts its EngineCore on a GPU, it starts from the engine process's imports (docs:
 benchmarks, "The EngineCore forked"). The engine process has run no OpenMP region by then
-(it computes nothing before its EngineCore starts), so the fork inherits no OpenMP threads.
+(it computes nothing before its EngineCore starts), so the fork inherits no OpenMP threads:
+the suite's checks of served tokens against transformers pass on forked EngineCores, and a
+completion takes as long (``tools/bench_engine_start.py``).
 
 Engines of several workers (tp, pp, dp) keep vLLM's spawned processes: their workers need the
 environment their executor sets. The platform is vLLM's extension point for this choice (vLLM's own
@@ -20,11 +22,14 @@ process resolves the platform."""
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 
 from ..vllm_api import CpuPlatform, resolve_current_platform_cls_qualname
 
 __all__ = ["START_METHOD_ENV", "CpuPlatformForkingEngineCore", "fork_engine_core_on_cpu"]
+
+log = logging.getLogger("skyinfer.engine.cpu_platform")
 
 _VLLM_CPU_PLATFORM = f"{CpuPlatform.__module__}.{CpuPlatform.__qualname__}"
 START_METHOD_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
@@ -48,7 +53,10 @@ def fork_engine_core_on_cpu() -> None:
     if os.environ.get(START_METHOD_ENV) == "spawn":
         return
     platforms = importlib.import_module(resolve_current_platform_cls_qualname.__module__)
-    if getattr(platforms, "_current_platform", None) is not None:
-        return  # resolved already: by an earlier call, or too late to choose
-    if resolve_current_platform_cls_qualname() == _VLLM_CPU_PLATFORM:
-        platforms.current_platform = CpuPlatformForkingEngineCore()
+    chosen = getattr(platforms, "_current_platform", None)
+    if chosen is None:
+        if resolve_current_platform_cls_qualname() == _VLLM_CPU_PLATFORM:
+            platforms.current_platform = CpuPlatformForkingEngineCore()
+    elif type(chosen) is CpuPlatform:
+        # Something resolved it before this call: the engine still serves, its start is slower.
+        log.warning("vLLM's CPU platform was chosen before skyinfer's: the EngineCore is spawned, not forked")
