@@ -15,6 +15,7 @@ import pytest
 
 from skyinfer.demo_model import build_demo_model
 
+import support
 from server_plan import PLAN, session_server
 from support import (
     FRONT_WORKERS,
@@ -33,9 +34,16 @@ pytest_plugins = ("suite_report",)
 def pytest_configure(config) -> None:
     # The order modules run in and how long the session's servers live (tests/server_plan.py).
     config.pluginmanager.register(PLAN, "server-plan")
+    support.REAL_SERVERS_ALLOWED = config.getoption("--lane") != "front"
 
 
 def pytest_addoption(parser) -> None:
+    parser.addoption(
+        "--lane",
+        choices=("front", "engines"),
+        help="only the modules that start no vLLM engine (front), or only the others (engines); tools/run-tests"
+        " runs both lanes at once (tests/server_plan.py)",
+    )
     parser.addoption(
         "--fuzz-full",
         action="store_true",

@@ -8,6 +8,11 @@ Modules run in three stages, each in file order within it:
 2. the modules that use the shared server itself: it stops after its last user;
 3. the rest: modules with servers of their own (``module_servers`` in tests/support.py), each
    started while the module before it runs, and the modules over fake engines.
+
+The modules that start no vLLM engine (``FRONT_ONLY``: the front over fake engines, or nothing)
+spend most of their time waiting on the front's own timeouts, not computing: ``tools/run-tests``
+runs them in a pytest of their own (``--lane front``) beside the rest (``--lane engines``), and
+``support.ServerProcess`` refuses to start a real server in that lane.
 """
 
 from __future__ import annotations
@@ -16,7 +21,31 @@ import pytest
 
 from support import FRONT_WORKERS, LAUNCHERS, PRESTARTED, ChildProcess, stop_all
 
-__all__ = ("LAUNCHED", "PLAN", "servers_used", "session_server")
+__all__ = ("FRONT_ONLY", "LAUNCHED", "PLAN", "in_lane", "servers_used", "session_server")
+
+# The modules that start no vLLM engine; together about 3.5 minutes of the suite's wall time and a
+# few CPU-seconds (tests/suite_report.py's --cpu-report).
+FRONT_ONLY = frozenset(
+    {
+        "test_abandoned",
+        "test_cross_origin",
+        "test_docs",
+        "test_fake_fleet",
+        "test_front_workers",
+        "test_layout",
+        "test_python310",
+        "test_raw_routing",
+        "test_stream_relay",
+        "test_transfer",
+        "test_units",
+    }
+)
+
+
+def in_lane(module: str, lane: str | None) -> bool:
+    """Whether a module runs in ``lane`` (``--lane``; None: every module)."""
+    return lane is None or (module in FRONT_ONLY) == (lane == "front")
+
 
 # The session's servers, by fixture name; each registers its process here when it launches.
 SHARED = "one_front_server"
@@ -62,7 +91,12 @@ class ServerPlan:
         self.tmp_path_factory = None
 
     @pytest.hookimpl(trylast=True)
-    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+        lane = config.getoption("--lane")
+        elsewhere = [item for item in items if not in_lane(item.module.__name__, lane)]
+        if elsewhere:
+            config.hook.pytest_deselected(items=elsewhere)
+            items[:] = [item for item in items if in_lane(item.module.__name__, lane)]
         modules: dict[str, list[pytest.Item]] = {}
         for item in items:
             modules.setdefault(item.nodeid.split("::")[0], []).append(item)

@@ -84,6 +84,10 @@ class ChildProcess:
         return self.proc.returncode
 
 
+# False in the lane of the modules that start no vLLM engine (``--lane front``, tests/server_plan.py).
+REAL_SERVERS_ALLOWED = True
+
+
 class ServerProcess(ChildProcess):
     """A `skyinfer serve` subprocess, as a user would start it."""
 
@@ -98,6 +102,8 @@ class ServerProcess(ChildProcess):
         port: int | None = None,
         env: dict | None = None,
     ):
+        if not REAL_SERVERS_ALLOWED:
+            raise RuntimeError("a module of the front-only lane starts vLLM engines: take it out of FRONT_ONLY")
         port = port or free_port()
         self.model = str(model)
         # What the tests' own status calls send; the server gets its keys through extra_args.
