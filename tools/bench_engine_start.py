@@ -83,33 +83,17 @@ def main() -> None:
     engine_env = split_cores(sorted(cores), (1,), cpu_kvcache_gib=1)[0].env
     reference_env = {**env, **{k: v for k, v in engine_env.items() if k != WORKER_PROCESSES_ENV}}
     sky_args = [*ENGINE_ARGS, "--warm-spares", "0"]  # a spare would start while the engine is measured
+
+    def skyinfer(more_env: dict[str, str], log_name: str):
+        return (
+            lambda port: start_skyinfer(model, port, sky_args, {**env, **more_env}, log_name=log_name, cores=cores),
+            "/ready",
+        )
+
     servers = {
-        "skyinfer": (
-            lambda port: start_skyinfer(model, port, sky_args, env, log_name="bench-start-sky.log", cores=cores),
-            "/ready",
-        ),
-        "skyinfer, EngineCore spawn": (
-            lambda port: start_skyinfer(
-                model,
-                port,
-                sky_args,
-                {**env, START_METHOD_ENV: "spawn"},
-                log_name="bench-start-sky-spawn.log",
-                cores=cores,
-            ),
-            "/ready",
-        ),
-        "skyinfer, worker process": (
-            lambda port: start_skyinfer(
-                model,
-                port,
-                sky_args,
-                {**env, WORKER_PROCESSES_ENV: "1"},
-                log_name="bench-start-sky-mp.log",
-                cores=cores,
-            ),
-            "/ready",
-        ),
+        "skyinfer": skyinfer({}, "bench-start-sky.log"),
+        "skyinfer, EngineCore spawn": skyinfer({START_METHOD_ENV: "spawn"}, "bench-start-sky-spawn.log"),
+        "skyinfer, worker process": skyinfer({WORKER_PROCESSES_ENV: "1"}, "bench-start-sky-mp.log"),
         "vllm serve": (
             lambda port: start_reference(
                 model, port, ["--max-model-len", "512"], reference_env, log_name="bench-start-vllm.log", cores=cores
