@@ -93,10 +93,12 @@ class ServerPlan:
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
         lane = config.getoption("--lane")
-        elsewhere = [item for item in items if not in_lane(item.module.__name__, lane)]
+        here, elsewhere = [], []
+        for item in items:
+            (here if in_lane(item.module.__name__, lane) else elsewhere).append(item)
         if elsewhere:
             config.hook.pytest_deselected(items=elsewhere)
-            items[:] = [item for item in items if in_lane(item.module.__name__, lane)]
+            items[:] = here
         modules: dict[str, list[pytest.Item]] = {}
         for item in items:
             modules.setdefault(item.nodeid.split("::")[0], []).append(item)
