@@ -73,7 +73,9 @@ def _refuse_what_cpu_moe_cannot_run(config: ServeConfig) -> None:
 def build_registry(config: ServeConfig, kind: str, socket_dir: str) -> EngineRegistry:
     if kind == "cpu":
         _refuse_what_cpu_moe_cannot_run(config)
-    plans = plan_engine_devices(kind, config.workers_per_engine, config.cpu_kvcache_gib)
+    # vLLM's own option, when given, sizes the KV cache (to the byte: --cpu-kvcache-gib is whole GiB).
+    kvcache_gib = None if given("--kv-cache-memory-bytes", config.engine_args) else config.cpu_kvcache_gib
+    plans = plan_engine_devices(kind, config.workers_per_engine, kvcache_gib)
     records = [
         EngineRecord(
             engine_id=i,

@@ -155,7 +155,9 @@ class ServeConfig:
         "(CUDA IPC on GPUs, shared memory on CPU) instead of a process group",
     )
     # vLLM's VLLM_CPU_KVCACHE_SPACE; unused on GPU.
-    cpu_kvcache_gib: int = _option(1, "KV cache per engine on CPU, GiB", metavar="GIB")
+    cpu_kvcache_gib: int = _option(
+        1, "KV cache per engine on CPU, GiB (vLLM's --kv-cache-memory-bytes, when given, instead)", metavar="GIB"
+    )
     engine_start_timeout_s: float = _option(600.0, "seconds an engine may take to start", metavar="SECONDS")
     engine_stop_timeout_s: float = 30.0
     # Per engine; pause in "wait" mode waits for requests to drain.

@@ -164,8 +164,11 @@ def gpu_sampler_env() -> dict[str, str]:
     return {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
 
 
-def split_cores(cores: list[int], workers_per_engine: tuple[int, ...], cpu_kvcache_gib: int) -> list[EngineDevices]:
-    """An equal share of cores per worker (of every engine's); each engine's workers are bound to their own cores."""
+def split_cores(
+    cores: list[int], workers_per_engine: tuple[int, ...], cpu_kvcache_gib: int | None
+) -> list[EngineDevices]:
+    """An equal share of cores per worker (of every engine's); each engine's workers are bound to their own cores.
+    ``cpu_kvcache_gib`` None: the engine's own arguments size its KV cache (``--kv-cache-memory-bytes``)."""
     needed = sum(workers_per_engine)
     if needed > len(cores):
         raise LayoutError(
@@ -179,7 +182,8 @@ def split_cores(cores: list[int], workers_per_engine: tuple[int, ...], cpu_kvcac
         env = {
             # One core list per worker rank, '|'-separated, as vLLM expects.
             "VLLM_CPU_OMP_THREADS_BIND": "|".join(_id_list(w) for w in workers),
-            "VLLM_CPU_KVCACHE_SPACE": str(cpu_kvcache_gib),
+            # vLLM's CPU platform lets this variable override --kv-cache-memory-bytes.
+            **({} if cpu_kvcache_gib is None else {"VLLM_CPU_KVCACHE_SPACE": str(cpu_kvcache_gib)}),
             **_omp_wait_policy(),
             **_worker_spin(),
             **_worker_in_engine_core(workers),
@@ -239,7 +243,7 @@ def _worker_in_engine_core(workers: tuple[tuple[int, ...], ...]) -> dict[str, st
 
 
 def plan_engine_devices(
-    kind: str, workers_per_engine: tuple[int, ...], cpu_kvcache_gib: int = 1
+    kind: str, workers_per_engine: tuple[int, ...], cpu_kvcache_gib: int | None = 1
 ) -> list[EngineDevices]:
     """Split this machine's visible GPUs, or the cores this process may use, between the engines:
     ``workers_per_engine`` holds each engine's workers (``tp x pp``), in engine order."""

@@ -88,6 +88,12 @@ class ChildProcess:
 REAL_SERVERS_ALLOWED = True
 
 
+# The suite's engines' KV cache: 128K tokens of the demo model in float32 (2 layers, one KV head of
+# 64), far more than any test holds at once; the default (--cpu-kvcache-gib 1) would take 0.9 GiB
+# more per engine, and the suite runs two lanes of servers at once (tests/server_plan.py).
+SUITE_KV_CACHE_BYTES = 128 * 2**20
+
+
 class ServerProcess(ChildProcess):
     """A `skyinfer serve` subprocess, as a user would start it."""
 
@@ -122,6 +128,11 @@ class ServerProcess(ChildProcess):
             # A loaded spare (the default on CPU) holds a whole engine and takes a core for 20 s to
             # build: the suite's servers have imports-only spares, test_warm_restarts the default.
             *(() if "--loaded-spares" in extra_args else ("--loaded-spares", "off")),
+            *(
+                ()
+                if "--kv-cache-memory-bytes" in extra_args
+                else ("--kv-cache-memory-bytes", str(SUITE_KV_CACHE_BYTES))
+            ),
             *extra_args,
         ]
         # Like `taskset -c`: the server plans its engines on the cores it may use.
