@@ -16,7 +16,7 @@ import pytest
 from skyinfer.demo_model import build_demo_model
 
 import support
-from server_plan import LANES, PLAN, session_server
+from server_plan import PLAN, session_server
 from support import (
     FRONT_WORKERS,
     WORKERS_ARGS,
@@ -40,9 +40,9 @@ def pytest_configure(config) -> None:
 def pytest_addoption(parser) -> None:
     parser.addoption(
         "--lane",
-        choices=LANES,
-        help="only the modules that start no vLLM engine (front), or one of the two lanes of the others (engines,"
-        " engines-2); tools/run-tests runs the three lanes at once (tests/server_plan.py)",
+        choices=("front", "engines"),
+        help="only the modules that start no vLLM engine (front), or only the others (engines); tools/run-tests"
+        " runs both lanes at once (tests/server_plan.py)",
     )
     parser.addoption(
         "--fuzz-full",

@@ -9,19 +9,10 @@ Modules run in three stages, each in file order within it:
 3. the rest: modules with servers of their own (``module_servers`` in tests/support.py), each
    started while the module before it runs, and the modules over fake engines.
 
-``tools/run-tests`` runs three pytests at once (``--lane``), because the suite waits more than it
-computes (docs: benchmarks, "Lanes"):
-
-- ``front``: the modules that start no vLLM engine (``FRONT_ONLY``: the front over fake engines, or
-  nothing), which spend most of their time waiting on the front's own timeouts;
-  ``support.ServerProcess`` refuses to start a real server there;
-- ``engines``: the modules over the session's servers (stages 1 and 2) and some with servers of
-  their own;
-- ``engines-2``: the other modules with servers of their own (``SECOND_ENGINES``), chosen so that
-  the two engine lanes take about the same time and CPU.
-
-Each lane plans its own servers as above; an engine holds about 0.8 GiB (the suite's servers have
-a 128 MiB KV cache: tests/support.py), so both engine lanes' servers fit in the machine's memory.
+The modules that start no vLLM engine (``FRONT_ONLY``: the front over fake engines, or nothing)
+spend most of their time waiting on the front's own timeouts, not computing: ``tools/run-tests``
+runs them in a pytest of their own (``--lane front``) beside the rest (``--lane engines``), and
+``support.ServerProcess`` refuses to start a real server in that lane.
 """
 
 from __future__ import annotations
@@ -30,7 +21,7 @@ import pytest
 
 from support import FRONT_WORKERS, LAUNCHERS, PRESTARTED, ChildProcess, stop_all
 
-__all__ = ("FRONT_ONLY", "LANES", "LAUNCHED", "PLAN", "SECOND_ENGINES", "in_lane", "servers_used", "session_server")
+__all__ = ("FRONT_ONLY", "LAUNCHED", "PLAN", "in_lane", "servers_used", "session_server")
 
 # The modules that start no vLLM engine; together about 3.5 minutes of the suite's wall time and a
 # few CPU-seconds (tests/suite_report.py's --cpu-report).
@@ -51,34 +42,9 @@ FRONT_ONLY = frozenset(
 )
 
 
-# Modules with servers of their own, run beside the rest of the engines' modules. Each module's
-# wall time and CPU-seconds (tests/suite_report.py, --cpu-report) put the two engine lanes at about
-# 13 minutes and 900 CPU-seconds each.
-SECOND_ENGINES = frozenset(
-    {
-        "test_data_parallel",
-        "test_lora",
-        "test_moe",
-        "test_moe_colocated",
-        "test_quantized",
-        "test_shutdown",
-        "test_supervision",
-        "test_tensor_parallel",
-        "test_warm_restarts",
-    }
-)
-LANES = ("front", "engines", "engines-2")
-
-
-def lane_of(module: str) -> str:
-    if module in FRONT_ONLY:
-        return "front"
-    return "engines-2" if module in SECOND_ENGINES else "engines"
-
-
 def in_lane(module: str, lane: str | None) -> bool:
     """Whether a module runs in ``lane`` (``--lane``; None: every module)."""
-    return lane is None or lane_of(module) == lane
+    return lane is None or (module in FRONT_ONLY) == (lane == "front")
 
 
 # The session's servers, by fixture name; each registers its process here when it launches.

@@ -73,6 +73,16 @@ async def test_status_exit_codes(server):
     assert unreachable.returncode == 1 and "skyinfer status" in unreachable.stderr
 
 
+def test_vllms_kv_cache_option_sizes_every_engines_kv_cache(server):
+    """The suite's servers are given vLLM's own ``--kv-cache-memory-bytes`` (128 MiB, tests/support.py):
+    it, not ``--cpu-kvcache-gib``'s 1 GiB (which vLLM's CPU platform would let override it), sizes
+    each engine's KV cache, as vLLM says at start-up: 128K tokens of the float32 demo model (2
+    layers, one KV head of 64: 1 KiB a token)."""
+    assert server.engines()[0]["state"] in {"ready", "stale", "paused"}
+    sizes = re.findall(r"KV cache size: ([\d,]+) tokens", server.log_path.read_text(errors="replace"))
+    assert len(sizes) >= 2 and set(sizes) == {"131,072"}, sizes
+
+
 def test_serve_exits_when_an_engine_cannot_start(demo_model, tmp_path):
     # The demo model's context is 4096 tokens: vLLM refuses the engine arguments while starting.
     srv = ServerProcess(

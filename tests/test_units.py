@@ -14,6 +14,8 @@ import sys
 import orjson
 import pytest
 
+from skyinfer.app import build_registry
+from skyinfer.config import ServeConfig
 from skyinfer.demo_model import VOCAB_SIZE, build_demo_model
 from skyinfer.devices import plan_engine_devices, split_cores, split_gpus
 from skyinfer.proxy import prompt_group
@@ -153,6 +155,15 @@ def test_cpu_layout_gives_disjoint_cores():
     assert sorted(i for ids in seen for i in ids) == cores
     assert all(p.env["VLLM_CPU_KVCACHE_SPACE"] == "3" for p in plans)
     assert [p.env["VLLM_CPU_OMP_THREADS_BIND"] for p in plans] == [str(c) for c in cores]
+
+
+def test_vllms_kv_cache_option_takes_the_place_of_cpu_kvcache_gib(tmp_path):
+    """vLLM's CPU platform lets VLLM_CPU_KVCACHE_SPACE override --kv-cache-memory-bytes: given the
+    latter, the engines' environment leaves the variable out."""
+    given = ServeConfig(model="m", engines=1, engine_args=("--kv-cache-memory-bytes", "134217728"))
+    default = ServeConfig(model="m", engines=1, cpu_kvcache_gib=2)
+    assert "VLLM_CPU_KVCACHE_SPACE" not in build_registry(given, "cpu", str(tmp_path)).records[0].devices.env
+    assert build_registry(default, "cpu", str(tmp_path)).records[0].devices.env["VLLM_CPU_KVCACHE_SPACE"] == "2"
 
 
 def test_layout_that_does_not_fit_is_an_error():

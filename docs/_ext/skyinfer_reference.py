@@ -348,8 +348,10 @@ ENGINE_ENVIRONMENT = {
     ),
     "VLLM_CPU_KVCACHE_SPACE": EnvVar(
         "VLLM_CPU_KVCACHE_SPACE",
-        "set for each engine on CPU (``skyinfer/devices.py``)",
-        "the engine's KV cache in GiB: ``--cpu-kvcache-gib``",
+        "set for each engine on CPU (``skyinfer/devices.py``), unless the engine's arguments give vLLM's"
+        " ``--kv-cache-memory-bytes``",
+        "the engine's KV cache in GiB: ``--cpu-kvcache-gib`` (vLLM's CPU platform lets it override"
+        " ``--kv-cache-memory-bytes``, so it is left out when that is given)",
     ),
     "OMP_WAIT_POLICY": EnvVar(
         "OMP_WAIT_POLICY",
