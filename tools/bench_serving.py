@@ -25,13 +25,21 @@ With ``--vllm-client`` the load comes from vLLM's own benchmark client
 out, ``ignore_eos``, ``--concurrency`` at most in flight) on the two text routes:
 
     .venv/bin/python tools/bench_serving.py --vllm-client --concurrency 64 --requests 512
+
+With ``--profile DIR`` py-spy samples the Python processes of both servers (the front, the engine
+process and its EngineCore; vLLM's API server and its EngineCore) through each route's last round,
+and the report says where each spent its samples (the whole stacks are left in DIR, py-spy's raw
+format, for flame graphs).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
+import contextlib
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -182,6 +190,64 @@ def cpu_by_process(proc: subprocess.Popen) -> dict[str, float]:
     return seconds
 
 
+PROFILE_RATE_HZ = 100
+PROFILE_TOP = 12
+
+
+def python_processes(proc: subprocess.Popen) -> dict[str, int]:
+    """A server's Python processes (its own, the engine's, vLLM's EngineCore), keyed as
+    ``cpu_by_process`` keys them: depth and name."""
+    found: dict[str, int] = {}
+
+    def walk(process: psutil.Process, depth: int) -> None:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if process.name().startswith(("python", "VLLM::")):
+                found.setdefault(f"{depth}:{process.name()}", process.pid)
+            for child in process.children():
+                walk(child, depth + 1)
+
+    walk(psutil.Process(proc.pid), 0)
+    return found
+
+
+class Profile:
+    """py-spy recording each of a server's Python processes through one run."""
+
+    def __init__(self, out_dir: Path, label: str, proc: subprocess.Popen):
+        py_spy = str(Path(sys.executable).parent / "py-spy")
+        self.files, self.samplers = {}, []
+        for key, pid in python_processes(proc).items():
+            self.files[key] = out_dir / f"{label}-{key.replace(':', '-')}.txt"
+            argv = [py_spy, "record", "--pid", str(pid), "--rate", str(PROFILE_RATE_HZ), "--format", "raw"]
+            argv += ["--nonblocking", "--output", str(self.files[key])]
+            self.samplers.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        self.started = time.monotonic()
+
+    def stop(self) -> dict[str, str]:
+        seconds = time.monotonic() - self.started
+        for sampler in self.samplers:
+            sampler.send_signal(signal.SIGINT)  # py-spy writes its file and exits
+        for sampler in self.samplers:
+            sampler.wait(timeout=60)
+        return {key: summarize(path, seconds) for key, path in self.files.items() if path.exists()}
+
+
+def summarize(path: Path, seconds: float) -> str:
+    """py-spy's raw stacks (``frame;frame;... count``, idle threads left out) as the share of the
+    run the process was busy, and the frames most often on top of its stacks (``function (file:line)``)."""
+    on_top: collections.Counter[str] = collections.Counter()
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if stack:
+            function, _, where = stack.rsplit(";", 1)[-1].partition(" (")
+            on_top[f"{function} ({where.rsplit('/', 1)[-1]}"] += int(count)
+    total = sum(on_top.values())
+    if not total:
+        return f"no sample in {seconds:.0f} s"
+    top = "; ".join(f"{100 * n / total:.0f}% {frame}" for frame, n in on_top.most_common(PROFILE_TOP))
+    return f"busy {100 * total / (PROFILE_RATE_HZ * seconds):.0f}% of {seconds:.0f} s; on top: {top}"
+
+
 class Server:
     def __init__(self, name: str, start, model: str, engine_args: list[str], env: dict):
         self.name = name
@@ -204,10 +270,16 @@ async def bench(servers: list[Server], model: str, args) -> dict[str, dict[str, 
             for route in args.routes:
                 for server in servers if i % 2 == 0 else servers[::-1]:
                     before = cpu_by_process(server.proc)
+                    profile = None
+                    if args.profile is not None and i == args.rounds - 1:
+                        label = f"{server.name}-{route.strip('/').replace('/', '-')}"
+                        profile = Profile(args.profile, label, server.proc)
                     if args.vllm_client:
                         result = await run_vllm_client(server.url, route, model, args)
                     else:
                         result = await run_load(session, server.url, route, model, args, prompt_ids)
+                    if profile is not None:
+                        result["profile"] = profile.stop()
                     after = cpu_by_process(server.proc)
                     result["cpu_s"] = {k: after[k] - before.get(k, 0.0) for k in after}
                     rounds[server.name][route].append(result)
@@ -244,6 +316,8 @@ def report(ref: dict[str, list[dict]], sky: dict[str, list[dict]], args) -> str:
             }
             shown = ", ".join(f"{key} {v:.3f}" for key, v in per_k.items() if v >= 0.001)
             lines.append(f"{route:24s} {'CPU s/1k tok':12s} {name}: {sum(per_k.values()):.3f} ({shown})")
+            for key, summary in rounds[-1].get("profile", {}).items():
+                lines.append(f"{route:24s} {'profile':12s} {name} {key}: {summary}")
     return "\n".join(lines)
 
 
@@ -261,10 +335,13 @@ def main() -> None:
         help="load from vLLM's own benchmark client (random prompts, ignore_eos) on the text routes",
     )
     p.add_argument("--input-len", type=int, default=128, help="with --vllm-client: prompt tokens")
+    p.add_argument("--profile", type=Path, help="py-spy the servers' Python processes through each route's last round")
     p.add_argument("engine_args", nargs=argparse.REMAINDER, help="after --: vLLM engine arguments for both servers")
     args = p.parse_args()
     args.engine_args = [a for a in args.engine_args if a != "--"]
     args.routes = tuple(VLLM_CLIENT_BACKENDS) if args.vllm_client else ROUTES
+    if args.profile is not None:
+        args.profile.mkdir(parents=True, exist_ok=True)
     model = args.model or str(build_demo_model(scratch_dir("bench-model-")))
     cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
     # Same cores and KV cache for both; skyinfer sets these itself for its engine.

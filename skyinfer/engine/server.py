@@ -5,6 +5,7 @@ vLLM's own OpenAI serving classes, every other route of ``vllm serve`` through v
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import signal
@@ -110,14 +111,12 @@ def _serving_route(
                 )
             result = await call(request.app[SERVING_STATE])(parsed, VllmRequestView(request))
             if chunk_object is not None and isinstance(result, AsyncGenerator):
-                prefix = "chatcmpl" if chunk_object.startswith("chat") else "cmpl"
-                head = {
-                    "id": f"{prefix}-{uuid.uuid4().hex}",
-                    "object": chunk_object,
-                    "created": int(time.time()),
-                    "model": parsed.model,
-                }
-                result = with_finish_reasons(result, choice_count(parsed), head, continuation.finished_choices(track))
+                result = with_finish_reasons(
+                    result,
+                    choice_count(parsed),
+                    functools.partial(_fallback_head, chunk_object, int(time.time()), parsed.model),
+                    continuation.finished_choices(track),
+                )
             if track.resumed is not None and isinstance(result, AsyncGenerator):
                 result = _continued(result, track)
             if request.path == TOKEN_ROUTE:
@@ -135,6 +134,12 @@ def _serving_route(
         return await _respond(request, result, track)
 
     return handler
+
+
+def _fallback_head(chunk_object: str, created: int, model: str) -> dict:
+    """A stream's chunk head when vLLM sent no chunk to copy it from."""
+    prefix = "chatcmpl" if chunk_object.startswith("chat") else "cmpl"
+    return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": chunk_object, "created": created, "model": model}
 
 
 async def _continued(frames: AsyncGenerator[str, None], track) -> AsyncGenerator[str, None]:

@@ -13,7 +13,7 @@ finish reason shows as ``"finish_reason":"`` and a final usage chunk as
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import orjson
@@ -39,10 +39,14 @@ def _final_chunk(first: dict, index: int) -> str:
 
 
 async def with_finish_reasons(
-    frames: AsyncGenerator[str, None], choices: int, fallback_head: dict, finished_before: frozenset[int] = frozenset()
+    frames: AsyncGenerator[str, None],
+    choices: int,
+    fallback_head: Callable[[], dict],
+    finished_before: frozenset[int] = frozenset(),
 ) -> AsyncGenerator[str, None]:
     """``frames`` as they come, plus an ``abort`` chunk for each choice that ended without a
-    reason. ``fallback_head`` (id, object, created, model) serves when no chunk came to copy;
+    reason. ``fallback_head()`` (id, object, created, model) serves when no chunk came to copy
+    (called then only: a new id costs a uuid4, a few percent of the engine process's CPU on a stream);
     ``finished_before``: choices whose reason the caller had before (from an engine that died)."""
     first: str | None = None
     finished: set[int] = set(finished_before)
@@ -53,7 +57,7 @@ async def with_finish_reasons(
                 if frame.startswith(_DONE) or '"choices":[]' in frame:
                     settled = True
                     first = first or (frame if frame.startswith("data: {") else None)
-                    head = orjson.loads(first[len("data: ") :]) if first else fallback_head
+                    head = orjson.loads(first[len("data: ") :]) if first else fallback_head()
                     for index in sorted(set(range(choices)) - finished):
                         yield _final_chunk(head, index)
                 elif frame.startswith('data: {"error"'):
