@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -288,6 +289,10 @@ async def test_an_engine_that_cannot_come_back_is_retired_and_rejoins_on_request
     assert "setting it up again" in err, err[-2000:]
     assert [e["state"] for e in crash_server.engines()] == ["ready", "ready"]
     await asyncio.to_thread(assert_engines_match, crash_server, crash_server.model, demo_model, weights_3, "both-again")
+    # Every engine process these kills brought up (spares taking over, rejoins) sized its KV cache by
+    # the server's --kv-cache-memory-bytes (tests/support.py: 128K tokens), as the first two did.
+    sizes = re.findall(r"KV cache size: ([\d,]+) tokens", crash_server.log_path.read_text(errors="replace"))
+    assert len(sizes) > 2 and set(sizes) == {"131,072"}, sizes
     print(
         f"\nFAULT engine 0 SIGKILL at rest while engine 1 rejoins: ready for a push {ready_at - killed_at:.1f}s, "
         f"serving after the push {served_at - killed_at:.1f}s"
