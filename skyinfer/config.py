@@ -36,6 +36,10 @@ class CliOption:
         return "--" + name.removesuffix("_s").replace("_", "-")
 
 
+# skyinfer's engine program; engine templates fork it (engine_templates.py), and no other.
+ENGINE_COMMAND = (sys.executable, "-m", "skyinfer.engine")
+
+
 def _option(default, help: str, *, validator=None, converter=None, **cli) -> attrs.Attribute:
     return attrs.field(
         default=default, validator=validator, converter=converter, metadata={CLI: CliOption(help, **cli)}
@@ -200,6 +204,13 @@ class ServeConfig:
         "5 s of a restart); auto: loaded on CPU engines, not on GPUs (a second engine would not fit beside the first)",
         choices=("auto", "on", "off"),
     )
+    engine_templates: str = _option(
+        "auto",
+        "auto: CPU engines and their spares are forked from a process that imported torch and vLLM once (an engine "
+        "template, one per engine environment), instead of each importing them again: an engine of the demo model "
+        "starts in about 3 s instead of 10, a restart too; off: every engine process starts cold",
+        choices=("auto", "off"),
+    )
     max_push_failures: int = _option(
         3,
         "an engine that stays up but fails N weight pushes in a row by itself (the other engines did their "
@@ -221,7 +232,7 @@ class ServeConfig:
     socket_dir: str | None = None
     # The engine program, given the engine's own arguments and vLLM's: skyinfer's engine. The
     # front's own tests and benchmark run a fake one (tools/fake_engine.py) in its place.
-    engine_command: tuple[str, ...] = attrs.field(default=(sys.executable, "-m", "skyinfer.engine"), converter=tuple)
+    engine_command: tuple[str, ...] = attrs.field(default=ENGINE_COMMAND, converter=tuple)
     adapter_dir: str | None = _option(
         None,
         "where each version of each LoRA adapter is kept for the engines (None: a temporary directory)",

@@ -13,10 +13,11 @@ from typing import Protocol
 
 import aiohttp
 
-from .config import COLOCATED_GPU_MEMORY_UTILIZATION, ServeConfig
+from .config import COLOCATED_GPU_MEMORY_UTILIZATION, ENGINE_COMMAND, ServeConfig
 from .devices import platform_engine_args
 from .engine.output import read_tail
 from .engine_calls import unix_client
+from .engine_templates import EngineTemplates, ForkedProcess, how_it_exited
 from .engine_wire import EXTENSION_PATH
 from .shm_leftovers import mapped_segments, remove_segments
 from .state import EngineRecord
@@ -38,7 +39,7 @@ class WarmSpare(Protocol):
     """What ``EngineProcess.spawn`` asks of the slot's warm spare (``spares.Spare``, which starts
     from an ``EngineProcess``'s command line: this module does not import it)."""
 
-    proc: asyncio.subprocess.Process
+    proc: asyncio.subprocess.Process | ForkedProcess
     # Its imports are done (a loaded spare's engine is built): it stands by.
     waiting: bool
     # It builds the whole engine before it stands by.
@@ -53,10 +54,12 @@ class EngineProcess:
     """One engine child process, in its own process group so that stopping it
     also stops vLLM's EngineCore and worker processes beneath it."""
 
-    def __init__(self, record: EngineRecord, config: ServeConfig):
+    def __init__(self, record: EngineRecord, config: ServeConfig, templates: EngineTemplates | None = None):
         self.record = record
         self.config = config
-        self.proc: asyncio.subprocess.Process | None = None
+        # Where its processes fork from, when they may (``forks``).
+        self.templates = templates
+        self.proc: asyncio.subprocess.Process | ForkedProcess | None = None
         # The end of the engine's output, which the engine keeps itself (engine/output.py).
         self.output_tail = os.path.splitext(record.socket_path)[0] + ".log"
         # For the restart backoff: consecutive crashes, and when it last became ready (0: not up since).
@@ -71,8 +74,20 @@ class EngineProcess:
         setting = self.config.loaded_spares
         return setting == "on" or (setting == "auto" and self.record.devices.kind == "cpu")
 
+    @property
+    def forks(self) -> bool:
+        """Whether its processes fork from an engine template (``--engine-templates``): skyinfer's
+        engine on CPU, where an engine start is mostly imports."""
+        return (
+            self.templates is not None
+            and self.config.engine_templates == "auto"
+            and self.record.devices.kind == "cpu"
+            and self.config.engine_command == ENGINE_COMMAND
+        )
+
     def argv(self, lifeline_fd: int, report_fd: int | None = None) -> list[str]:
-        """Its command line; with ``report_fd``, a spare's (spares.py), which reports there."""
+        """Its arguments, the engine program's own and vLLM's; with ``report_fd``, a spare's
+        (spares.py), which reports there."""
         c = self.config
         # Its own sizes: engines of a fleet may differ (--engine-sizes).
         size = self.record.parallel
@@ -112,7 +127,7 @@ class EngineProcess:
         ]
         if self.record.devices.kind == "cpu":
             own += ["--cpus", ",".join(str(core) for core in self.record.devices.ids)]
-        return [*c.engine_command, *own, "--", *vllm_args]
+        return [*own, "--", *vllm_args]
 
     def env(self) -> dict[str, str]:
         """The environment it starts with (a spare's start order carries it too)."""
@@ -144,18 +159,37 @@ class EngineProcess:
                 ("" if spare.waiting else " (still loading)" if spare.loaded else " (still importing)"),
             )
             return
-        self.proc = await asyncio.create_subprocess_exec(
-            *self.argv(lifeline_fd),
-            env=env,
-            # Its output goes to the front's stderr, relayed by the engine itself: never through here.
-            stdin=asyncio.subprocess.DEVNULL,
-            # A group of its own: stopping it, or its lifeline running out, takes vLLM's processes too.
-            start_new_session=True,
-            pass_fds=(lifeline_fd,),
-        )
+        self.proc = await self.start_process(self.argv(lifeline_fd), env, lifeline_fd)
         self.record.pid = self.proc.pid
         log.info(
-            "engine %d: started pid %d on %s", self.record.engine_id, self.proc.pid, self.record.devices.describe()
+            "engine %d: started pid %d on %s%s",
+            self.record.engine_id,
+            self.proc.pid,
+            self.record.devices.describe(),
+            " (forked from its template)" if isinstance(self.proc, ForkedProcess) else "",
+        )
+
+    async def start_process(
+        self, argv: list[str], env: dict[str, str], lifeline_fd: int, *, report_fd: int | None = None, stdin=None
+    ) -> asyncio.subprocess.Process | ForkedProcess:
+        """Start the engine program with ``argv`` (``argv()``'s: the engine's, or its spare's) and
+        ``env``: forked from its template if it ``forks`` and the template can, otherwise cold. It
+        holds ``lifeline_fd`` (and ``report_fd``), and ``stdin`` (None: /dev/null). Its output goes
+        to the front's stderr, relayed by the engine itself: never through here."""
+        fds = (lifeline_fd, *(() if report_fd is None else (report_fd,)))
+        if self.forks:
+            assert self.templates is not None
+            forked = await self.templates.fork(argv, env, lifeline_fd, fds, stdin)
+            if forked is not None:
+                return forked
+        return await asyncio.create_subprocess_exec(
+            *self.config.engine_command,
+            *argv,
+            env=env,
+            stdin=asyncio.subprocess.DEVNULL if stdin is None else stdin,
+            # A group of its own: stopping it, or its lifeline running out, takes vLLM's processes too.
+            start_new_session=True,
+            pass_fds=fds,
         )
 
     @property
@@ -172,7 +206,7 @@ class EngineProcess:
                 await asyncio.sleep(0.2)
                 tail = read_tail(self.output_tail)
                 raise EngineStartError(
-                    f"engine {self.record.engine_id} exited with code {self.proc.returncode} "
+                    f"engine {self.record.engine_id} {how_it_exited(self.proc.returncode)} "
                     f"during start-up; its last output:\n{tail}"
                 )
             if os.path.exists(self.record.socket_path):

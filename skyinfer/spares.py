@@ -35,11 +35,13 @@ from typing import TYPE_CHECKING
 
 from .engine.output import read_tail
 from .engine.standby import SPARE_LOG_SUFFIX
+from .engine_templates import how_it_exited
 from .registry import EngineRegistry
 from .state import Lifecycle
 
 if TYPE_CHECKING:
     from .engine_process import EngineProcess
+    from .engine_templates import ForkedProcess
 
 log = logging.getLogger("skyinfer.spares")
 
@@ -51,7 +53,12 @@ class Spare:
     """One spare process of an engine slot: importing (or building its engine), then waiting for its start order on stdin."""
 
     def __init__(
-        self, engine_id: int, proc: asyncio.subprocess.Process, order_fd: int, env: dict[str, str], loaded: bool
+        self,
+        engine_id: int,
+        proc: asyncio.subprocess.Process | ForkedProcess,
+        order_fd: int,
+        env: dict[str, str],
+        loaded: bool,
     ):
         self.engine_id = engine_id
         self.proc = proc
@@ -190,14 +197,13 @@ class Spares:
         order_read, order_write = os.pipe()
         report_read, report_write = os.pipe()
         try:
-            proc = await asyncio.create_subprocess_exec(
-                *process.argv(self._lifeline_fd, report_fd=report_write),
-                env=env,
-                # Its start order comes on stdin; it says it stands by on the report pipe.
+            # Its start order comes on stdin; it says it stands by on the report pipe.
+            proc = await process.start_process(
+                process.argv(self._lifeline_fd, report_fd=report_write),
+                env,
+                self._lifeline_fd,
+                report_fd=report_write,
                 stdin=order_read,
-                # A group of its own, as an engine's: once it is one, killing the group takes vLLM's processes too.
-                start_new_session=True,
-                pass_fds=(self._lifeline_fd, report_write),
             )
         except BaseException:
             os.close(order_write)
@@ -246,16 +252,15 @@ class Spares:
         # Its relay may still be writing its last words.
         await asyncio.sleep(0.2)
         log.warning(
-            "engine %d: its spare (pid %d) exited with code %s; the engine's next restart starts cold; "
-            "its last output:\n%s",
+            "engine %d: its spare (pid %d) %s; the engine's next restart starts cold; its last output:\n%s",
             spare.engine_id,
             spare.proc.pid,
-            code,
+            how_it_exited(code),
             read_tail(tail),
         )
 
 
-async def _first_line(fd: int, proc: asyncio.subprocess.Process, timeout_s: float) -> dict | None:
+async def _first_line(fd: int, proc: asyncio.subprocess.Process | ForkedProcess, timeout_s: float) -> dict | None:
     """The spare's report (one JSON line on ``fd``, which this closes); None if it exits, or
     says nothing within ``timeout_s``."""
     loop = asyncio.get_running_loop()

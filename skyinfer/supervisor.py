@@ -15,6 +15,7 @@ from aiohttp import web
 
 from .config import ServeConfig
 from .engine_process import EngineProcess, EngineStartError
+from .engine_templates import EngineTemplates, how_it_exited
 from .errors import ApiError, json_response
 from .registry import EngineRegistry
 from .spares import Spares
@@ -41,7 +42,9 @@ class Supervisor:
     def __init__(self, registry: EngineRegistry, config: ServeConfig):
         self.registry = registry
         self.config = config
-        self.processes = {r.engine_id: EngineProcess(r, config) for r in registry.records}
+        # CPU engines (and their spares) fork from these instead of importing torch and vLLM again.
+        self.templates = EngineTemplates(config.engine_start_timeout_s)
+        self.processes = {r.engine_id: EngineProcess(r, config, self.templates) for r in registry.records}
         # Warm spares: a restart takes the slot's, if alive, instead of starting a cold process.
         self.spares = Spares(registry, self.processes, config.warm_spares > 0, config.engine_start_timeout_s)
         # Engines hold the read end; only this process holds the write end, so
@@ -220,7 +223,7 @@ class Supervisor:
             Lifecycle.DEAD,
             Lifecycle.RESTARTING,
         ):
-            self._declare_dead(process, f"process {proc.pid} exited with code {code}")
+            self._declare_dead(process, f"process {proc.pid} {how_it_exited(code)}")
 
     async def _revive(self, process: EngineProcess) -> None:
         """Restart a crashed engine, backing off while it keeps crashing; retire it once it has
@@ -286,6 +289,7 @@ class Supervisor:
             if record.lifecycle is not Lifecycle.STOPPED:
                 self.registry.set_lifecycle(record, Lifecycle.STOPPING)
         await asyncio.gather(*(self._stop_one(p, timeout_s) for p in self.processes.values()))
+        await self.templates.stop()
         if self._lifeline is not None:
             for fd in self._lifeline:
                 os.close(fd)

@@ -13,6 +13,7 @@ import asyncio
 import concurrent.futures
 import json
 import os
+import shlex
 import signal
 import sys
 import time
@@ -35,15 +36,19 @@ SPARE_TIMEOUT_S = 300
 
 
 def _launch(demo_model: Path, logs: Path) -> dict[str, ServerProcess]:
-    """One-engine servers, started together, each on a core of its own: spares on (the default)
-    and off. Health probes fast enough for a test."""
+    """One-engine servers, started together, each on a core of its own: spares and engine templates
+    on (the defaults), and both off. Health probes fast enough for a test."""
     probes = ("--health-interval", "1", "--health-timeout", "4")
     return {
         "warm": ServerProcess(
             demo_model, engines=1, log_path=logs / "warm.log", extra_args=(*probes, "--loaded-spares", "auto"), cpus={0}
         ),
         "cold": ServerProcess(
-            demo_model, engines=1, log_path=logs / "cold.log", extra_args=(*probes, "--warm-spares", "0"), cpus={1}
+            demo_model,
+            engines=1,
+            log_path=logs / "cold.log",
+            extra_args=(*probes, "--warm-spares", "0", "--engine-templates", "off"),
+            cpus={1},
         ),
     }
 
@@ -52,11 +57,16 @@ servers = module_servers(__name__, _launch)
 
 
 def spares_of(srv: ServerProcess) -> list[psutil.Process]:
-    """The front's spare processes: started with --standby, and not the engine (an engine that was
-    a spare keeps --standby in its command line)."""
+    """The front's spare processes (children of the front, or of its engine template): started with
+    --standby, and not the engine (an engine that was a spare keeps --standby in its command line)."""
     engine_pid = srv.engines()[0]["pid"]
-    children = psutil.Process(srv.proc.pid).children()
+    children = psutil.Process(srv.proc.pid).children(recursive=True)
     return [p for p in children if p.pid != engine_pid and _cmdline(p) and "--standby" in _cmdline(p)]
+
+
+def templates_of(srv: ServerProcess) -> list[psutil.Process]:
+    """The front's engine templates (``--engine-templates``): its children that fork engines."""
+    return [p for p in psutil.Process(srv.proc.pid).children() if "skyinfer.engine.template" in _cmdline(p)]
 
 
 def _cmdline(p: psutil.Process) -> list[str]:
@@ -99,10 +109,14 @@ def test_a_spare_stands_by_once_the_fleet_is_ready(servers):
     warm = servers["warm"]
     spare = waiting_spare(warm)
     engine = psutil.Process(warm.engines()[0]["pid"])
-    argv = spare.cmdline()
+    # Its process title: the command line it was forked for, quoted as a shell would.
+    argv = shlex.split(" ".join(spare.cmdline()))
     assert argv[argv.index("--socket") + 1] == engine_socket(warm, 0)
     assert argv[argv.index("--log-prefix") + 1] == "[engine 0] "
-    assert "--standby" not in engine.cmdline() and spare.ppid() == warm.proc.pid
+    # Both forked from the front's one engine template; their command lines their own.
+    (template,) = templates_of(warm)
+    assert "--standby" not in engine.cmdline() and spare.ppid() == engine.ppid() == template.pid
+    assert engine.pid == os.getpgid(engine.pid) and spare.pid == os.getpgid(spare.pid)
     libraries = {os.path.basename(m.path) for m in spare.memory_maps()}
     assert any(name.startswith("libtorch_cpu") for name in libraries), sorted(libraries)
     # On CPU the spare builds its whole engine before it waits: vLLM's EngineCore and worker
@@ -122,6 +136,9 @@ def test_a_spare_stands_by_once_the_fleet_is_ready(servers):
     )
     cold = servers["cold"]
     assert cold.engines()[0]["spare"] is None and spares_of(cold) == []
+    # The server without templates started its engine cold, a child of the front; both answer alike.
+    assert templates_of(cold) == [] and psutil.Process(cold.engines()[0]["pid"]).ppid() == cold.proc.pid
+    assert greedy(warm) == greedy(cold)
 
 
 def test_an_enginecore_killed_is_replaced_by_the_spare(servers):
@@ -138,7 +155,11 @@ def test_an_enginecore_killed_is_replaced_by_the_spare(servers):
     assert engine["pid"] == spare.pid and engine["restarts"] == 1, engine
     completes(warm)
     # The replacement runs its one worker inside its EngineCore, as the first one did: no worker process.
-    assert psutil.Process(engine["pid"]).environ().get(WORKER_PROCESSES_ENV) == "0"
+    # (Its environment is its engine template's, the parent it was forked from: the process title
+    # of a forked process takes the room its own copy in /proc had.)
+    template = psutil.Process(psutil.Process(engine["pid"]).ppid())
+    assert "skyinfer.engine.template" in _cmdline(template)
+    assert template.environ().get(WORKER_PROCESSES_ENV) == "0"
     assert not vllm_process(engine["pid"], "EngineCore").children(), "a worker process under the EngineCore"
     # From the takeover on, the spare's output (its vLLM processes' too) goes under the engine's
     # prefix, none under the spare's; it loaded no model again: it had before it stood by.
@@ -166,6 +187,42 @@ def test_an_operator_restart_is_taken_by_the_spare(servers):
     assert r.json()["engine"]["pid"] == spare.pid != before["pid"]
     completes(warm)
     assert waiting_spare(warm).pid != spare.pid
+
+
+def test_an_engine_template_that_dies_costs_no_engine_and_its_successor_forks_the_next(servers):
+    """The engine template SIGKILLed while its engine serves and its spare waits: both go on. The
+    engine then SIGKILLed: its end is seen without the template (its code unknown), the spare takes
+    over. The next spare needs a template: the new one is SIGKILLed while it imports, so that
+    spare starts cold (a child of the front) and stands by. An operator's restart takes it; the
+    spare after it forks from a third template."""
+    warm = servers["warm"]
+    spare = waiting_spare(warm)
+    (first,) = templates_of(warm)
+    first.kill()
+    first.wait(10)
+    completes(warm)
+    assert warm.engines()[0]["spare"] == "waiting"
+    engine_pid = warm.engines()[0]["pid"]
+    os.kill(engine_pid, signal.SIGKILL)
+    assert back_up(warm, engine_pid, timeout_s=30)["pid"] == spare.pid
+    completes(warm)
+    deadline = time.monotonic() + SPARE_TIMEOUT_S
+    while not (second := templates_of(warm)):
+        assert time.monotonic() < deadline, warm.log_tail()
+        time.sleep(0.05)
+    (second,) = second
+    second.kill()
+    cold_spare = waiting_spare(warm)
+    assert cold_spare.ppid() == warm.proc.pid, cold_spare.ppid()
+    log = warm.log_path.read_text(errors="replace")
+    assert f"process {engine_pid} exited with an unknown code (its engine template is gone)" in log, warm.log_tail()
+    assert "engine template: cannot fork" in log and "this engine starts cold" in log, warm.log_tail()
+    r = httpx.post(f"{warm.url}/engines/0/restart", timeout=300)
+    assert r.status_code == 200 and r.json()["engine"]["pid"] == cold_spare.pid, r.text
+    completes(warm)
+    forked = waiting_spare(warm)
+    (third,) = templates_of(warm)
+    assert forked.ppid() == third.pid and third.pid not in (first.pid, second.pid)
 
 
 def test_without_spares_a_restart_starts_cold(servers):

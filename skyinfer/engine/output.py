@@ -35,7 +35,7 @@ def relay_output(prefix: str, tail_path: str, then: tuple[str, str] | None = Non
         try:
             os.close(write_fd)
             os.setsid()
-            _name_process(f"skyinfer::output {prefix.strip()}")
+            name_process(f"skyinfer::output {prefix.strip()}")
             relay = _Relay(prefix, _TailFile(tail_path, TAIL_BYTES))
             if then is not None:
                 signal.signal(signal.SIGUSR1, lambda *_: relay.switch(then[0], _TailFile(then[1], TAIL_BYTES)))
@@ -49,7 +49,8 @@ def relay_output(prefix: str, tail_path: str, then: tuple[str, str] | None = Non
     return pid
 
 
-def _name_process(title: str) -> None:
+def name_process(title: str) -> None:
+    """What ps shows for this process."""
     # As vLLM names its processes (VLLM::EngineCore), so that ps and tests tell the relay apart.
     with contextlib.suppress(ImportError):
         import setproctitle
@@ -64,7 +65,7 @@ class _Relay:
 
     def switch(self, prefix: str, tail: _TailFile) -> None:
         self.prefix, self.tail = prefix.encode(), tail
-        _name_process(f"skyinfer::output {prefix.strip()}")
+        name_process(f"skyinfer::output {prefix.strip()}")
 
     def run(self, read_fd: int) -> None:
         at_line_start = True

@@ -1,0 +1,257 @@
+"""Engine templates, the front's side: CPU engines (and their spares) forked from a process that
+imported torch and vLLM once, instead of started cold (``engine/template.py`` is the template's
+side and says why).
+
+* One template per engine environment, apart from what differs between engines and is read only
+  when the engine is built (``VARIES_PER_ENGINE``): a fleet of equal engines has one. It starts
+  when the first engine of that environment does, with the engines' lifeline (it dies with the
+  front, as they do), in a session of its own.
+* A forked process is the engine's process as a spawned one is (its own session and process
+  group, its lifeline, its output relay); the supervisor sees it through ``ForkedProcess``, which
+  answers what it asks of an asyncio process. Its exit code comes from the template, its parent;
+  its end from a pidfd, which does not need the template: a template that died leaves its engines
+  serving, and their ends still seen (their codes then unknown: ``UNKNOWN_EXIT``).
+* A template that cannot fork (it died, or never came up) is dropped: that start is cold, and the
+  next one of its environment starts a new template. Templates are never the reason an engine
+  does not start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Mapping, Sequence
+
+from .engine.template import MAX_FDS, MAX_MESSAGE, VARIES_PER_ENGINE
+
+__all__ = ["UNKNOWN_EXIT", "EngineTemplates", "ForkedProcess", "how_it_exited"]
+
+log = logging.getLogger("skyinfer.supervisor")
+
+# The exit code of a forked process whose template died before it: nobody reaped it for us.
+UNKNOWN_EXIT = -255
+
+
+def how_it_exited(code: int | None) -> str:
+    """For the logs: "exited with code -9", or the code unknown."""
+    if code == UNKNOWN_EXIT:
+        return "exited with an unknown code (its engine template is gone)"
+    return f"exited with code {code}"
+
+
+# How long a forked process's end waits for its template's word on its code.
+_CODE_WAIT_S = 2.0
+
+
+class ForkedProcess:
+    """A process a template forked: ``pid``, ``returncode`` (None while it runs), ``wait()`` and
+    ``send_signal()``, as an ``asyncio.subprocess.Process``."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.returncode: int | None = None
+        self._code: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._ended = asyncio.Event()
+        self._watch = asyncio.create_task(self._watch_end())
+
+    def exited_with(self, code: int) -> None:
+        """Its template reaped it."""
+        if not self._code.done():
+            self._code.set_result(code)
+
+    async def _watch_end(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            pidfd = os.pidfd_open(self.pid)
+        except ProcessLookupError:
+            pidfd = None  # gone already
+        if pidfd is not None:
+            gone = loop.create_future()
+            loop.add_reader(pidfd, lambda: gone.done() or gone.set_result(None))
+            try:
+                await gone
+            finally:
+                loop.remove_reader(pidfd)
+                os.close(pidfd)
+        try:
+            self.returncode = await asyncio.wait_for(asyncio.shield(self._code), _CODE_WAIT_S)
+        except asyncio.TimeoutError:
+            self.returncode = UNKNOWN_EXIT
+        self._ended.set()
+
+    async def wait(self) -> int:
+        await self._ended.wait()
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, sig)
+
+
+class _Template:
+    """One template process and its channel."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, channel: socket.socket):
+        self.proc = proc
+        self.channel = channel
+        self.ready = asyncio.get_running_loop().create_future()
+        self._orders: dict[int, asyncio.Future[int]] = {}
+        self._next_order = 0
+        self._forked: dict[int, ForkedProcess] = {}
+        # Exits reported before the fork's answer was read: the pid is the order's.
+        self._early_exits: dict[int, int] = {}
+        self.closed = False
+        asyncio.get_running_loop().add_reader(channel.fileno(), self._read)
+
+    def _read(self) -> None:
+        try:
+            data = self.channel.recv(MAX_MESSAGE)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self.close()
+            return
+        message = json.loads(data)
+        if message.get("ready"):
+            self.ready.done() or self.ready.set_result(None)
+        elif "order" in message:
+            future = self._orders.pop(message["order"], None)
+            if future is not None and not future.done():
+                future.set_result(message["pid"])
+        elif "code" in message:
+            forked = self._forked.pop(message["pid"], None)
+            if forked is not None:
+                forked.exited_with(message["code"])
+            else:
+                self._early_exits[message["pid"]] = message["code"]
+
+    async def fork(self, argv: Sequence[str], env: Mapping[str, str], fds: Sequence[int], stdin: int | None) -> int:
+        order = self._next_order
+        self._next_order += 1
+        message = {"order": order, "argv": list(argv), "env": dict(env), "fds": list(fds), "stdin": stdin is not None}
+        passed = [*fds, *(() if stdin is None else (stdin,))]
+        assert len(passed) <= MAX_FDS
+        answer = self._orders[order] = asyncio.get_running_loop().create_future()
+        # A small message into an empty socket buffer: it does not block.
+        socket.send_fds(self.channel, [json.dumps(message).encode()], passed)
+        return await answer
+
+    def adopt(self, pid: int) -> ForkedProcess:
+        forked = ForkedProcess(pid)
+        if pid in self._early_exits:
+            forked.exited_with(self._early_exits.pop(pid))
+        else:
+            self._forked[pid] = forked
+        return forked
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        # Their codes can no longer come: what ends from now on ends with an unknown one.
+        for forked in self._forked.values():
+            forked.exited_with(UNKNOWN_EXIT)
+        self._forked.clear()
+        asyncio.get_running_loop().remove_reader(self.channel.fileno())
+        self.channel.close()
+        for future in (self.ready, *self._orders.values()):
+            if not future.done():
+                future.set_exception(ConnectionError("the engine template is gone"))
+        self._orders.clear()
+
+    def kill(self) -> None:
+        self.close()
+        if self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+class EngineTemplates:
+    """The front's templates, by engine environment."""
+
+    def __init__(self, start_timeout_s: float):
+        self.start_timeout_s = start_timeout_s
+        self._templates: dict[tuple, _Template] = {}
+        self._starting: dict[tuple, asyncio.Task] = {}
+
+    async def fork(
+        self, argv: Sequence[str], env: Mapping[str, str], lifeline_fd: int, fds: Sequence[int], stdin: int | None
+    ) -> ForkedProcess | None:
+        """Fork ``python -m skyinfer.engine <argv>`` from the template of ``env``, holding ``fds``
+        at their numbers (and ``stdin``); None if no template could (the caller starts it cold)."""
+        key = tuple(sorted((name, value) for name, value in env.items() if name not in VARIES_PER_ENGINE))
+        try:
+            template = await self._template(key, env, lifeline_fd)
+            pid = await template.fork(argv, env, fds, stdin)
+        except (OSError, ConnectionError, asyncio.TimeoutError) as error:
+            log.warning("engine template: cannot fork (%s); this engine starts cold", error)
+            self._drop(key)
+            return None
+        return template.adopt(pid)
+
+    async def _template(self, key: tuple, env: Mapping[str, str], lifeline_fd: int) -> _Template:
+        template = self._templates.get(key)
+        if template is not None and not template.closed and template.proc.returncode is None:
+            return template
+        self._drop(key)
+        # Engines that start together wait for the same template.
+        if key not in self._starting:
+            self._starting[key] = asyncio.create_task(self._start(env, lifeline_fd))
+        try:
+            template = await asyncio.shield(self._starting[key])
+        finally:
+            self._starting.pop(key, None)
+        self._templates[key] = template
+        return template
+
+    async def _start(self, env: Mapping[str, str], lifeline_fd: int) -> _Template:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "skyinfer.engine.template",
+                "--channel-fd",
+                str(theirs.fileno()),
+                "--lifeline-fd",
+                str(lifeline_fd),
+                env=dict(env),
+                stdin=asyncio.subprocess.DEVNULL,
+                start_new_session=True,
+                pass_fds=(theirs.fileno(), lifeline_fd),
+            )
+        finally:
+            theirs.close()
+        ours.setblocking(False)
+        template = _Template(proc, ours)
+        try:
+            await asyncio.wait_for(asyncio.shield(template.ready), self.start_timeout_s)
+        except BaseException:
+            template.kill()
+            raise
+        log.info("engine template: pid %d ready, engines of its environment fork from it", proc.pid)
+        return template
+
+    def _drop(self, key: tuple) -> None:
+        template = self._templates.pop(key, None)
+        if template is not None:
+            template.kill()
+
+    async def stop(self) -> None:
+        """Kill every template (its engines are the supervisor's to stop)."""
+        for task in self._starting.values():
+            task.cancel()
+        templates, self._templates = list(self._templates.values()), {}
+        for template in templates:
+            template.kill()
+        for template in templates:
+            await template.proc.wait()
