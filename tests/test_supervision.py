@@ -465,8 +465,9 @@ async def test_sigkilled_front_takes_every_process_with_it(crash_server):
     srv = crash_server
     tree = process_tree(srv)
     engine_pids = {e["pid"] for e in srv.engines()}
-    # Both engines, and vLLM's processes beneath each.
+    # Both engines, and vLLM's processes beneath each; the engine template they were forked from.
     assert engine_pids <= {p.pid for p in tree} and {p.ppid() for p in tree} >= engine_pids
+    assert [p for p in tree if "skyinfer.engine.template" in " ".join(p.cmdline())], [p.cmdline() for p in tree]
     body = {"model": srv.model, "prompt": "cut off", "max_tokens": 1500, "ignore_eos": True}
     async with httpx.AsyncClient(base_url=srv.url, timeout=60) as http:
         tasks = await admit_while_paused(http, (http.post("/v1/completions", json=body) for _ in range(8)))
