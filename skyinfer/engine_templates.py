@@ -11,7 +11,8 @@ side and says why).
   answers what it asks of an asyncio process. Its exit code comes from the template, its parent;
   its end from a pidfd, which does not need the template: a template that died leaves its engines
   serving, and their ends still seen (their codes then unknown: ``UNKNOWN_EXIT``).
-* A template that cannot fork (it died, or never came up) is dropped: that start is cold, and the
+* A template that cannot fork (it died, never came up, or does not answer within the front's
+  probe timeout: hung) is dropped: that start is cold, and the
   next one of its environment starts a new template. Templates are never the reason an engine
   does not start.
 """
@@ -98,8 +99,9 @@ class ForkedProcess:
 class _Template:
     """One template process and its channel."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, channel: socket.socket):
+    def __init__(self, proc: asyncio.subprocess.Process, channel: socket.socket, answer_timeout_s: float):
         self.proc = proc
+        self.answer_timeout_s = answer_timeout_s
         self.channel = channel
         self.ready = asyncio.get_running_loop().create_future()
         self._orders: dict[int, asyncio.Future[int]] = {}
@@ -143,7 +145,8 @@ class _Template:
         answer = self._orders[order] = asyncio.get_running_loop().create_future()
         # A small message into an empty socket buffer: it does not block.
         socket.send_fds(self.channel, [json.dumps(message).encode()], passed)
-        return await answer
+        # A fork takes milliseconds: a template that does not answer is hung, and dropped.
+        return await asyncio.wait_for(answer, self.answer_timeout_s)
 
     def adopt(self, pid: int) -> ForkedProcess:
         forked = ForkedProcess(pid)
@@ -178,8 +181,10 @@ class _Template:
 class EngineTemplates:
     """The front's templates, by engine environment."""
 
-    def __init__(self, start_timeout_s: float):
+    def __init__(self, start_timeout_s: float, answer_timeout_s: float):
+        # How long a template may take to import; how long to answer a fork order.
         self.start_timeout_s = start_timeout_s
+        self.answer_timeout_s = answer_timeout_s
         self._templates: dict[tuple, _Template] = {}
         self._starting: dict[tuple, asyncio.Task] = {}
 
@@ -232,7 +237,7 @@ class EngineTemplates:
         finally:
             theirs.close()
         ours.setblocking(False)
-        template = _Template(proc, ours)
+        template = _Template(proc, ours, self.answer_timeout_s)
         try:
             await asyncio.wait_for(asyncio.shield(template.ready), self.start_timeout_s)
         except BaseException:

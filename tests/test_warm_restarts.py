@@ -194,7 +194,7 @@ def test_an_engine_template_that_dies_costs_no_engine_and_its_successor_forks_th
     engine then SIGKILLed: its end is seen without the template (its code unknown), the spare takes
     over. The next spare needs a template: the new one is SIGKILLed while it imports, so that
     spare starts cold (a child of the front) and stands by. An operator's restart takes it; the
-    spare after it forks from a third template."""
+    spare after it forks from a third template, which then hangs: the next spare starts cold."""
     warm = servers["warm"]
     spare = waiting_spare(warm)
     (first,) = templates_of(warm)
@@ -223,6 +223,17 @@ def test_an_engine_template_that_dies_costs_no_engine_and_its_successor_forks_th
     forked = waiting_spare(warm)
     (third,) = templates_of(warm)
     assert forked.ppid() == third.pid and third.pid not in (first.pid, second.pid)
+    # Hung (SIGSTOPped): the next spare's fork order goes unanswered for the front's probe
+    # timeout, the template is killed, and that spare starts cold.
+    third.send_signal(signal.SIGSTOP)
+    r = httpx.post(f"{warm.url}/engines/0/restart", timeout=300)
+    assert r.status_code == 200 and r.json()["engine"]["pid"] == forked.pid, r.text
+    completes(warm)
+    after_hang = waiting_spare(warm)
+    assert after_hang.ppid() == warm.proc.pid, after_hang.ppid()
+    third.wait(10)  # killed, not left stopped
+    log = warm.log_path.read_text(errors="replace")
+    assert log.count("engine template: cannot fork") == 2, warm.log_tail()
 
 
 def test_without_spares_a_restart_starts_cold(servers):

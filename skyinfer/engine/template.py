@@ -19,8 +19,9 @@ its children live on (their lifelines are their own).
 
 Why the environment matters: libgomp reads ``OMP_*`` when torch loads it, in the template, so the
 front keeps one template per engine environment, apart from the variables read only when the
-engine is built (``VARIES_PER_ENGINE``). The template never starts a thread: a fork copies only
-the thread that forks.
+engine is built (``VARIES_PER_ENGINE``). A fork copies only the thread that forks: the child
+starts with none of the threads torch's import started in the template (blocked in calls that
+hold nothing the engine uses, as in a spare), and starts its own.
 """
 
 from __future__ import annotations
@@ -105,17 +106,24 @@ def _report_exits(channel: socket.socket) -> None:
 
 
 def _fork(channel: socket.socket, order: dict, fds: list[int], selector, keep: tuple) -> None:
+    # The child goes on only once the front has its pid: a template that dies in between takes
+    # the child with it (end of file on this pipe), so no engine runs that the front does not know.
+    go_read, go_write = os.pipe()
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
+            os.close(go_write)
+            if not os.read(go_read, 1):
+                os._exit(0)
+            os.close(go_read)
             selector.close()
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             os.setsid()
             _take_descriptors(order, fds, keep)
-            # What ps shows: the engine's own command line (quoted as a shell would), not the template's. Before the
-            # environment is cleared: setproctitle finds the room it writes in next to it.
+            # What ps shows: the engine's own command line (quoted as a shell would), not the
+            # template's. Before the environment is cleared: setproctitle finds its room next to it.
             name_process(shlex.join([sys.executable, "-m", "skyinfer.engine", *order["argv"]]))
             os.environ.clear()
             os.environ.update(order["env"])
@@ -130,9 +138,12 @@ def _fork(channel: socket.socket, order: dict, fds: list[int], selector, keep: t
             traceback.print_exc()
         finally:
             os._exit(code)
+    os.close(go_read)
     for fd in fds:
         os.close(fd)
     _send(channel, {"order": order["order"], "pid": pid})
+    os.write(go_write, b"1")
+    os.close(go_write)
 
 
 def _take_descriptors(order: dict, fds: list[int], keep: tuple) -> None:
