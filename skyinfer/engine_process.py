@@ -54,7 +54,7 @@ class EngineProcess:
     """One engine child process, in its own process group so that stopping it
     also stops vLLM's EngineCore and worker processes beneath it."""
 
-    def __init__(self, record: EngineRecord, config: ServeConfig, templates: EngineTemplates | None = None):
+    def __init__(self, record: EngineRecord, config: ServeConfig, templates: EngineTemplates):
         self.record = record
         self.config = config
         # Where its processes fork from, when they may (``forks``).
@@ -79,8 +79,7 @@ class EngineProcess:
         """Whether its processes fork from an engine template (``--engine-templates``): skyinfer's
         engine on CPU, where an engine start is mostly imports."""
         return (
-            self.templates is not None
-            and self.config.engine_templates == "auto"
+            self.config.engine_templates == "auto"
             and self.record.devices.kind == "cpu"
             and self.config.engine_command == ENGINE_COMMAND
         )
@@ -170,7 +169,13 @@ class EngineProcess:
         )
 
     async def start_process(
-        self, argv: list[str], env: dict[str, str], lifeline_fd: int, *, report_fd: int | None = None, stdin=None
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        lifeline_fd: int,
+        *,
+        report_fd: int | None = None,
+        stdin: int | None = None,
     ) -> asyncio.subprocess.Process | ForkedProcess:
         """Start the engine program with ``argv`` (``argv()``'s: the engine's, or its spare's) and
         ``env``: forked from its template if it ``forks`` and the template can, otherwise cold. It
@@ -178,7 +183,6 @@ class EngineProcess:
         to the front's stderr, relayed by the engine itself: never through here."""
         fds = (lifeline_fd, *(() if report_fd is None else (report_fd,)))
         if self.forks:
-            assert self.templates is not None
             forked = await self.templates.fork(argv, env, lifeline_fd, fds, stdin)
             if forked is not None:
                 return forked
