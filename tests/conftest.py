@@ -16,7 +16,7 @@ import pytest
 from skyinfer.demo_model import build_demo_model
 
 import support
-from server_plan import PLAN, session_server
+from server_plan import LANES, PLAN, session_server
 from support import (
     FRONT_WORKERS,
     WORKERS_ARGS,
@@ -40,9 +40,10 @@ def pytest_configure(config) -> None:
 def pytest_addoption(parser) -> None:
     parser.addoption(
         "--lane",
-        choices=("front", "engines"),
-        help="only the modules that start no vLLM engine (front), or only the others (engines); tools/run-tests"
-        " runs both lanes at once (tests/server_plan.py)",
+        choices=LANES,
+        help="only the modules that start no vLLM engine (front), or only the others (engines), or one of the"
+        " two halves of those (engines-1, engines-2); tools/run-tests runs front, engines-1 and engines-2 at once"
+        " (tests/server_plan.py)",
     )
     parser.addoption(
         "--fuzz-full",

@@ -11,8 +11,11 @@ Modules run in three stages, each in file order within it:
 
 The modules that start no vLLM engine (``FRONT_ONLY``: the front over fake engines, or nothing)
 spend most of their time waiting on the front's own timeouts, not computing: ``tools/run-tests``
-runs them in a pytest of their own (``--lane front``) beside the rest (``--lane engines``), and
-``support.ServerProcess`` refuses to start a real server in that lane.
+runs them in a pytest of their own (``--lane front``), and ``support.ServerProcess`` refuses to
+start a real server in that lane. The modules of real engines that mostly wait too (for a trainer
+process, a restart, a probe: ``SECOND_ENGINES_LANE``) run in a second pytest of real engines
+(``--lane engines-2``) beside the rest (``--lane engines-1``); ``--lane engines`` is both, in one
+pytest. Each lane plans its own servers as above.
 """
 
 from __future__ import annotations
@@ -21,7 +24,16 @@ import pytest
 
 from support import FRONT_WORKERS, LAUNCHERS, PRESTARTED, ChildProcess, stop_all
 
-__all__ = ("FRONT_ONLY", "LAUNCHED", "PLAN", "in_lane", "servers_used", "session_server")
+__all__ = (
+    "FRONT_ONLY",
+    "LANES",
+    "LAUNCHED",
+    "PLAN",
+    "SECOND_ENGINES_LANE",
+    "in_lane",
+    "servers_used",
+    "session_server",
+)
 
 # The modules that start no vLLM engine; together about 3.5 minutes of the suite's wall time and a
 # few CPU-seconds (tests/suite_report.py's --cpu-report).
@@ -42,9 +54,35 @@ FRONT_ONLY = frozenset(
 )
 
 
+# The modules of real engines whose wall time is mostly waiting (their CPU-seconds per second of
+# wall time 0.7-1.0 alone, tests/suite_report.py's --cpu-report): they run beside the busier rest.
+SECOND_ENGINES_LANE = frozenset(
+    {
+        "test_catch_up",
+        "test_continuation",
+        "test_faults",
+        "test_lora",
+        "test_moe",
+        "test_moe_colocated",
+        "test_multinode",
+        "test_quantized",
+        "test_shutdown",
+        "test_warm_restarts",
+        "test_weight_sync",
+    }
+)
+
+# ``--lane``'s choices: each is one pytest of ``tools/run-tests``, but ``engines`` (both engine lanes in one).
+LANES = ("front", "engines", "engines-1", "engines-2")
+
+
 def in_lane(module: str, lane: str | None) -> bool:
     """Whether a module runs in ``lane`` (``--lane``; None: every module)."""
-    return lane is None or (module in FRONT_ONLY) == (lane == "front")
+    if lane is None:
+        return True
+    if lane == "front" or module in FRONT_ONLY:
+        return lane == "front" and module in FRONT_ONLY
+    return lane == "engines" or (module in SECOND_ENGINES_LANE) == (lane == "engines-2")
 
 
 # The session's servers, by fixture name; each registers its process here when it launches.
