@@ -59,14 +59,12 @@ FRONT_ONLY = frozenset(
 SECOND_ENGINES_LANE = frozenset(
     {
         "test_catch_up",
-        "test_continuation",
         "test_faults",
         "test_lora",
         "test_moe",
         "test_moe_colocated",
         "test_multinode",
         "test_quantized",
-        "test_shutdown",
         "test_warm_restarts",
         "test_weight_sync",
     }

@@ -206,7 +206,8 @@ async def test_a_push_into_running_engines_holds_their_requests(colocated, demo_
     complete in full, across the new version, no EngineCore dies and no segment is left."""
     before = [(e["pid"], e["restarts"]) for e in engines(colocated)]
     old_version = engines(colocated)[0]["weight_version"]
-    # Long enough to be in flight when the trainer's process, started a second later, pushes.
+    # Long enough to be still generating when the update call, made once every stream has its first
+    # tokens, reaches the engines.
     tokens = 800
     chat = {
         "model": colocated.model,
@@ -216,36 +217,48 @@ async def test_a_push_into_running_engines_holds_their_requests(colocated, demo_
         "stream_options": {"include_usage": True},
     }
     weights, path, version = pushes.next()
-    async with httpx.AsyncClient(base_url=colocated.url, timeout=300) as http:
+    # The trainer's process is up, its segment written, before the requests start (its start-up takes
+    # seconds on a busy machine): its update call is made once they generate.
+    trainer = start_trainer(colocated, path, version, "--transport", "shm", "--hold-before-update", *staged)
+    try:
+        assert (await asyncio.to_thread(trainer.stdout.readline)).strip() == "before update"
+        async with httpx.AsyncClient(base_url=colocated.url, timeout=300) as http:
+            streaming = [asyncio.Event() for _ in range(16)]
 
-        async def streamed(i: int) -> tuple[list[str], int]:
-            reasons, used = [], 0
-            body = {**chat, "messages": [{"role": "user", "content": f"stream {i}"}]}
-            async with http.stream("POST", "/v1/chat/completions", json=body) as r:
-                assert r.status_code == 200
-                async for line in sse_lines(r):
-                    if line.startswith("data: {"):
-                        chunk = json.loads(line[6:])
-                        assert "error" not in chunk, chunk
-                        reasons += [c["finish_reason"] for c in chunk["choices"] if c.get("finish_reason")]
-                        used = (chunk.get("usage") or {}).get("completion_tokens", used)
-            return reasons, used
+            async def streamed(i: int) -> tuple[list[str], int]:
+                reasons, used = [], 0
+                body = {**chat, "messages": [{"role": "user", "content": f"stream {i}"}]}
+                async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+                    assert r.status_code == 200
+                    async for line in sse_lines(r):
+                        if line.startswith("data: {"):
+                            chunk = json.loads(line[6:])
+                            assert "error" not in chunk, chunk
+                            streaming[i].set()
+                            reasons += [c["finish_reason"] for c in chunk["choices"] if c.get("finish_reason")]
+                            used = (chunk.get("usage") or {}).get("completion_tokens", used)
+                return reasons, used
 
-        async def generated(i: int) -> dict:
-            r = await http.post(
-                "/inference/v1/generate",
-                json={"token_ids": [7 + i, 8, 9], "sampling_params": {"max_tokens": tokens, "ignore_eos": True}},
-            )
-            assert r.status_code == 200, r.text
-            return r.json()["choices"][0]
+            async def generated(i: int) -> dict:
+                r = await http.post(
+                    "/inference/v1/generate",
+                    json={"token_ids": [7 + i, 8, 9], "sampling_params": {"max_tokens": tokens, "ignore_eos": True}},
+                )
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]
 
-        tasks = [asyncio.create_task(streamed(i)) for i in range(16)] + [
-            asyncio.create_task(generated(i)) for i in range(16)
-        ]
-        await asyncio.sleep(1.0)
-        trainer = await asyncio.to_thread(run_trainer, colocated, path, version, "--transport", "shm", *staged)
-        assert trainer.returncode == 0, trainer.stdout + trainer.stderr
-        results = await asyncio.wait_for(asyncio.gather(*tasks), 240)
+            tasks = [asyncio.create_task(streamed(i)) for i in range(16)] + [
+                asyncio.create_task(generated(i)) for i in range(16)
+            ]
+            await asyncio.wait_for(asyncio.gather(*(started.wait() for started in streaming)), 120)
+            assert not any(task.done() for task in tasks), "a request ended before the push"
+            trainer.stdin.write("go\n")
+            trainer.stdin.flush()
+            out, err = await asyncio.to_thread(trainer.communicate, timeout=180)
+            assert trainer.returncode == 0, out + err
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 240)
+    finally:
+        trainer.kill()
     for reasons, used in results[:16]:
         assert (reasons, used) == (["length"], tokens)
     spans = [[s["version"] for s in choice["weight_versions"]] for choice in results[16:]]
