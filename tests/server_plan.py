@@ -54,8 +54,10 @@ FRONT_ONLY = frozenset(
 )
 
 
-# The modules of real engines whose wall time is mostly waiting (their CPU-seconds per second of
-# wall time 0.7-1.0 alone, tests/suite_report.py's --cpu-report): they run beside the busier rest.
+# The modules of real engines that run beside the busier rest: those whose wall time is mostly
+# waiting (CPU-seconds per second of wall time 0.66-0.92 alone, tests/suite_report.py's
+# --cpu-report: test_warm_restarts, test_weight_sync, test_faults, test_moe, test_quantized,
+# test_catch_up), and small ones that make both engine lanes end about together (docs: benchmarks).
 SECOND_ENGINES_LANE = frozenset(
     {
         "test_catch_up",
