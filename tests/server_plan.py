@@ -31,6 +31,7 @@ __all__ = (
     "PLAN",
     "SECOND_ENGINES_LANE",
     "in_lane",
+    "lane_of",
     "servers_used",
     "session_server",
 )
@@ -76,13 +77,17 @@ SECOND_ENGINES_LANE = frozenset(
 LANES = ("front", "engines", "engines-1", "engines-2")
 
 
+def lane_of(module: str) -> str:
+    """The pytest of ``tools/run-tests`` a module runs in."""
+    if module in FRONT_ONLY:
+        return "front"
+    return "engines-2" if module in SECOND_ENGINES_LANE else "engines-1"
+
+
 def in_lane(module: str, lane: str | None) -> bool:
     """Whether a module runs in ``lane`` (``--lane``; None: every module)."""
-    if lane is None:
-        return True
-    if lane == "front" or module in FRONT_ONLY:
-        return lane == "front" and module in FRONT_ONLY
-    return lane == "engines" or (module in SECOND_ENGINES_LANE) == (lane == "engines-2")
+    own = lane_of(module)
+    return lane is None or lane == own or (lane == "engines" and own != "front")
 
 
 # The session's servers, by fixture name; each registers its process here when it launches.
