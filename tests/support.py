@@ -141,7 +141,7 @@ class ServerProcess(ChildProcess):
         )
 
     def engines(self) -> list[dict]:
-        return httpx.get(f"{self.url}/engines", headers=self.admin_headers, timeout=10).json()["engines"]
+        return httpx.get(f"{self.url}/engines", headers=self.admin_headers, timeout=60).json()["engines"]
 
 
 # TRL's get_sequence_logprobs asks for the top 100 of every prompt token (vLLM's default cap: 20).

@@ -88,7 +88,7 @@ def test_a_push_missing_an_expert_or_with_one_of_a_wrong_shape_is_refused_before
         for how in ((), ("--one-call",)):
             done = run_trainer(moe.server, save(weights, tmp_path / "refused.safetensors"), "refused", *how)
             assert done.returncode == 3 and "refused 400" in done.stdout and said in done.stdout, done.stdout
-    info = httpx.get(f"{moe.server.url}/weight_info", timeout=10).json()
+    info = httpx.get(f"{moe.server.url}/weight_info", timeout=60).json()
     assert info["update_phase"] == "idle" and [e["stale_reason"] for e in info["engines"]] == [None, None], info
     moe.assert_serves_fresh()
 

@@ -81,7 +81,7 @@ def test_the_fresh_int8_engines_serve_and_say_what_a_push_must_carry(fleet, serv
     """The ground the other tests stand on: the int8 engines serve (finite), and the new weights
     serve something else than the checkpoint's; ``/weight_info`` says what a push must carry,
     ``/engines`` and ``/server_info`` what each engine serves (what a TIS correction is told)."""
-    quantization = httpx.get(f"{fleet.server.url}/weight_info", timeout=10).json()["quantization"]
+    quantization = httpx.get(f"{fleet.server.url}/weight_info", timeout=60).json()["quantization"]
     assert quantization["method"] == "compressed-tensors" and quantization["format"] == "int-quantized", quantization
     assert "with its scale" in quantization["push"] and quantization["trainer_scheme"] == "w8a8_int8", quantization
     assert [e["quantization"] for e in fleet.server.engines()] == ["compressed-tensors"] * 2
@@ -209,7 +209,7 @@ def test_a_push_that_does_not_fit_the_int8_model_is_refused_before_any_byte_move
     for case, (weights, said) in cases.items():
         done = run_trainer(fleet.server, save(weights, tmp_path / "refused.safetensors"), "refused", "--as-is")
         assert done.returncode == 3 and "refused 400" in done.stdout and said in done.stdout, (case, done.stdout)
-    info = httpx.get(f"{fleet.server.url}/weight_info", timeout=10).json()
+    info = httpx.get(f"{fleet.server.url}/weight_info", timeout=60).json()
     assert info["update_phase"] == "idle" and [e["stale_reason"] for e in info["engines"]] == [None, None], info
     fleet.assert_serves_fresh()
 
@@ -293,7 +293,7 @@ def test_an_engine_core_killed_mid_receive_leaves_nothing_wrong_served(fleet, se
         assert trainer.stdout.readline().strip() == "hanging"
         vllm_process(before[1]["pid"], "EngineCore").send_signal(signal.SIGKILL)
         wait_states(fleet, ["receiving", "stale"], new_pid=(1, before[1]["pid"]))
-        weight_info = httpx.get(f"{fleet.server.url}/weight_info", headers=fleet.server.admin_headers, timeout=10)
+        weight_info = httpx.get(f"{fleet.server.url}/weight_info", headers=fleet.server.admin_headers, timeout=60)
         assert weight_info.json()["update_phase"] == "idle"
         assert completion_status(fleet) == 503
     finally:
