@@ -66,6 +66,8 @@ NAMES: dict[str, tuple[str, ...]] = {
     "dispatch_cpu_unquantized_gemm": ("vllm.model_executor.layers.utils",),
     # The CPU int8 W8A8 kernel, whose oneDNN handler reads the weight scales it was built with (engine/cpu_setup.py).
     "CPUInt8ScaledMMLinearKernel": ("vllm.model_executor.kernels.linear.scaled_mm.cpu",),
+    # How that kernel quantizes a layer's input to int8 (engine/cpu_setup.py computes with it where oneDNN saturates).
+    "onednn_scaled_int8_quant": ("vllm._custom_ops",),
     # What loads a parameter whose layer names no loader of its own (a staged push's shadow, engine/targets.py).
     "default_weight_loader": ("vllm.model_executor.model_loader.weight_utils",),
     "initialize_layerwise_reload": ("vllm.model_executor.model_loader.reload",),

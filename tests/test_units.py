@@ -655,3 +655,38 @@ def test_the_front_imports_no_torch():
     code = "import sys, skyinfer.app, skyinfer.service, skyinfer.front_workers.worker; print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'vllm', 'transformers')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
+
+
+def _onednn_int8_linear(x, weight, weight_scale):
+    """vLLM's CPU int8 W8A8 kernel's own oneDNN path (dynamic per-token, symmetric input)."""
+    import torch
+    from vllm import _custom_ops as ops
+
+    from skyinfer.vllm_api import onednn_scaled_int8_quant
+
+    handler = ops.create_onednn_scaled_mm(weight.t(), weight_scale, torch.float32, True, False, 32)
+    codes, scale, _ = onednn_scaled_int8_quant(x, None, None, True)
+    out = torch.empty(x.shape[0], weight.shape[0])
+    ops.onednn_scaled_mm(handler, codes, out, scale, None, None, None)
+    return out, codes, scale
+
+
+def test_int8_layers_compute_exactly_where_onednn_saturates():
+    """A W8A8 layer of full-range int8 weights against int64 arithmetic on the same int8 input:
+    skyinfer's float32 path exact on any CPU; vLLM's oneDNN path off by far more than rounding
+    exactly where ``int8_gemm_saturates`` says (these machines' AVX2 cores), exact elsewhere."""
+    import torch
+
+    from skyinfer.engine.cpu_setup import int8_gemm_saturates, int8_linear_exactly
+
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randint(-127, 128, (96, 512), dtype=torch.int8, generator=g)  # [out, in], as loaded
+    weight_scale = torch.rand(96, 1, generator=g) * 0.01 + 0.001
+    bias = torch.randn(96, generator=g)
+    x = torch.randn(5, 512, generator=g)
+    onednn, codes, scale = _onednn_int8_linear(x, weight, weight_scale)
+    exact = (codes.long() @ weight.t().long()).double() * scale.double() * weight_scale.double().t()
+    ours = int8_linear_exactly(x, weight.t().float(), weight_scale, None, None, True, bias)
+    assert (ours.double() - bias.double() - exact).abs().max() < 1e-4 * exact.abs().max()
+    onednn_error = ((onednn.double() - exact).abs().max() / exact.abs().max()).item()
+    assert (onednn_error > 0.01) == int8_gemm_saturates(), onednn_error

