@@ -1,8 +1,8 @@
 """A CPU worker's set-up: the AMX tile state asked of Linux before the first forward, CPU linear
 layers that keep their weight beside the packed copy their kernel computes with (packed again by
 ``pack_cpu_gemms``), int8 kernels that keep the scales they read and compute exactly where
-oneDNN's int8 GEMM saturates, and a message queue that stops spinning soon after its last message. The worker extension calls the set-ups in every worker; GPU
-workers are untouched."""
+oneDNN's int8 GEMM saturates, and a message queue that stops spinning soon after its last message.
+The worker extension calls the set-ups in every worker; GPU workers are untouched."""
 
 from __future__ import annotations
 
