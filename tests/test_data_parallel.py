@@ -25,6 +25,8 @@ from support import ServerProcess, killed_until_stale, module_servers, until_eng
 
 DP2 = ("-dp", "2", "--dtype", "float32", "--health-interval", "1", "--enable-prompt-tokens-details")
 RANKS = (0, 1)
+# How long a rank's load waits after each answer before its next request (test_staged_pushes_land_on_both_ranks_while_both_serve).
+LOAD_PACE_S = 0.1
 
 
 def _launch(demo_model, logs) -> ServerProcess:
@@ -164,17 +166,22 @@ def test_a_push_lands_on_both_ranks(dp2_server, model_name, demo_model, pushed):
 
 def test_staged_pushes_land_on_both_ranks_while_both_serve(dp2_server, model_name, demo_model, pushed):
     """Staged pushes one after another while requests go to both ranks: each lands on both (their
-    checksums equal and new), no request fails, and each rank then serves the last weights. The
-    engine asked every worker how its staging went every 10 ms: each ask woke both EngineCores and
-    both workers, which took more than this machine's two cores, and pushes of a few MB took 30-60 s,
-    a quarter of them timing out in the receive (engine/weights.py)."""
+    checksums equal and new), each rank answers requests while each push runs, no request fails,
+    and each rank then serves the last weights. The engine asked every worker how its staging went
+    every 10 ms: each ask woke both EngineCores and both workers, which took more than this
+    machine's two cores, and pushes of a few MB took 30-60 s, a quarter of them timing out in the
+    receive (engine/weights.py).
+
+    Each rank gets a request every ``LOAD_PACE_S`` after its last answer, not one after another:
+    a rank's answers back to back took both cores for as long as the pushes ran (600 CPU-seconds of
+    the suite, most of the module's), and the trainers' own start-up waited for them."""
     failures: list[str] = []
-    served = [0]
+    served = dict.fromkeys(RANKS, 0)
     stop = threading.Event()
 
     def load(rank: int) -> None:
         with httpx.Client(timeout=120) as http:
-            while not stop.is_set():
+            while not stop.wait(LOAD_PACE_S):
                 r = http.post(
                     f"{dp2_server.url}/v1/completions",
                     json={"model": model_name, "prompt": f"rank {rank} keeps serving", "max_tokens": 16,
@@ -183,7 +190,7 @@ def test_staged_pushes_land_on_both_ranks_while_both_serve(dp2_server, model_nam
                 )  # fmt: skip
                 if r.status_code != 200:
                     failures.append(r.text)
-                served[0] += 1
+                served[rank] += 1
 
     callers = [threading.Thread(target=load, args=(rank,), daemon=True) for rank in RANKS]
     for caller in callers:
@@ -192,8 +199,10 @@ def test_staged_pushes_land_on_both_ranks_while_both_serve(dp2_server, model_nam
         previous = checksums_by_rank(dp2_server)
         for push in range(3):
             label = "sa"[push % 2]
+            served_before = dict(served)
             done = run_trainer(dp2_server, pushed[label][1], f"dp2-staged-{push}", "--staged")
             assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+            assert all(served[rank] > served_before[rank] for rank in RANKS), (push, served_before, served)
             now = checksums_by_rank(dp2_server)
             assert now["dp0"] == now["dp1"] != previous["dp0"], push
             previous = now
@@ -201,7 +210,7 @@ def test_staged_pushes_land_on_both_ranks_while_both_serve(dp2_server, model_nam
         stop.set()
         for caller in callers:
             caller.join(120)
-    assert not failures and served[0] > 0, failures[:3]
+    assert not failures, failures[:3]
     assert_each_rank_serves(dp2_server, model_name, demo_model, pushed["s"][0], "dp2-staged-2")
 
 
