@@ -173,8 +173,9 @@ def test_staged_pushes_land_on_both_ranks_while_both_serve(dp2_server, model_nam
     receive (engine/weights.py).
 
     Each rank gets a request every ``LOAD_PACE_S`` after its last answer, not one after another:
-    a rank's answers back to back took both cores for as long as the pushes ran (600 CPU-seconds of
-    the suite, most of the module's), and the trainers' own start-up waited for them."""
+    answers back to back took both cores for as long as the pushes ran, the trainers' start-up
+    waited for them, and the module took 440-503 s of ``.ci/run`` (257 s paced; docs: benchmarks,
+    "A load that took both cores")."""
     failures: list[str] = []
     served = dict.fromkeys(RANKS, 0)
     stop = threading.Event()
