@@ -68,7 +68,6 @@ SECOND_ENGINES_LANE = frozenset(
         "test_moe_colocated",
         "test_multinode",
         "test_quantized",
-        "test_tensor_parallel",
         "test_warm_restarts",
         "test_weight_sync",
     }
