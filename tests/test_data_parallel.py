@@ -25,7 +25,8 @@ from support import ServerProcess, killed_until_stale, module_servers, until_eng
 
 DP2 = ("-dp", "2", "--dtype", "float32", "--health-interval", "1", "--enable-prompt-tokens-details")
 RANKS = (0, 1)
-# How long a rank's load waits after each answer before its next request (test_staged_pushes_land_on_both_ranks_while_both_serve).
+# How long a rank's load waits after each answer before its next request
+# (test_staged_pushes_land_on_both_ranks_while_both_serve says why).
 LOAD_PACE_S = 0.1
 
 
