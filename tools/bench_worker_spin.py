@@ -1,15 +1,22 @@
 #!/usr/bin/env python
-"""The CPU an engine spends on requests that come one at a time, a pause between them: skyinfer's
-CPU engine (its workers spin 50 ms on their message queue after each message), the same with
-``SKYINFER_WORKER_SPIN_S=1`` (vLLM's own spin), and ``vllm serve`` on the same model and arguments.
+"""The CPU an engine of worker processes spends per request, and what it serves, by how long its
+workers spin on their message queue after each message: skyinfer's CPU engines at each of
+``--spins`` seconds, the same at vLLM's own 1 s, and ``vllm serve`` on the same model and arguments.
 
-vLLM's CPU executor runs each worker in a process of its own, reading the EngineCore's calls from a
-shared-memory queue, and after each message it reads the worker spins on the queue for a second
-before it sleeps (``skyinfer/engine/cpu_setup.py``). One engine of the demo model each, the three
-servers up side by side; in each round each server in turn gets ``--requests`` short greedy
-completions, one every ``--gap`` seconds. Per server: the CPU-seconds its processes (the front or
-API server, the engine, its EngineCore and worker) spent from the first request to ``--gap`` after
-the last, per request, and the median latency; the ratios to ``vllm serve``.
+vLLM's CPU executor runs an engine's workers (tp, pp, dp: every engine of several workers) each in
+a process of its own, reading the EngineCore's calls from a shared-memory queue; after each message
+the reader spins on the queue (``sched_yield`` in a loop) before it sleeps on the queue's socket,
+1 s in vLLM, ``SKYINFER_WORKER_SPIN_S`` in skyinfer (``skyinfer/engine/cpu_setup.py``). The servers
+run side by side (an idle one's workers sleep), each on all the cores; in each round each server
+in turn gets, on each of its data-parallel ranks:
+
+- paced: ``--requests`` short greedy completions, one every ``--gap`` seconds, alternating ranks:
+  the CPU-seconds its processes (front or API server, engine processes, EngineCores, workers)
+  spent from the first request to ``--gap`` after the last, per request, and the median latency;
+- back to back: one caller per rank, each sending its next completion as soon as the last is
+  answered, for ``--seconds``: requests per second and CPU-seconds per request.
+
+Medians over the rounds, and their ratios to ``vllm serve``'s.
 
     .venv/bin/python tools/bench_worker_spin.py --rounds 3
 """
@@ -21,6 +28,7 @@ import asyncio
 import os
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -32,63 +40,124 @@ from skyinfer.engine_wire import WORKER_SPIN_ENV
 
 from benchlib import free_port, scratch_dir, start_reference, start_skyinfer, stop, tree_cpu_s, wait_servers
 
-ENGINE_ARGS = ["--cpu-kvcache-gib", "1", "--max-model-len", "512"]
+DP = 2
+ENGINE_ARGS = ["--data-parallel-size", str(DP), "--max-model-len", "512"]
+KV_CACHE_BYTES = str(256 * 2**20)
+RANK_HEADER = "X-data-parallel-rank"
+VLLM_SPIN_S = "1"
 
 
-def one_server(url: str, model: str, pid: int, requests: int, gap_s: float) -> tuple[float, float]:
+def body(model: str, rank: int) -> dict:
+    return {"model": model, "prompt": f"Rank {rank} says the weather is", "max_tokens": 16, "temperature": 0}
+
+
+def paced(url: str, model: str, pid: int, requests: int, gap_s: float) -> tuple[float, float]:
     """CPU-seconds per request, median latency."""
-    body = {"model": model, "prompt": "The weather today is", "max_tokens": 16, "temperature": 0}
     latencies = []
     before = tree_cpu_s(pid)
     with httpx.Client(base_url=url, timeout=120) as http:
-        for _ in range(requests):
+        for i in range(requests):
             started = time.perf_counter()
-            http.post("/v1/completions", json=body).raise_for_status()
+            http.post(
+                "/v1/completions", json=body(model, i % DP), headers={RANK_HEADER: str(i % DP)}
+            ).raise_for_status()
             latencies.append(time.perf_counter() - started)
             time.sleep(gap_s)
     return (tree_cpu_s(pid) - before) / requests, statistics.median(latencies)
 
 
+def back_to_back(url: str, model: str, pid: int, seconds: float) -> tuple[float, float]:
+    """Requests per second, CPU-seconds per request."""
+    answered = [0] * DP
+    stop_at = time.monotonic() + seconds
+
+    def caller(rank: int) -> None:
+        with httpx.Client(base_url=url, timeout=120) as http:
+            while time.monotonic() < stop_at:
+                http.post(
+                    "/v1/completions", json=body(model, rank), headers={RANK_HEADER: str(rank)}
+                ).raise_for_status()
+                answered[rank] += 1
+
+    before, started = tree_cpu_s(pid), time.monotonic()
+    callers = [threading.Thread(target=caller, args=(rank,)) for rank in range(DP)]
+    for thread in callers:
+        thread.start()
+    for thread in callers:
+        thread.join()
+    elapsed, cpu_s, done = time.monotonic() - started, tree_cpu_s(pid) - before, sum(answered)
+    return done / elapsed, cpu_s / max(done, 1)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--requests", type=int, default=10, help="requests per server per round")
-    p.add_argument("--gap", type=float, default=1.5, help="seconds between two requests")
+    p.add_argument("--spins", type=float, nargs="+", default=[0.05, 0.005], help="skyinfer's spins to compare, s")
+    p.add_argument("--requests", type=int, default=10, help="paced requests per server per round")
+    p.add_argument("--gap", type=float, default=1.0, help="seconds between two paced requests")
+    p.add_argument("--seconds", type=float, default=20, help="back-to-back load per server per round")
     args = p.parse_args()
     model = str(build_demo_model(scratch_dir("bench-spin-") / "demo"))
     env = {k: v for k, v in os.environ.items() if k != WORKER_SPIN_ENV}
     # The same arguments; skyinfer without spares (a spare would build an engine while it is measured).
-    skyinfer_args = [*ENGINE_ARGS, "--warm-spares", "0"]
-    reference_env = {**env, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "1"}
+    skyinfer_args = [*ENGINE_ARGS, "--kv-cache-memory-bytes", KV_CACHE_BYTES, "--warm-spares", "0"]
+    reference_args = [*ENGINE_ARGS, "--kv-cache-memory-bytes", KV_CACHE_BYTES]
+    spins = [*(f"{spin:g}" for spin in args.spins), VLLM_SPIN_S]
+    starts = {
+        (f"skyinfer, spin {spin} s" if spin != VLLM_SPIN_S else "skyinfer, vLLM's 1 s spin"): (
+            lambda port, spin=spin: start_skyinfer(
+                model, port, skyinfer_args, {**env, WORKER_SPIN_ENV: spin}, log_name=f"bench-spin-{spin}.log"
+            )
+        )
+        for spin in spins
+    }
+    starts["vllm serve"] = lambda port: start_reference(
+        model, port, reference_args, env, log_name="bench-spin-vllm.log"
+    )
     servers = {}
-    for name, start in (
-        ("skyinfer", lambda port: start_skyinfer(model, port, skyinfer_args, env, log_name="bench-spin-sky.log", cores={0})),
-        ("skyinfer, vLLM's spin", lambda port: start_skyinfer(
-            model, port, skyinfer_args, {**env, WORKER_SPIN_ENV: "1"}, log_name="bench-spin-sky1.log", cores={0})),
-        ("vllm serve", lambda port: start_reference(
-            model, port, ["--max-model-len", "512"], reference_env, log_name="bench-spin-vllm.log", cores={1})),
-    ):  # fmt: skip
+    for name, start in starts.items():
         port = free_port()
         servers[name] = (f"http://127.0.0.1:{port}", start(port))
-    results = {name: ([], []) for name in servers}
+    results = {name: {"paced": [], "latency": [], "rps": [], "loaded": []} for name in servers}
     try:
         asyncio.run(wait_servers([(url, proc) for url, proc in servers.values()]))
         time.sleep(5)  # every server idle before the first round
         for _ in range(args.rounds):
             for name, (url, proc) in servers.items():
-                cpu_s, latency = one_server(url, model, proc.pid, args.requests, args.gap)
-                results[name][0].append(cpu_s)
-                results[name][1].append(latency)
+                cpu_s, latency = paced(url, model, proc.pid, args.requests, args.gap)
+                rps, loaded_cpu_s = back_to_back(url, model, proc.pid, args.seconds)
+                time.sleep(2)  # the last spin over before the next server's turn
+                for key, value in zip(results[name], (cpu_s, latency, rps, loaded_cpu_s), strict=True):
+                    results[name][key].append(value)
     finally:
         for _, proc in servers.values():
             stop(proc)
-    print(f"{args.rounds} alternating rounds of {args.requests} requests, one every {args.gap} s; medians")
-    print(f"{'':24s} {'CPU-s/request':>14s} {'ratio':>6s} {'latency s':>10s} {'ratio':>6s}   CPU-s/request each round")
-    ref_cpu, ref_latency = (statistics.median(values) for values in results["vllm serve"])
-    for name, (cpu, latency) in results.items():
-        c, lat = statistics.median(cpu), statistics.median(latency)
-        rounds = " ".join(f"{x:.3f}" for x in cpu)
-        print(f"{name:24s} {c:14.3f} {c / ref_cpu:6.2f} {lat:10.3f} {lat / ref_latency:6.2f}   {rounds}")
+    print(
+        f"-dp {DP}, {args.rounds} alternating rounds; paced: {args.requests} requests, one every {args.gap} s; "
+        f"back to back: one caller per rank for {args.seconds:g} s; medians, ratio to vllm serve's"
+    )
+    columns = (
+        ("paced CPU-s/req", "paced", 3),
+        ("latency s", "latency", 3),
+        ("b2b req/s", "rps", 1),
+        ("b2b CPU-s/req", "loaded", 3),
+    )
+    print(f"{'':26s}" + "".join(f" {title:>15s} {'ratio':>5s}" for title, _, _ in columns))
+    reference = {key: statistics.median(values) for key, values in results["vllm serve"].items()}
+    for name, measured in results.items():
+        cells = ""
+        for _, key, digits in columns:
+            value = statistics.median(measured[key])
+            cells += f" {value:15.{digits}f} {value / reference[key]:5.2f}"
+        print(f"{name:26s}{cells}")
+    print("rounds (paced CPU-s/req; b2b req/s):")
+    for name, measured in results.items():
+        print(
+            f"  {name:26s} "
+            + " ".join(f"{c:.3f}" for c in measured["paced"])
+            + "; "
+            + " ".join(f"{r:.1f}" for r in measured["rps"])
+        )
 
 
 if __name__ == "__main__":
