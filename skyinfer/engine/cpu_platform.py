@@ -1,25 +1,23 @@
-"""The platform of a CPU engine: vLLM's CPU platform, with the EngineCore forked from the engine
-process instead of spawned.
+"""The platform of a CPU engine of one worker: vLLM's CPU platform, with the EngineCore forked from
+the engine process instead of spawned.
 
 AsyncLLM runs its EngineCore in a process of its own, and vLLM's CPU platform starts every such
 process by ``spawn`` (``check_and_update_config`` sets ``VLLM_WORKER_MULTIPROC_METHOD=spawn``,
 whatever the environment says), so that a worker process's OpenMP runtime starts with the
-environment the executor gives it. An EngineCore computes nothing itself unless it runs its one
-worker (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``devices.py``), and then the engine process's
-environment is already the worker's (its cores, ``OMP_NUM_THREADS``). Spawned, it imports torch
-and vLLM a second time, 5 CPU-seconds of an engine start of 14 on the demo model; forked, as vLLM
-starts its EngineCore on a GPU, it starts from the engine process's imports (docs: benchmarks,
-"The EngineCore forked"). The engine process has run no OpenMP region by then (it computes
-nothing before its EngineCore starts), so the fork inherits no OpenMP threads: the suite's checks
-of served tokens against transformers pass on forked EngineCores, and a completion takes as long
-(``tools/bench_engine_start.py``).
+environment the executor gives it. An EngineCore that runs its one worker itself
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``devices.py``) gets no environment of its own: the engine
+process's is already the worker's (its cores, ``OMP_NUM_THREADS``). Spawned, it imports torch and
+vLLM a second time, 5 CPU-seconds of an engine start of 14 on the demo model; forked, as
+vLLM starts its EngineCore on a GPU, it starts from the engine process's imports (docs:
+benchmarks, "The EngineCore forked"). The engine process has run no OpenMP region by then
+(it computes nothing before its EngineCore starts), so the fork inherits no OpenMP threads:
+the suite's checks of served tokens against transformers pass on forked EngineCores, and a
+completion takes as long (``tools/bench_engine_start.py``).
 
-The workers of an engine of several (tp, pp, dp; or vLLM's worker process asked for) are still
-spawned, each with the OpenMP environment its executor sets for it before it starts (its cores):
-the forked EngineCore sets vLLM's start method back to ``spawn`` before it starts them. The
-platform is vLLM's extension point for this choice (vLLM's own CLI sets
-``vllm.platforms.current_platform`` the same way); it is set before anything in the process
-resolves the platform."""
+Engines of several workers (tp, pp, dp) keep vLLM's spawned processes: their workers need the
+environment their executor sets. The platform is vLLM's extension point for this choice (vLLM's own
+CLI sets ``vllm.platforms.current_platform`` the same way); it is set before anything in the
+process resolves the platform."""
 
 from __future__ import annotations
 
@@ -38,30 +36,13 @@ START_METHOD_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
 
 
 class CpuPlatformForkingEngineCore(CpuPlatform):
-    """vLLM's CPU platform; an engine forks its EngineCore, which spawns its workers, if any."""
+    """vLLM's CPU platform; an engine whose worker runs inside its EngineCore forks that EngineCore."""
 
     @classmethod
     def check_and_update_config(cls, vllm_config) -> None:
         super().check_and_update_config(vllm_config)
-        backend = vllm_config.parallel_config.distributed_executor_backend
-        if backend == "uni":
+        if vllm_config.parallel_config.distributed_executor_backend == "uni":
             os.environ[START_METHOD_ENV] = "fork"
-        elif backend == "mp":
-            os.environ[START_METHOD_ENV] = "fork"
-            _spawn_in_forked_children()
-
-
-def _spawn_in_forked_children() -> None:
-    """Every process forked from this one from now on (the EngineCore, or the EngineCores of
-    data-parallel ranks) starts its own children (the workers) by ``spawn``, as vLLM's CPU platform
-    does."""
-    global _registered
-    if not _registered:
-        os.register_at_fork(after_in_child=lambda: os.environ.__setitem__(START_METHOD_ENV, "spawn"))
-        _registered = True
-
-
-_registered = False
 
 
 def fork_engine_core_on_cpu() -> None:
