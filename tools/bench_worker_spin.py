@@ -47,8 +47,10 @@ RANK_HEADER = "X-data-parallel-rank"
 VLLM_SPIN_S = "1"
 
 
-def body(model: str, rank: int) -> dict:
-    return {"model": model, "prompt": f"Rank {rank} says the weather is", "max_tokens": 16, "temperature": 0}
+def complete(http: httpx.Client, model: str, rank: int) -> None:
+    """One short greedy completion, served by data-parallel rank ``rank``."""
+    body = {"model": model, "prompt": f"Rank {rank} says the weather is", "max_tokens": 16, "temperature": 0}
+    http.post("/v1/completions", json=body, headers={RANK_HEADER: str(rank)}).raise_for_status()
 
 
 def paced(url: str, model: str, pid: int, requests: int, gap_s: float) -> tuple[float, float]:
@@ -58,9 +60,7 @@ def paced(url: str, model: str, pid: int, requests: int, gap_s: float) -> tuple[
     with httpx.Client(base_url=url, timeout=120) as http:
         for i in range(requests):
             started = time.perf_counter()
-            http.post(
-                "/v1/completions", json=body(model, i % DP), headers={RANK_HEADER: str(i % DP)}
-            ).raise_for_status()
+            complete(http, model, i % DP)
             latencies.append(time.perf_counter() - started)
             time.sleep(gap_s)
     return (tree_cpu_s(pid) - before) / requests, statistics.median(latencies)
@@ -74,9 +74,7 @@ def back_to_back(url: str, model: str, pid: int, seconds: float) -> tuple[float,
     def caller(rank: int) -> None:
         with httpx.Client(base_url=url, timeout=120) as http:
             while time.monotonic() < stop_at:
-                http.post(
-                    "/v1/completions", json=body(model, rank), headers={RANK_HEADER: str(rank)}
-                ).raise_for_status()
+                complete(http, model, rank)
                 answered[rank] += 1
 
     before, started = tree_cpu_s(pid), time.monotonic()
