@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import socket
 
 import httpx
@@ -204,6 +205,24 @@ def test_a_seeded_request_whose_prefill_is_chunked_is_served(server, model_name)
                 json={"token_ids": prompt[seed:], "sampling_params": {"max_tokens": 4, "seed": seed}},
             )
             assert r.status_code == 200, r.text
+    assert [e["pid"] for e in server.engines()] == pids
+
+
+def test_a_body_with_158601_validation_errors_is_a_short_400_and_no_stack_in_the_log(server, model_name):
+    """Token ids where vLLM's Responses API wants text or input items: each of the 2,600 fails every
+    branch of the union, 158,601 validation errors. The 400 says so in a few lines (vLLM bounds its
+    message) and the engine logs no stack for it, as `vllm serve` does not. Logged whole (the
+    engine's dev mode turned it on), every error echoing its input, it was about 300 MB written
+    from the engine's event loop: under load its health probes failed and it was killed as hung."""
+    pids = [e["pid"] for e in server.engines()]
+    before = server.log_path.stat().st_size
+    body = {"model": model_name, "input": [(7 * i) % 2000 + 3 for i in range(2600)], "max_output_tokens": 4}
+    r = httpx.post(f"{server.url}/v1/responses", json=body, timeout=300)
+    err = assert_openai_error(r, 400)
+    count = re.match(r"(\d+) validation errors", err["message"])
+    assert count and int(count[1]) > 100_000 and len(r.content) < 20_000, r.text[:500]
+    logged = server.log_path.stat().st_size - before
+    assert logged < 50_000, f"the refusal wrote {logged:,} bytes into the log"
     assert [e["pid"] for e in server.engines()] == pids
 
 

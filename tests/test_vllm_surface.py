@@ -45,6 +45,16 @@ def test_every_vllm_route_is_served_or_excluded_with_a_reason(demo_model, tmp_pa
     assert all(len(reason) > 20 for reason in NOT_SERVED.values())
 
 
+def test_an_engine_logs_failed_requests_stacks_only_when_asked(demo_model):
+    """The engine's dev mode (for vLLM's dev routes) would turn on --log-error-stack; off as in
+    `vllm serve`, the operator's flag among vLLM's arguments turns it on (the refusal that logs
+    nothing: test_errors)."""
+    from skyinfer.engine.__main__ import parse_engine_args
+
+    assert parse_engine_args(["--model", str(demo_model)]).log_error_stack is False
+    assert parse_engine_args(["--model", str(demo_model), "--log-error-stack"]).log_error_stack is True
+
+
 def one_engine(server, engine: int) -> httpx.Client:
     transport = httpx.HTTPTransport(uds=engine_socket(server, engine))
     return httpx.Client(transport=transport, base_url="http://engine", timeout=120)

@@ -18,6 +18,11 @@ def parse_engine_args(vllm_argv: list[str]):
     from ..vllm_api import FlexibleArgumentParser, make_arg_parser, validate_parsed_serve_args
 
     parser = make_arg_parser(FlexibleArgumentParser(prog="skyinfer engine"))
+    # vLLM's default for --log-error-stack is its dev mode, which the engine turns on for the dev
+    # routes alone (_dev_mode): `vllm serve`'s default is off. On, every refused request's whole
+    # exception is logged on the event loop, and one body whose list fails a union field (158,601
+    # validation errors, each echoing its input) held an engine's loop past its health probes.
+    parser.set_defaults(log_error_stack=False)
     args = parser.parse_args(vllm_argv)
     if args.model_tag is not None:
         args.model = args.model_tag
