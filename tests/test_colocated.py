@@ -273,10 +273,13 @@ async def test_a_push_into_running_engines_holds_their_requests(colocated, demo_
 async def test_a_slow_trainer_waiting_for_the_fleet_is_not_aborted(colocated, demo_model, pushes):
     """The trainer's silence limit is 3 s. Between its start and update calls a wait-mode pause
     takes the fleet while 16 long requests drain, and its update call waits behind it for longer
-    than the limit. The trainer was there all along: its push is not aborted, and lands. (Shared
-    memory: no collective whose own timeout would end a transfer that waits.)"""
+    than the limit; then the requests are aborted, which ends the drain. The trainer was there all
+    along: its push is not aborted, and lands. (Shared memory: no collective whose own timeout would
+    end a transfer that waits.)"""
     weights, path, version = pushes.next()
-    # 16 requests of 4,000 tokens (the model's context is 4,096) drain for several seconds on a fast day.
+    # 16 requests of 4,000 tokens (the model's context is 4,096): a drain of several seconds on a
+    # fast day, cut short once it has held the update call past the limit (a drain left to its end
+    # took longer than the front's engine call, 8 s here, on a slow one).
     body = {"model": colocated.model, "prompt": "drain slowly", "max_tokens": 4000, "ignore_eos": True}
     trainer = start_trainer(colocated, path, version, "--transport", "shm", "--hold-before-update", "--timeout", "3")
     try:
@@ -297,13 +300,17 @@ async def test_a_slow_trainer_waiting_for_the_fleet_is_not_aborted(colocated, de
             returned = asyncio.ensure_future(asyncio.to_thread(trainer.stdout.readline))
             await asyncio.sleep(3 + 1)
             assert not returned.done(), f"the update call ended within the silence limit: {returned.result()!r}"
+            assert not pausing.done(), "the drain ended before the limit: the update call waited on nothing"
+            assert (await http.post("/abort_requests", json={})).json()["aborted"] == 16
             took = await asyncio.wait_for(returned, 300)
             out, err = await asyncio.to_thread(trainer.communicate, timeout=300)
             assert trainer.returncode == 0, took + out + err
             assert took.startswith("update took "), took
             assert (await pausing).status_code == 200
             for r in await asyncio.gather(*draining):
-                assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4000, r.text
+                choice = r.json()["choices"][0]
+                assert r.status_code == 200 and choice["finish_reason"] == "abort", r.text
+                assert 0 < r.json()["usage"]["completion_tokens"] < 4000, r.text
             assert (await http.post("/resume")).status_code == 200
     finally:
         trainer.kill()
