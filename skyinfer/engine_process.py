@@ -18,7 +18,7 @@ from .devices import platform_engine_args
 from .engine.output import read_tail
 from .engine_calls import unix_client
 from .engine_templates import EngineTemplates, ForkedProcess, how_it_exited
-from .engine_wire import EXTENSION_PATH
+from .engine_wire import EXTENSION_PATH, STACKS_SIGNAL
 from .shm_leftovers import mapped_segments, remove_segments
 from .state import EngineRecord
 from .transfer import transport_for
@@ -235,6 +235,14 @@ class EngineProcess:
                 # vLLM's own start-up lines come through prefixed "[engine i]"; this says who is still waiting.
                 log.info("engine %d: still starting (%.0fs)", self.record.engine_id, now - started)
             await asyncio.sleep(0.5)
+
+    async def write_stacks(self, wait_s: float = 0.5) -> None:
+        """Have the engine process write its threads' stacks to its output (what a hung one was
+        doing), and give it ``wait_s`` to before it is killed."""
+        if self.proc is not None and self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(self.proc.pid, STACKS_SIGNAL)
+            await asyncio.sleep(wait_s)
 
     def kill(self) -> None:
         """SIGKILL the engine's whole process group at once (a hung engine ignores SIGTERM)."""

@@ -1,8 +1,11 @@
 """What the front and the engine process agree on without importing each other: the classes the
 front names on an engine's command line, the headers and markers of an engine's answers, the
-files of an adapter's directory. Imports nothing, so that the front never imports vLLM through it."""
+files of an adapter's directory, the signal that asks for an engine's stacks. Imports nothing but the
+standard library, so that the front never imports vLLM through it."""
 
 from __future__ import annotations
+
+import signal
 
 __all__ = [
     "ADAPTER_CONFIG_FILE",
@@ -15,6 +18,7 @@ __all__ = [
     "EXTENSION_PATH",
     "NOT_CONTINUED_FIELD",
     "SESSION_HEADER",
+    "STACKS_SIGNAL",
     "WORKER_SPIN_ENV",
 ]
 
@@ -23,6 +27,9 @@ __all__ = [
 EXTENSION_PATH = "skyinfer.engine.worker_extension.SkyinferWorkerExtension"
 # vLLM's CPU worker without its seeded-chunked-prefill crash (engine/cpu_worker.py says why).
 CPU_WORKER_PATH = "skyinfer.engine.cpu_worker.SkyinferCPUWorker"
+# The signal on which an engine process writes every Python thread's stack to its output: the
+# front sends it to an engine its health probes gave up on, before it kills it (supervisor.py).
+STACKS_SIGNAL = signal.SIGUSR2
 # Seconds a CPU worker spins on its message queue after each message (engine/cpu_setup.py), set by
 # the front for CPU engines (devices.py); unset, vLLM's own 1 s.
 WORKER_SPIN_ENV = "SKYINFER_WORKER_SPIN_S"

@@ -166,7 +166,14 @@ class Supervisor:
             if failures and failures < c.health_failures:
                 log.warning("engine %d: health probe failed (%d of %d)", record.engine_id, failures, c.health_failures)
             if failures >= c.health_failures and process.proc is proc and record.up:
-                self._declare_dead(process, f"{failures} health probes failed in a row; killing it")
+                log.error(
+                    "engine %d: %d health probes failed in a row; its threads' stacks follow, then it is killed",
+                    record.engine_id,
+                    failures,
+                )
+                await process.write_stacks()
+                if process.proc is proc:
+                    self._declare_dead(process, "killed after its failed health probes")
                 return
 
     async def restart(self, record: EngineRecord, reason: str) -> None:

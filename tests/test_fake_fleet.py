@@ -368,6 +368,37 @@ async def test_a_hung_engine_is_declared_dead_its_requests_and_sessions_move_and
     assert r.status == 409 and (await r.json())["error"]["code"] == "transfer_group_gone"
 
 
+async def test_an_engine_whose_probes_fail_writes_its_threads_stacks_before_it_is_killed(
+    aiohttp_client, demo_model, tmp_path, capfd
+):
+    """Engine 1's event loop is held by a request's handler (as a refusal logged whole held a real
+    engine's): its probes fail, and before the front kills it, the engine writes every thread's
+    stack to its output, the handler holding the loop among them. It is restarted, and the request
+    is answered by engine 0."""
+    app, client = await fake_fleet(aiohttp_client, demo_model, tmp_path)
+    records = app[REGISTRY].records
+    body = {"model": str(demo_model), "max_tokens": 2}
+    session = None
+    for i in range(32):
+        r = await client.post("/v1/completions", json=body, headers={"X-Session-ID": f"s{i}"})
+        if r.headers["X-Skyinfer-Engine"] == "1":
+            session = f"s{i}"
+            break
+    assert session is not None
+    await script(app, 1, {"block_s": {"/v1/completions": 120}})
+    held = records[1].pid
+    r = await client.post("/v1/completions", json=body, headers={"X-Session-ID": session})
+    assert r.status == 200 and r.headers["X-Skyinfer-Engine"] == "0" and r.headers["X-Skyinfer-Retried-From"] == "1"
+    await until(lambda: asyncio.sleep(0, [r.state.value for r in records] == ["ready", "ready"]))
+    assert records[1].pid != held and records[1].restarts == 1
+    output = capfd.readouterr().err
+    assert "[engine 1] Current thread 0x" in output, "engine 1 wrote no stacks before it was killed"
+    stacks = output[output.index("[engine 1] Current thread 0x") :]
+    assert re.search(r"\[engine 1\]   File \".*tools/fake_engine\.py\", line \d+ in _hold_the_loop", stacks), stacks[
+        :3000
+    ]
+
+
 async def test_a_stream_whose_caller_expects_100_continue_is_relayed(aiohttp_client, demo_model, tmp_path):
     """``Expect: 100-continue`` (curl sends it for large bodies) is the front's to answer: an engine
     asked it too would answer an interim head the relay must not take for the stream's own."""

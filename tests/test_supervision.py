@@ -25,6 +25,8 @@ import httpx
 import psutil
 import pytest
 
+from skyinfer.engine_wire import STACKS_SIGNAL
+
 from pushes import assert_engines_match, modified_weights, run_trainer, save, start_trainer
 from support import (
     FRONT_WORKERS,
@@ -36,6 +38,7 @@ from support import (
     ServerProcess,
     admit_while_paused,
     engine_of,
+    engine_socket,
     engine_tree,
     left_in_shm,
     module_servers,
@@ -378,6 +381,37 @@ def test_engine_output_of_any_length_never_stops_an_engine(crash_server, demo_mo
     pushed = run_trainer(crash_server, save(weights, tmp_path / "w.safetensors"), "after-wide-lines")
     assert pushed.returncode == 0, pushed.stdout + pushed.stderr
     assert_engines_match(crash_server, crash_server.model, demo_model, weights, "after-wide-lines")
+    assert pids(crash_server) == before
+
+
+def test_an_engine_writes_its_threads_stacks_on_the_fronts_signal_and_serves_on(crash_server):
+    """The signal the front sends an engine whose probes failed, before it kills it: each engine
+    process writes every thread's stack to its output (the server's log, under its prefix), the
+    thread serving its event loop among them, and serves on (fake_fleet's test: the front sends
+    it to an engine whose loop is held)."""
+    before = pids(crash_server)
+    start = crash_server.log_path.stat().st_size
+    for pid, _ in before:
+        os.kill(pid, STACKS_SIGNAL)
+
+    def written() -> bool:
+        log = crash_server.log_path.read_bytes()[start:].decode(errors="replace")
+        return all(
+            f"[engine {e}] Current thread 0x" in log
+            and re.search(rf'\[engine {e}\]   File ".*skyinfer/engine/__main__\.py", line \d+ in main', log)
+            for e in (0, 1)
+        )
+
+    wait_for(written, 30, "an engine's stacks are missing from the server's log")
+    for engine in (0, 1):
+        with httpx.Client(transport=httpx.HTTPTransport(uds=engine_socket(crash_server, engine)), timeout=30) as http:
+            assert http.get("http://engine/health").status_code == 200
+    r = httpx.post(
+        f"{crash_server.url}/v1/completions",
+        json={"model": crash_server.model, "prompt": "after the stacks", "max_tokens": 4},
+        timeout=60,
+    )
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
     assert pids(crash_server) == before
 
 

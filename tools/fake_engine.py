@@ -14,6 +14,8 @@ Its behaviour comes from the environment, or from ``POST /fake/script`` at any t
 * ``fail_after``: ``{path: status}`` to do what a route does, then answer it with an error (an
   engine that paused, or slept, and failed to say so);
 * ``hang``: paths that never answer;
+* ``block_s``: ``{path: seconds}`` to hold the whole event loop (``time.sleep``) before answering a
+  route, as a handler that computes on the loop does: no other route answers meanwhile;
 * ``die_after_events``: a completion or chat request ends as one whose EngineCore died after that
   many events: a stream with skyinfer's continuation record, any other answer with the 503 that
   carries it (engine/continuation.py). ``GET /fake/went_on`` lists the records of the requests it
@@ -91,6 +93,10 @@ class FakeEngine:
         self.resumed.set()
 
 
+def _hold_the_loop(seconds: float) -> None:
+    time.sleep(seconds)
+
+
 def _scripted(handler):
     async def route(request: web.Request) -> web.StreamResponse:
         calls = request.app[STATE].calls
@@ -98,6 +104,8 @@ def _scripted(handler):
         script = request.app[SCRIPT]
         if request.path in script.get("hang", ()):
             await asyncio.Event().wait()
+        if seconds := script.get("block_s", {}).get(request.path):
+            _hold_the_loop(seconds)
         if delay := script.get("delay_s", {}).get(request.path):
             await asyncio.sleep(delay)
         if status := script.get("fail", {}).get(request.path):

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import os
 import sys
 from collections.abc import Callable
+
+from ..engine_wire import STACKS_SIGNAL
 
 __all__ = ["import_engine", "main", "parse_engine_args", "set_up_process"]
 
@@ -72,6 +75,9 @@ def set_up_process(argv: list[str], warm_up: Callable[[], None] | None = None) -
         from .output import relay_output
 
         relay_output(ns.log_prefix, ns.output_tail)
+    # On the front's signal, every thread's stack to the output (the relay's pipe by now), written by
+    # faulthandler's C handler: it is written even while the event loop, or C code, holds the GIL.
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)
     if ns.lifeline_fd is not None and not ns.standby:
         # Before vLLM: the front may die during its long start-up too.
         from .lifeline import die_with_front
