@@ -394,9 +394,8 @@ async def test_an_engine_whose_probes_fail_writes_its_threads_stacks_before_it_i
     output = capfd.readouterr().err
     assert "[engine 1] Current thread 0x" in output, "engine 1 wrote no stacks before it was killed"
     stacks = output[output.index("[engine 1] Current thread 0x") :]
-    assert re.search(r"\[engine 1\]   File \".*tools/fake_engine\.py\", line \d+ in _hold_the_loop", stacks), stacks[
-        :3000
-    ]
+    holding_frame = r"\[engine 1\]   File \".*tools/fake_engine\.py\", line \d+ in _hold_the_loop"
+    assert re.search(holding_frame, stacks), stacks[:3000]
 
 
 async def test_a_stream_whose_caller_expects_100_continue_is_relayed(aiohttp_client, demo_model, tmp_path):
