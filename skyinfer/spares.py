@@ -8,8 +8,8 @@ supervisor sends the spare its start order and the spare becomes the engine's pr
 its process group); a cold process is started only when the slot has no live spare.
 
 * What a spare does first: on CPU engines (``--loaded-spares auto``, or ``on``) it builds the
-  whole engine, vLLM's EngineCore (and the worker processes of an engine of several workers:
-  spawned processes that import torch and vLLM again) with the model and KV cache, everything
+  whole engine, vLLM's EngineCore (and the worker processes of an engine of several workers)
+  with the model and KV cache, everything
   but the socket; the order then costs the socket alone. Otherwise (GPUs: a second engine would not fit beside the first) it imports.
   A loaded spare cannot take a changed environment: its slot's restart then starts cold.
 * When spares start: one at a time, and only while the fleet is steady (every engine up, or

@@ -322,6 +322,17 @@ def vllm_process(engine_pid: int, role: str) -> psutil.Process:
     return proc
 
 
+def worker_processes(engine_core: psutil.Process) -> list[psutil.Process]:
+    """vLLM's worker processes under an EngineCore, in rank order. Its only other child may be
+    multiprocessing's resource tracker, which the EngineCore (forked from its engine process, not
+    spawned) starts when it spawns its workers."""
+    children = engine_core.children()
+    workers = sorted((p for p in children if p.name().startswith("VLLM::Worker")), key=lambda p: p.name())
+    others = [" ".join(p.cmdline()) for p in children if p not in workers]
+    assert all("multiprocessing.resource_tracker" in cmdline for cmdline in others), others
+    return workers
+
+
 def engine_tree(engine_pid: int) -> list[psutil.Process]:
     """An engine's process and every process beneath it (vLLM's EngineCore, workers)."""
     engine = psutil.Process(engine_pid)

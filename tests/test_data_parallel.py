@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from pushes import PROMPTS, modified_weights, reference_logprobs, run_trainer, save, start_trainer
-from support import ServerProcess, killed_until_stale, module_servers, until_engine
+from support import ServerProcess, killed_until_stale, module_servers, until_engine, worker_processes
 
 DP2 = ("-dp", "2", "--dtype", "float32", "--health-interval", "1", "--enable-prompt-tokens-details")
 RANKS = (0, 1)
@@ -51,7 +51,7 @@ def _title(proc: psutil.Process) -> str:
 
 def worker_cores(server: ServerProcess) -> list[list[int]]:
     """Each rank's worker's cores, in rank order (one worker under each rank's EngineCore)."""
-    workers = [core.children() for core in engine_cores(server)]
+    workers = [worker_processes(core) for core in engine_cores(server)]
     assert [len(w) for w in workers] == [1, 1], workers
     return [w.cpu_affinity() for (w,) in workers]
 

@@ -23,7 +23,15 @@ import pytest
 
 from lora_support import assert_serves, make_adapter
 from pushes import assert_engines_match, modified_weights, run_trainer, save, start_trainer
-from support import ServerProcess, free_port, killed_until_stale, module_servers, until_engine, vllm_process
+from support import (
+    ServerProcess,
+    free_port,
+    killed_until_stale,
+    module_servers,
+    until_engine,
+    vllm_process,
+    worker_processes,
+)
 
 TP2 = ("--tensor-parallel-size", "2", "--dtype", "float32", "--hold-requests", "1")
 MAX_LORA_RANK = 16
@@ -32,7 +40,7 @@ MAX_LORA_RANK = 16
 def workers(server: ServerProcess) -> list[psutil.Process]:
     """The engine's vLLM workers, in rank order, checked to be two under one EngineCore."""
     core = vllm_process(server.engines()[0]["pid"], "EngineCore")
-    found = sorted(core.children(), key=lambda p: p.name())
+    found = worker_processes(core)
     assert [p.name() for p in found] == ["VLLM::Worker_TP0", "VLLM::Worker_TP1"], [p.name() for p in found]
     return found
 

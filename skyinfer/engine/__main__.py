@@ -139,9 +139,9 @@ def import_engine() -> None:
 def _choose_platform() -> None:
     # Before vLLM's parser or engine resolves the platform; after the output relay's fork, which
     # is made while the process has no thread (torch's import starts one).
-    from .cpu_platform import fork_engine_core_on_cpu
+    from .cpu_platform import fork_engine_processes_on_cpu
 
-    fork_engine_core_on_cpu()
+    fork_engine_processes_on_cpu()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from ..vllm_api import CPUWorker
+from .cpu_platform import start_worker_process
 
 __all__ = ["SkyinferCPUWorker"]
 
@@ -43,6 +44,8 @@ class SkyinferCPUWorker(CPUWorker):
     """
 
     def init_device(self) -> None:
+        if self.parallel_config.distributed_executor_backend == "mp":  # a worker process of its own
+            start_worker_process()
         super().init_device()
         runner_class = type(self.model_runner)
         if hasattr(runner_class, "_bookkeeping_sync"):  # vLLM's v1 runner (the v2 runner has no such rewind)
