@@ -3,6 +3,8 @@
 (the worker inside vLLM's EngineCore, which is forked), the same with its EngineCore spawned
 (``VLLM_WORKER_MULTIPROC_METHOD=spawn``), the same with vLLM's worker process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=1``), and ``vllm serve`` on the same model and arguments.
+With ``--parallel tp`` or ``dp``, an engine of two workers (``-tp 2``, ``-dp 2``) on two cores:
+skyinfer's (every vLLM process forked), the same with them spawned, and ``vllm serve``.
 
 One server at a time on the same cores (each alone on the machine), in turn, ``--rounds`` times.
 Per server: the seconds from its start until it answers (skyinfer's ``/ready``, ``vllm serve``'s
@@ -11,6 +13,7 @@ EngineCore, its worker), their resident memory then, and the median latency of `
 greedy completions after; medians over the rounds and the ratios to ``vllm serve``.
 
     .venv/bin/python tools/bench_engine_start.py --rounds 3
+    .venv/bin/python tools/bench_engine_start.py --rounds 3 --parallel dp
 """
 
 from __future__ import annotations
@@ -75,14 +78,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--requests", type=int, default=10, help="completions per server per round, after it is ready")
+    p.add_argument("--parallel", choices=("tp", "dp"), help="an engine of two workers: -tp 2 or -dp 2")
     args = p.parse_args()
     model = str(build_demo_model(scratch_dir("bench-start-") / "demo"))
     cores = set(sorted(os.sched_getaffinity(0))[:2])
     env = {k: v for k, v in os.environ.items() if k not in (WORKER_PROCESSES_ENV, START_METHOD_ENV)}
     # vLLM's server gets the cores and CPU settings skyinfer gives its engine, and vLLM's own layout.
-    engine_env = split_cores(sorted(cores), (1,), cpu_kvcache_gib=1)[0].env
+    parallel = [f"-{args.parallel}", "2"] if args.parallel else []
+    engine_env = split_cores(sorted(cores), (2 if parallel else 1,), cpu_kvcache_gib=1)[0].env
     reference_env = {**env, **{k: v for k, v in engine_env.items() if k != WORKER_PROCESSES_ENV}}
-    sky_args = [*ENGINE_ARGS, "--warm-spares", "0"]  # a spare would start while the engine is measured
+    sky_args = [*ENGINE_ARGS, *parallel, "--warm-spares", "0"]  # a spare would start while the engine is measured
 
     def skyinfer(more_env: dict[str, str], log_name: str):
         return (
@@ -90,17 +95,23 @@ def main() -> None:
             "/ready",
         )
 
-    servers = {
-        "skyinfer": skyinfer({}, "bench-start-sky.log"),
-        "skyinfer, EngineCore spawn": skyinfer({START_METHOD_ENV: "spawn"}, "bench-start-sky-spawn.log"),
-        "skyinfer, worker process": skyinfer({WORKER_PROCESSES_ENV: "1"}, "bench-start-sky-mp.log"),
-        "vllm serve": (
-            lambda port: start_reference(
-                model, port, ["--max-model-len", "512"], reference_env, log_name="bench-start-vllm.log", cores=cores
-            ),
-            "/health",
+    servers = {"skyinfer": skyinfer({}, "bench-start-sky.log")}
+    if parallel:
+        servers["skyinfer, processes spawned"] = skyinfer({START_METHOD_ENV: "spawn"}, "bench-start-sky-spawn.log")
+    else:
+        servers["skyinfer, EngineCore spawn"] = skyinfer({START_METHOD_ENV: "spawn"}, "bench-start-sky-spawn.log")
+        servers["skyinfer, worker process"] = skyinfer({WORKER_PROCESSES_ENV: "1"}, "bench-start-sky-mp.log")
+    servers["vllm serve"] = (
+        lambda port: start_reference(
+            model,
+            port,
+            ["--max-model-len", "512", *parallel],
+            reference_env,
+            log_name="bench-start-vllm.log",
+            cores=cores,
         ),
-    }
+        "/health",
+    )
     results: dict[str, list[tuple[float, float, float, float]]] = {name: [] for name in servers}
     for _ in range(args.rounds):
         for name, (start, ready_path) in servers.items():
