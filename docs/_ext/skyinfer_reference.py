@@ -379,12 +379,12 @@ ENGINE_ENVIRONMENT = {
     ),
     "VLLM_WORKER_MULTIPROC_METHOD": EnvVar(
         "VLLM_WORKER_MULTIPROC_METHOD",
-        "set to ``fork`` by each engine process of one worker on CPU, after vLLM's CPU platform set it"
-        " to ``spawn`` (``skyinfer/engine/cpu_platform.py``), unless the front's environment sets"
-        " ``spawn``",
-        "vLLM forks the engine's EngineCore from the engine process, as it does on a GPU, instead of"
-        " spawning one that imports torch and vLLM again (about 4 s and 5 CPU-s of an engine's start;"
-        ' docs: benchmarks, "The EngineCore forked"); ``spawn`` keeps vLLM\'s spawned EngineCore',
+        "set to ``fork`` by each engine process on CPU, after vLLM's CPU platform set it to ``spawn``"
+        " (``skyinfer/engine/cpu_platform.py``), unless the front's environment sets ``spawn``",
+        "vLLM forks the engine's EngineCores, their workers and a data-parallel coordinator, as it does"
+        " on a GPU, instead of spawning processes that each import torch and vLLM again (about 5"
+        " CPU-s each; an engine of ``-dp 2`` up in seconds instead of tens; docs: benchmarks,"
+        ' "Every vLLM process of a CPU engine forked"); ``spawn`` keeps vLLM\'s spawned processes',
     ),
     "OMP_NUM_THREADS": EnvVar(
         "OMP_NUM_THREADS",
@@ -434,6 +434,21 @@ READ_ENVIRONMENT = [
         " engine *i* gets the *i*-th group of ``tp x pp`` of them, in the order given (a trainer on GPUs of"
         " its own sets its own ``CUDA_VISIBLE_DEVICES`` to those)",
     ),
+]
+
+# What vLLM's executor sets for each CPU worker process it starts, read by that process again when
+# it was forked (its OpenMP runtime read its template's environment).
+READ_ENVIRONMENT += [
+    EnvVar(
+        name,
+        "each worker process of a CPU engine (``skyinfer/engine/cpu_platform.py``)",
+        f"{what}, which vLLM's executor sets for each worker it starts: a forked worker takes them when"
+        " it starts (its OpenMP runtime read its template's), a spawned one's OpenMP read them already",
+    )
+    for name, what in (
+        ("GOMP_CPU_AFFINITY", "the worker's cores, ``0 1 2``"),
+        ("OMP_PLACES", "the worker's cores, ``{0,1,2}`` (where ``GOMP_CPU_AFFINITY`` is not set)"),
+    )
 ]
 
 # The variables the project's tools and tests read or set (never ``skyinfer serve`` itself).
