@@ -14,9 +14,7 @@ spend most of their time waiting on the front's own timeouts, not computing: ``t
 runs them in a pytest of their own (``--lane front``), and ``support.ServerProcess`` refuses to
 start a real server in that lane. The modules of real engines that mostly wait too (for a trainer
 process, a restart, a probe: ``SECOND_ENGINES_LANE``) run in a second pytest of real engines
-(``--lane engines-2``) beside the rest (``--lane engines-1``). Some modules with servers of their
-own (``THIRD_ENGINES_LANE``) run in a third pytest of real engines (``--lane engines-3``) that
-starts when the front lane ends, in its place; ``--lane engines`` is every engine lane, in one
+(``--lane engines-2``) beside the rest (``--lane engines-1``); ``--lane engines`` is both, in one
 pytest. Each lane plans its own servers as above.
 """
 
@@ -32,7 +30,6 @@ __all__ = (
     "LAUNCHED",
     "PLAN",
     "SECOND_ENGINES_LANE",
-    "THIRD_ENGINES_LANE",
     "in_lane",
     "lane_of",
     "servers_used",
@@ -60,13 +57,15 @@ FRONT_ONLY = frozenset(
 
 # The modules of real engines that run beside the busier rest: those whose wall time is mostly
 # waiting (CPU-seconds per second of wall time 0.66-0.92 alone, tests/suite_report.py's
-# --cpu-report: test_warm_restarts, test_weight_sync, test_faults, test_quantized, test_catch_up),
-# and small ones that make the engine lanes end about together (docs: benchmarks).
+# --cpu-report: test_warm_restarts, test_weight_sync, test_faults, test_moe, test_quantized,
+# test_catch_up), and small ones that make both engine lanes end about together (docs: benchmarks).
 SECOND_ENGINES_LANE = frozenset(
     {
         "test_catch_up",
         "test_faults",
         "test_lora",
+        "test_moe",
+        "test_moe_colocated",
         "test_multinode",
         "test_quantized",
         "test_warm_restarts",
@@ -74,28 +73,14 @@ SECOND_ENGINES_LANE = frozenset(
     }
 )
 
-# Modules with servers of their own, run once the front lane is done (it takes about 8 minutes of
-# the suite's 20): the front lane's modules leave a core half idle, and the two first engine lanes
-# each give up about 4.5 minutes of modules to this one (docs: benchmarks, "A third lane of real engines").
-THIRD_ENGINES_LANE = frozenset(
-    {
-        "test_colocated",
-        "test_data_parallel",
-        "test_moe",
-        "test_moe_colocated",
-    }
-)
-
-# ``--lane``'s choices: each is one pytest of ``tools/run-tests``, but ``engines`` (every engine lane in one).
-LANES = ("front", "engines", "engines-1", "engines-2", "engines-3")
+# ``--lane``'s choices: each is one pytest of ``tools/run-tests``, but ``engines`` (both engine lanes in one).
+LANES = ("front", "engines", "engines-1", "engines-2")
 
 
 def lane_of(module: str) -> str:
     """The pytest of ``tools/run-tests`` a module runs in."""
     if module in FRONT_ONLY:
         return "front"
-    if module in THIRD_ENGINES_LANE:
-        return "engines-3"
     return "engines-2" if module in SECOND_ENGINES_LANE else "engines-1"
 
 

@@ -388,21 +388,20 @@ def test_an_engine_writes_its_threads_stacks_on_the_fronts_signal_and_serves_on(
     """The signal the front sends an engine whose probes failed, before it kills it: each engine
     process writes every thread's stack to its output (the server's log, under its prefix), the
     thread serving its event loop among them, and serves on (fake_fleet's test: the front sends
-    it to an engine whose loop is held)."""
+    it to an engine whose loop is held). One engine at a time: two engines' relays write to the
+    one log as their processes write, so stacks written at the same instant interleave mid-line."""
     before = pids(crash_server)
-    start = crash_server.log_path.stat().st_size
-    for pid, _ in before:
+    for engine, (pid, _) in enumerate(before):
+        start = crash_server.log_path.stat().st_size
         os.kill(pid, STACKS_SIGNAL)
 
-    def written() -> bool:
-        log = crash_server.log_path.read_bytes()[start:].decode(errors="replace")
-        return all(
-            f"[engine {e}] Current thread 0x" in log
-            and re.search(rf'\[engine {e}\]   File ".*skyinfer/engine/__main__\.py", line \d+ in main', log)
-            for e in (0, 1)
-        )
+        def written(engine: int = engine, start: int = start) -> bool:
+            log = crash_server.log_path.read_bytes()[start:].decode(errors="replace")
+            return f"[engine {engine}] Current thread 0x" in log and bool(
+                re.search(rf'\[engine {engine}\]   File ".*skyinfer/engine/__main__\.py", line \d+ in main', log)
+            )
 
-    wait_for(written, 30, "an engine's stacks are missing from the server's log")
+        wait_for(written, 30, f"engine {engine}'s stacks are missing from the server's log")
     for engine in (0, 1):
         with httpx.Client(transport=httpx.HTTPTransport(uds=engine_socket(crash_server, engine)), timeout=30) as http:
             assert http.get("http://engine/health").status_code == 200

@@ -382,7 +382,7 @@ ENGINE_ENVIRONMENT = {
         "set to ``fork`` by each engine process on CPU, after vLLM's CPU platform set it to ``spawn``"
         " (``skyinfer/engine/cpu_platform.py``), unless the front's environment sets ``spawn``",
         "vLLM forks the engine's EngineCores, their workers and a data-parallel coordinator, as it does"
-        " on a GPU, instead of spawning processes that each import torch and vLLM again (about 5"
+        " on a GPU, instead of spawning processes that each import torch and vLLM again (7 to 10"
         " CPU-s each; an engine of ``-dp 2`` up in seconds instead of tens; docs: benchmarks,"
         ' "Every vLLM process of a CPU engine forked"); ``spawn`` keeps vLLM\'s spawned processes',
     ),

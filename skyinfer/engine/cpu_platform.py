@@ -5,10 +5,10 @@ AsyncLLM runs its EngineCore in a process of its own, and vLLM's CPU platform st
 process, and every worker process, by ``spawn`` (``check_and_update_config`` sets
 ``VLLM_WORKER_MULTIPROC_METHOD=spawn``, whatever the environment says), so that a worker's OpenMP
 runtime starts with the environment the executor sets for it just before it starts it (its thread
-count and cores). Spawned, each process imports torch and vLLM again: about 8 to 10 CPU-seconds
-each, most of an engine's start (an engine of ``-dp 2`` spawns five: two EngineCores, two workers
-and the coordinator). Forked, as vLLM starts them on a GPU, they start from the engine process's
-imports (docs: benchmarks, "The EngineCore forked", "Workers forked").
+count and cores). Spawned, each process imports torch and vLLM again: 7 to 10 CPU-seconds each,
+most of an engine's start (an engine of ``-dp 2`` spawns five: two EngineCores, two workers and
+the coordinator). Forked, as vLLM starts them on a GPU, they start from the engine process's
+imports (docs: benchmarks, "The EngineCore forked", "Every vLLM process of a CPU engine forked").
 
 Forking is safe for OpenMP because nothing forks after an OpenMP region ran: the engine process and
 an EngineCore that runs no worker itself compute nothing before they fork. What a forked worker
@@ -69,7 +69,7 @@ def fork_engine_processes_on_cpu() -> None:
             platforms.current_platform = CpuPlatformForking()
     elif type(chosen) is CpuPlatform:
         # Something resolved it before this call: the engine still serves, its start is slower.
-        log.warning("vLLM's CPU platform was chosen before skyinfer's: the EngineCore is spawned, not forked")
+        log.warning("vLLM's CPU platform was chosen before skyinfer's: vLLM's processes are spawned, not forked")
 
 
 def start_worker_process() -> None:
