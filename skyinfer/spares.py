@@ -9,8 +9,7 @@ its process group); a cold process is started only when the slot has no live spa
 
 * What a spare does first: on CPU engines (``--loaded-spares auto``, or ``on``) it builds the
   whole engine, vLLM's EngineCore (and the worker processes of an engine of several workers)
-  with the model and KV cache, everything
-  but the socket; the order then costs the socket alone. Otherwise (GPUs: a second engine would not fit beside the first) it imports.
+  with the model and KV cache, everything but the socket; the order then costs the socket alone. Otherwise (GPUs: a second engine would not fit beside the first) it imports.
   A loaded spare cannot take a changed environment: its slot's restart then starts cold.
 * When spares start: one at a time, and only while the fleet is steady (every engine up, or
   retired): after the fleet's start, and after an engine that restarted is up again, so that a

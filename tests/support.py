@@ -325,7 +325,7 @@ def vllm_process(engine_pid: int, role: str) -> psutil.Process:
 def worker_processes(engine_core: psutil.Process) -> list[psutil.Process]:
     """vLLM's worker processes under an EngineCore, in rank order. Its only other child may be
     multiprocessing's resource tracker, which the EngineCore (forked from its engine process, not
-    spawned) starts when it spawns its workers."""
+    spawned) starts when it starts its workers."""
     children = engine_core.children()
     workers = sorted((p for p in children if p.name().startswith("VLLM::Worker")), key=lambda p: p.name())
     others = [" ".join(p.cmdline()) for p in children if p not in workers]

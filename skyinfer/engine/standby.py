@@ -31,10 +31,11 @@ before it says it stands by: it builds the whole engine (vLLM's EngineCore and w
 loaded from the checkpoint, the KV cache), everything but the socket. Its start order then costs
 the socket alone: the restart of an engine is the catch-up of the fleet's weights from a peer.
 vLLM's processes that are spawned (on a GPU; on CPU they are forked, ``cpu_platform.py``) import
-torch and vLLM again, seconds each: what an imports-only spare cannot save. A loaded spare holds a whole engine's memory (its KV cache included) and
-cannot take a changed environment: the front starts a cold engine instead (``spares.py``). Its
-vLLM processes write through the spare's relay for their whole life; the relay goes on with the
-engine's prefix and tail file once the order came.
+torch and vLLM again, seconds each: what an imports-only spare cannot save. A loaded spare holds
+a whole engine's memory (its KV cache included) and cannot take a changed environment: the front
+starts a cold engine instead (``spares.py``). Its vLLM processes write through the spare's relay
+for their whole life; the relay goes on with the engine's prefix and tail file once the order
+came.
 """
 
 from __future__ import annotations
