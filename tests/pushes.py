@@ -4,7 +4,6 @@ against a transformers float32 forward pass of the same weights."""
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -12,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
+from forked_python import ForkedPopen, run_python
 from support import TRAINER, engine_of
 
 PROMPTS = ["The quick brown fox", "Reinforcement learning updates a policy", "def main():"]
@@ -44,8 +44,8 @@ def run_trainer(
     server, weights_file: Path, version: str, *extra: str, timeout_s: float = 180, url: str | None = None
 ) -> subprocess.CompletedProcess:
     """The trainer as a separate process; ``url`` may list several nodes, comma-separated."""
-    return subprocess.run(
-        [sys.executable, str(TRAINER), url or server.url, str(weights_file), version, *extra],
+    return run_python(
+        [TRAINER, url or server.url, str(weights_file), version, *extra],
         capture_output=True,
         text=True,
         timeout=timeout_s,
@@ -55,8 +55,8 @@ def run_trainer(
 def start_trainer(server, weights_file: Path, version: str, *extra: str) -> subprocess.Popen:
     """The trainer as a separate process that stays up (``--more``, ``--hold-before-update``): its
     stdin, stdout and stderr are text pipes."""
-    return subprocess.Popen(
-        [sys.executable, str(TRAINER), server.url, str(weights_file), version, *extra],
+    return ForkedPopen(
+        [TRAINER, server.url, str(weights_file), version, *extra],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

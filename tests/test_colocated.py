@@ -15,7 +15,6 @@ import json
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import httpx
 import pytest
 import torch
 
+from forked_python import run_python
 from pushes import assert_engines_match, modified_weights, run_trainer, save, start_trainer
 from support import (
     ServerProcess,
@@ -135,10 +135,9 @@ def test_skyrl_colocated_syncs_at_levels_1_and_2_say_what_vllm_says(colocated, d
     sockets = ",".join(engine_socket(colocated, e["id"]) for e in engines(colocated))
     for level in (1, 2):
         weights, path, version = pushes.next()
-        done = subprocess.run(
+        done = run_python(
             [
-                sys.executable,
-                str(SKYRL_CLIENT),
+                SKYRL_CLIENT,
                 colocated.url,
                 colocated.model,
                 "--colocated",

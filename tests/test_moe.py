@@ -10,8 +10,6 @@ first weights pushed back must give exactly what a fresh engine gave."""
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,6 +18,7 @@ import pytest
 
 from skyinfer.demo_model import MOE_CONFIGS, build_demo_moe_model
 
+from forked_python import run_python
 from moe_pushes import MoeFleet
 from pushes import run_trainer, save, sessions_per_engine
 from support import ServerProcess, free_port, module_servers, two_float32_engines, vllm_process
@@ -102,8 +101,8 @@ def test_a_push_of_part_of_a_layers_experts_without_metadata_fails_at_its_finish
     stale until the next push, which lands exactly."""
     new = moe.modified(seed=6)
     partial = {name: t for name, t in new.items() if name != "model.layers.1.mlp.experts.1.up_proj.weight"}
-    done = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("vllm_trainer.py")), moe.server.url,
+    done = run_python(
+        [Path(__file__).with_name("vllm_trainer.py"), moe.server.url,
          str(save(partial, tmp_path / "partial.safetensors")), "partial", str(free_port())],
         capture_output=True, text=True, timeout=180,
     )  # fmt: skip

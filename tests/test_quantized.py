@@ -13,7 +13,6 @@ from __future__ import annotations
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from transformers import AutoModelForCausalLM
 from skyinfer.demo_model import build_demo_int8_model
 from skyinfer.transfer.quantize import quantize_w8a8_int8
 
+from forked_python import ForkedPopen
 from moe_pushes import MoeFleet, assert_same
 from pushes import PROMPTS, modified_weights, run_trainer, save, sessions_per_engine
 from support import NO_SPARES, TRAINER, ServerProcess, is_openai_error, module_servers, vllm_process
@@ -284,8 +284,8 @@ def test_an_engine_core_killed_mid_receive_leaves_nothing_wrong_served(fleet, se
     next push; the trainer's death ends engine 0's part; the next push lands exact."""
     new_file = int8_file(Path(int8_servers["fresh_on_new"].model))
     before = fleet.server.engines()
-    trainer = subprocess.Popen(
-        [sys.executable, str(TRAINER), fleet.server.url, str(new_file), "never-served", *HUNG_FOR_600_S],
+    trainer = ForkedPopen(
+        [TRAINER, fleet.server.url, str(new_file), "never-served", *HUNG_FOR_600_S],
         stdout=subprocess.PIPE,
         text=True,
     )

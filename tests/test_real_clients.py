@@ -10,8 +10,6 @@ cannot serve is asserted to fail with the reason, and named in docs/clients.rst.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import anthropic
@@ -19,6 +17,7 @@ import httpx
 import openai
 import pytest
 
+from forked_python import run_python
 from pushes import assert_engines_match, modified_weights, run_trainer, save
 
 pytestmark = pytest.mark.usefixtures("restores_checkpoint")
@@ -28,9 +27,7 @@ SKYRL_CLIENT = Path(__file__).with_name("skyrl_client.py")
 
 @pytest.fixture(scope="module")
 def skyrl(server, model_name) -> dict:
-    done = subprocess.run(
-        [sys.executable, str(SKYRL_CLIENT), server.url, model_name], capture_output=True, text=True, timeout=600
-    )
+    done = run_python([SKYRL_CLIENT, server.url, model_name], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

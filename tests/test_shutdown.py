@@ -7,12 +7,12 @@ import asyncio
 import re
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 import psutil
 
+from forked_python import ForkedPopen
 from support import (
     NO_SPARES,
     TRAINER,
@@ -101,8 +101,8 @@ async def test_grace_period_bounds_the_shutdown(stoppable, demo_model):
     srv = stoppable["grace"]
     tree = process_tree(srv)
     segments = shm_segments(tree)
-    trainer = subprocess.Popen(
-        [sys.executable, str(TRAINER), srv.url, str(demo_model / "model.safetensors"), "v-stuck", "--hang-after", "2"],
+    trainer = ForkedPopen(
+        [TRAINER, srv.url, str(demo_model / "model.safetensors"), "v-stuck", "--hang-after", "2"],
         stdout=subprocess.PIPE,
         text=True,
     )

@@ -27,6 +27,7 @@ import pytest
 
 from skyinfer.engine_wire import STACKS_SIGNAL
 
+from forked_python import ForkedPopen
 from pushes import assert_engines_match, modified_weights, run_trainer, save, start_trainer
 from support import (
     FRONT_WORKERS,
@@ -431,8 +432,8 @@ async def test_engine_core_killed_mid_receive_aborts_the_update_on_every_engine(
         await wait_for_states(http, ["ready", "ready"])
         before = [e["pid"] for e in (await http.get("/engines")).json()["engines"]]
         tasks = await admit_while_paused(http, (http.post("/v1/completions", json=body) for _ in range(32)))
-        trainer = subprocess.Popen(
-            [sys.executable, str(TRAINER), crash_server.url, str(path), "never-served", "--hang-after", "2"],
+        trainer = ForkedPopen(
+            [TRAINER, crash_server.url, str(path), "never-served", "--hang-after", "2"],
             stdout=subprocess.PIPE,
             text=True,
         )

@@ -12,8 +12,6 @@ colocated) is started once per class.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,6 +19,7 @@ import httpx
 import psutil
 import pytest
 
+from forked_python import run_python
 from lora_support import assert_serves, make_adapter
 from pushes import assert_engines_match, modified_weights, run_trainer, save, start_trainer
 from support import (
@@ -123,8 +122,8 @@ class TestGroupPushes:
         the group's timeout)."""
         weights = modified_weights(demo_model, 16)
         started = time.monotonic()
-        done = subprocess.run(
-            [sys.executable, str(Path(__file__).parent / "vllm_trainer.py"), tp2.url,
+        done = run_python(
+            [Path(__file__).parent / "vllm_trainer.py", tp2.url,
              str(save(weights, tmp_path / "w.safetensors")), "tp2-vllm", str(free_port()), "--listen-late", "5"],
             capture_output=True, text=True, timeout=180,
         )  # fmt: skip

@@ -690,3 +690,30 @@ def test_int8_layers_compute_exactly_where_onednn_saturates():
     assert (ours.double() - bias.double() - exact).abs().max() < 1e-4 * exact.abs().max()
     onednn_error = ((onednn.double() - exact).abs().max() / exact.abs().max()).item()
     assert (onednn_error > 0.01) == int8_gemm_saturates(), onednn_error
+
+
+def test_a_forked_helper_script_runs_as_its_own_python_would(tmp_path):
+    """The tests' trainers and clients fork from one Python (tests/forked_python.py): each must get
+    its arguments, directory, environment and pipes, exit with its own status, die of a signal as a
+    process does, and leave nothing of the server's imports in its namespace."""
+    from forked_python import ForkedPopen, run_python
+
+    script = tmp_path / "helper.py"
+    script.write_text(
+        "import os, sys\n"
+        "print(__name__, sys.argv[1:], os.getcwd(), os.environ.get('HELPER'), 'torch' in globals(), flush=True)\n"
+        "for line in sys.stdin:\n"
+        "    print('echo', line.strip(), flush=True)\n"
+        "sys.exit(int(sys.argv[1]))\n"
+    )
+    done = run_python(
+        [script, "3"], input="a\nb\n", capture_output=True, text=True, cwd=tmp_path, env={"HELPER": "x"}, timeout=60
+    )
+    assert done.returncode == 3, done.stderr
+    assert done.stdout.splitlines() == [f"__main__ ['3'] {tmp_path} x False", "echo a", "echo b"]
+    held = ForkedPopen([script, "0"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert held.stdout.readline().startswith("__main__ ['0']")
+    with pytest.raises(subprocess.TimeoutExpired):
+        held.wait(0.2)
+    held.kill()
+    assert held.wait(30) == -9
