@@ -58,7 +58,7 @@ FRONT_ONLY = frozenset(
 # The modules of real engines that run beside the busier rest: those whose wall time is mostly
 # waiting (CPU-seconds per second of wall time 0.66-0.92 alone, tests/suite_report.py's
 # --cpu-report: test_warm_restarts, test_weight_sync, test_faults, test_moe, test_quantized,
-# test_catch_up), and small ones that make both engine lanes end about together (docs: benchmarks).
+# test_catch_up), and others that make both engine lanes end about together (docs: benchmarks).
 SECOND_ENGINES_LANE = frozenset(
     {
         "test_catch_up",
@@ -68,6 +68,7 @@ SECOND_ENGINES_LANE = frozenset(
         "test_moe_colocated",
         "test_multinode",
         "test_quantized",
+        "test_tensor_parallel",
         "test_warm_restarts",
         "test_weight_sync",
     }
