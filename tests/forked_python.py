@@ -1,6 +1,6 @@
 """The tests' helper scripts (trainers, clients: ``tests/*.py``) in processes forked from one Python
 that imported torch and skyinfer's trainer once, instead of each process importing them again
-(about 2.5 CPU-seconds a trainer on these machines, a hundred trainers a run): a fork server, as
+(about 2.5 CPU-seconds a trainer on these machines, on its test's path): a fork server, as
 multiprocessing's ``forkserver``, for scripts with pipes.
 
     ForkedPopen([script, *args], stdout=subprocess.PIPE, text=True)  # a subprocess.Popen
@@ -9,7 +9,9 @@ multiprocessing's ``forkserver``, for scripts with pipes.
 Each script runs in a process of its own, as ``python script args...`` would: its own pid (killed
 as any process), the caller's environment and working directory, its pipes, ``__name__ ==
 "__main__"``, and an ordinary interpreter exit (threads joined, atexit run). It is the server's
-grandchild: a watcher between them waits for it and sends its exit status to the caller.
+grandchild: a watcher between them waits for it and sends its exit status to the caller. What the
+server's imports read of the environment when they ran (libgomp's ``OMP_*``, for one) is the
+server's: the caller's environment when it first started a script.
 
     python tests/forked_python.py SOCKET   # the server (started by the first call in a process)
 """
@@ -21,6 +23,7 @@ import contextlib
 import json
 import os
 import runpy
+import shutil
 import signal
 import socket
 import struct
@@ -93,7 +96,7 @@ class ForkedPopen(subprocess.Popen):
         return self.returncode
 
 
-def run_python(argv: list, *, timeout: float | None = None, check: bool = False, input=None, capture_output=False,
+def run_python(argv: list, *, timeout: float | None = None, input=None, capture_output=False,
                **popen_kwargs) -> subprocess.CompletedProcess:  # fmt: skip
     """``subprocess.run([sys.executable, *argv], ...)`` for a helper script, forked from the fork server."""
     if input is not None:
@@ -107,10 +110,7 @@ def run_python(argv: list, *, timeout: float | None = None, check: bool = False,
             process.kill()
             process.wait()
             raise
-    done = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
-    if check:
-        done.check_returncode()
-    return done
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
 _started = threading.Lock()
@@ -123,15 +123,16 @@ def _server_socket() -> str:
     global _server
     with _started:
         if _server is None or _server[0].poll() is not None:
-            path = os.path.join(tempfile.mkdtemp(prefix="skyinfer-forks-"), "socket")
+            folder = tempfile.mkdtemp(prefix="skyinfer-forks-")
+            path = os.path.join(folder, "socket")
             server = subprocess.Popen(
                 [sys.executable, __file__, path], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True
             )
+            atexit.register(shutil.rmtree, folder, ignore_errors=True)
+            atexit.register(server.kill)
             line = server.stdout.readline()
             if line.strip() != "ready":
-                server.kill()
                 raise RuntimeError(f"the fork server did not start: {line!r}")
-            atexit.register(server.kill)
             _server = (server, path)
         return _server[1]
 
