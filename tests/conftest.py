@@ -8,9 +8,12 @@ own. tests/server_plan.py orders the modules so that each shared server stops af
 
 from __future__ import annotations
 
+import inspect
 import socket
 from pathlib import Path
 
+import httpx
+import httpx2
 import pytest
 
 from skyinfer.demo_model import build_demo_model
@@ -29,6 +32,19 @@ from support import (
 
 # Each module's time and the suite's peak memory, printed at the end (tests/suite_report.py).
 pytest_plugins = ("suite_report",)
+
+# httpx (and httpx2, the openai and anthropic SDKs' fork of it) makes an SSL context for every
+# client, loading each certificate of the machine's CA bundle, and its module-level calls
+# (httpx.get, httpx.post) make a client a call: 20-30 ms of CPU each on these machines, for tests
+# that speak plain HTTP to 127.0.0.1 (40% of the first lane's pytest, sampled by py-spy). One
+# context, made once, is every client's default in the tests' processes.
+_ONE_SSL_CONTEXT = httpx.create_ssl_context()
+for _httpx in (httpx, httpx2):
+    for _name in ("request", "stream", "get", "post", "put", "patch", "delete", "head", "options"):
+        _call = inspect.unwrap(getattr(_httpx, _name))
+        _call.__kwdefaults__ = {**_call.__kwdefaults__, "verify": _ONE_SSL_CONTEXT}
+    for _client in (_httpx.Client, _httpx.AsyncClient):
+        _client.__init__.__kwdefaults__ = {**_client.__init__.__kwdefaults__, "verify": _ONE_SSL_CONTEXT}
 
 
 def pytest_configure(config) -> None:
