@@ -200,7 +200,7 @@ def _run() -> int:
 
 def _exit(status: int) -> None:
     """Exit as the interpreter does, less its teardown of every module: in a forked process that
-    touches each object the server imported (copying its pages): 1.5-2 s of CPU a script."""
+    touches each object the server imported (copying its pages): 1.5-2 s a script, measured under load."""
     for thread in threading.enumerate():
         if thread is not threading.main_thread() and not thread.daemon:
             thread.join()
