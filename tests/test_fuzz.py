@@ -75,6 +75,9 @@ DANGEROUS_PARAMS: list[tuple[str, Any]] = [
     ("structured_outputs", {"choice": []}), ("structured_outputs", {"regex": "[a-z]+"}),
     ("echo", True), ("ignore_eos", True), ("skip_special_tokens", False),
 ]  # fmt: skip
+# The demo model's context, in tokens (skyinfer/demo_model.py).
+DEMO_CONTEXT = 4096
+TOKEN_ROUTE = "/inference/v1/generate"
 # Prompt values: out of the vocabulary (2,048 tokens), negative, beyond int32, chunked and seeded.
 DANGEROUS_PROMPTS: list[Any] = [[2048], [-1], [2**31], [0, 2047, 1, 2046], LONG_PROMPT, " ".join(["word"] * 1500)]
 
@@ -294,17 +297,23 @@ class Mutator:
         return body
 
 
-def bounded(raw: bytes) -> bytes:
-    """The mutant, with max_tokens back if it lost it (dropped, renamed by a flipped byte, or
-    null): such a body is valid and decodes to the end of the context, 4,000 tokens on the
-    demo model, minutes of decoding that test nothing new."""
+def bounded(raw: bytes, beyond_context: bool = False) -> bytes:
+    """The mutant, with max_tokens back to 4 where it lost it (dropped, renamed by a flipped byte,
+    or null) and, with ``beyond_context``, where it asks for more than the context holds: such a
+    body is valid and decodes to the end of the context, 4,000 tokens on the demo model, minutes
+    of decoding that test nothing new."""
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError):  # not JSON, or nested too deep for Python's parser
         return raw
     targets = [body, body.get("sampling_params")] if isinstance(body, dict) else []
     limit = "max_output_tokens" if isinstance(body, dict) and "input" in body else "max_tokens"  # Responses API
-    unbounded = [t for t in targets if isinstance(t, dict) and t.get(limit) is None]
+
+    def decodes_to_the_end(value: Any) -> bool:
+        beyond = isinstance(value, int) and not isinstance(value, bool) and value > DEMO_CONTEXT
+        return value is None or (beyond_context and beyond)
+
+    unbounded = [t for t in targets if isinstance(t, dict) and decodes_to_the_end(t.get(limit))]
     for target in unbounded:
         target[limit] = 4
     return json.dumps(body).encode() if unbounded else raw
@@ -330,13 +339,20 @@ NATIVE_ROUTES = {
 }  # fmt: skip
 
 
-def bodies(count: int, seed_bodies: list[Any], rng: random.Random) -> list[bytes]:
+def bodies(count: int, seed_bodies: list[Any], rng: random.Random, path: str = "") -> list[bytes]:
     mutator = Mutator(rng)
     generates = any(limit in json.dumps(s) for s in seed_bodies for limit in ("max_tokens", "max_output_tokens"))
     out = [json.dumps(s).encode() for s in seed_bodies]
+    # The token route serves a max_tokens beyond the context up to the context's end (the other
+    # routes refuse it): its first such body is sent as it is, the others bounded.
+    cap_beyond_context = False
     while len(out) < count:
         mutant = mutator.body(rng.choice(seed_bodies))
-        out.append(bounded(mutant) if generates else mutant)
+        if generates:
+            mutant = bounded(mutant, beyond_context=cap_beyond_context)
+            beyond = bounded(mutant, beyond_context=True) != mutant
+            cap_beyond_context = cap_beyond_context or (path == TOKEN_ROUTE and beyond)
+        out.append(mutant)
     return out
 
 
@@ -361,7 +377,7 @@ async def fuzz(base_url: str, route_seeds: dict, rng: random.Random, share: floa
         if status >= 500 or (status >= 400 and not is_openai_error_body(status, path, answer)):
             offenders.append((method, path, body[:200], status, answer[:300]))
 
-    jobs = [(m, p, b) for (m, p), s in route_seeds.items() for b in bodies(sent(m, p, s, share), s, rng)]
+    jobs = [(m, p, b) for (m, p), s in route_seeds.items() for b in bodies(sent(m, p, s, share), s, rng, p)]
     rng.shuffle(jobs)
     timeout = aiohttp.ClientTimeout(total=300)
     async with aiohttp.ClientSession(base_url, timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as http:
