@@ -104,7 +104,10 @@ async def run_ranks(
 ) -> dict[int, list[str]]:
     """Both ranks against ``server``; each one's outcomes, once both have exited (within the bound)."""
     url = str((await aiohttp_server(server.app())).make_url(""))
-    context = multiprocessing.get_context("spawn")
+    # Forked from multiprocessing's fork server, which imported torch and skyinfer's IPC trainer
+    # once: a fresh process per rank would import them again (about 2.5 CPU-seconds each).
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "torch.distributed", "skyinfer.transfer.ipc", __name__])
     results = context.Queue()
     init_method = f"file://{tmp_path / 'rendezvous'}"
     ranks = [
