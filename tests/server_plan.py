@@ -136,7 +136,7 @@ class ServerPlan:
 
     def pytest_ignore_collect(self, collection_path, config: pytest.Config) -> bool | None:
         """Another lane's test module is not imported either: each lane's pytest imports its own
-        (the whole suite's cost a pytest about 6 CPU-s more to collect)."""
+        (the whole suite cost each pytest 3-6 CPU-s more to collect)."""
         name = collection_path.name
         if name.startswith("test_") and name.endswith(".py") and not in_lane(name[:-3], config.getoption("--lane")):
             return True

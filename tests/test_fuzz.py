@@ -26,6 +26,7 @@ import aiohttp
 import httpx
 import pytest
 
+from skyinfer.demo_model import MODEL_CONFIG
 from skyinfer.proxy import DATA_PLANE_POST
 
 from support import (
@@ -75,8 +76,7 @@ DANGEROUS_PARAMS: list[tuple[str, Any]] = [
     ("structured_outputs", {"choice": []}), ("structured_outputs", {"regex": "[a-z]+"}),
     ("echo", True), ("ignore_eos", True), ("skip_special_tokens", False),
 ]  # fmt: skip
-# The demo model's context, in tokens (skyinfer/demo_model.py).
-DEMO_CONTEXT = 4096
+DEMO_CONTEXT = MODEL_CONFIG["max_position_embeddings"]
 TOKEN_ROUTE = "/inference/v1/generate"
 # Prompt values: out of the vocabulary (2,048 tokens), negative, beyond int32, chunked and seeded.
 DANGEROUS_PROMPTS: list[Any] = [[2048], [-1], [2**31], [0, 2047, 1, 2046], LONG_PROMPT, " ".join(["word"] * 1500)]
