@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import glob
 import json
 import os
 import re
@@ -142,6 +143,13 @@ class ServerProcess(ChildProcess):
 
     def engines(self) -> list[dict]:
         return httpx.get(f"{self.url}/engines", headers=self.admin_headers, timeout=60).json()["engines"]
+
+    def shm_files(self, *kinds: str) -> list[str]:
+        """Its files in /dev/shm, of ``kinds`` (``pushes``, ``catch_up``; all by default), by the
+        prefixes ``/weight_info`` names: the suite's other lanes' servers make theirs meanwhile."""
+        info = httpx.get(f"{self.url}/weight_info", headers=self.admin_headers, timeout=60).json()
+        prefixes = tuple(p for kind, p in info["shm_prefixes"].items() if p and (not kinds or kind in kinds))
+        return [path for path in glob.glob("/dev/shm/skyinfer-*") if os.path.basename(path).startswith(prefixes)]
 
 
 # TRL's get_sequence_logprobs asks for the top 100 of every prompt token (vLLM's default cap: 20).

@@ -24,7 +24,7 @@ from fakes import calls, fake_fleet, kill, script, until
 from skyinfer.devices import EngineDevices
 from skyinfer.registry import REGISTRY, EngineRegistry
 from skyinfer.state import EngineRecord, Lifecycle, Residency
-from skyinfer.weights.catchup import CatchUp
+from skyinfer.weights.catchup import CATCH_UP, CatchUp
 from skyinfer.weights.checkpoint import safetensors_shapes
 
 from pushes import (
@@ -40,8 +40,9 @@ from pushes import (
 from support import ServerProcess, engine_socket, module_servers, vllm_process
 
 
-def catch_up_files() -> list[str]:
-    return glob.glob("/dev/shm/skyinfer-*-catchup-*")
+def catch_up_files(app) -> list[str]:
+    """The app's catch-ups' files (the suite's other lanes' servers catch up meanwhile)."""
+    return glob.glob(f"/dev/shm/{app[CATCH_UP].prefix}*")
 
 
 # -- the front's logic, over fake engines ----------------------------------------------------------
@@ -96,7 +97,7 @@ async def test_over_fake_engines_a_restart_catches_up_refusals_say_why_and_pushe
     await until(lambda: asyncio.sleep(0, records[1].pid != pid and records[1].up and records[1].stale is None))
     assert records[1].weight_version == "v1"
     assert (await calls(app, 0)).get("/export_weights") == 1 and (await calls(app, 1)).get("/import_weights") == 1
-    assert not catch_up_files()
+    assert not catch_up_files(app)
 
     # No healthy peer: both stale (a level-2 sleep discarded their weights).
     assert (await client.post("/sleep", params={"level": "2"})).status == 200
@@ -113,7 +114,7 @@ async def test_over_fake_engines_a_restart_catches_up_refusals_say_why_and_pushe
     assert records[1].stale is None and records[1].weight_version == "v3"
     await asyncio.sleep(2)  # the export ends; the catch-up gives way
     assert "/import_weights" not in await calls(app, 1)
-    assert [r.stale for r in records] == [None, None] and not catch_up_files()
+    assert [r.stale for r in records] == [None, None] and not catch_up_files(app)
 
     # An operator's catch-up of an engine held out: 200 with what was done.
     await script(app, 0, {})
@@ -213,7 +214,7 @@ def test_an_engine_core_killed_after_a_push_catches_up_from_its_peer(peer_server
     assert "engine 1 caught up with pushed-1 from engine 0" in srv.log_tail(2000)
     assert_engines_agree(srv, model_name)
     assert_engines_match(srv, model_name, demo_model, weights, "pushed-1")
-    assert not catch_up_files()
+    assert not srv.shm_files("catch_up")
 
 
 def test_an_operators_restart_and_catch_up_and_what_is_refused(peer_server, model_name, demo_model):
@@ -240,7 +241,7 @@ def test_an_operators_restart_and_catch_up_and_what_is_refused(peer_server, mode
     assert [e["state"] for e in srv.engines()] == ["ready", "ready"]
     assert httpx.post(f"{srv.url}/weight_checker", json={"action": "checksum"}, timeout=60).json()["agree"]
     assert_engines_agree(srv, model_name)
-    assert not catch_up_files()
+    assert not srv.shm_files("catch_up")
 
 
 async def test_a_push_during_a_catch_up_wins(peer_server, model_name, demo_model, tmp_path):
@@ -277,7 +278,7 @@ async def test_a_push_during_a_catch_up_wins(peer_server, model_name, demo_model
     assert [(e["state"], e["weight_version"]) for e in srv.engines()] == [("ready", "pushed-2")] * 2
     assert "catch-up from engine 0 abandoned: a push arrived" in srv.log_tail(2000)
     assert_engines_match(srv, model_name, demo_model, weights, "pushed-2")
-    assert not catch_up_files()
+    assert not srv.shm_files("catch_up")
 
 
 async def test_a_source_that_dies_mid_catch_up_leaves_the_target_stale_and_nothing_behind(
@@ -301,7 +302,7 @@ async def test_a_source_that_dies_mid_catch_up_leaves_the_target_stale_and_nothi
     assert "catch-up from engine 0 failed at exporting its weights" in r.json()["error"]["message"], r.text
     engine_1 = srv.engines()[1]
     assert engine_1["state"] == "stale" and engine_1["stale_reason"].startswith("catch-up from engine 0 failed")
-    assert not catch_up_files()
+    assert not srv.shm_files("catch_up")
     engines = wait_engines(srv, lambda e: e[0]["state"] == "stale", "engine 0 did not come back")
     assert "no healthy engine holds pushed-2" in engines[0]["stale_reason"], engines
     weights = pushed(srv, demo_model, tmp_path, 73, "pushed-3")
@@ -329,4 +330,4 @@ async def test_with_no_healthy_peer_both_wait_for_the_next_push(peer_server, mod
     weights = pushed(srv, demo_model, tmp_path, 74, "pushed-4")
     assert [e["state"] for e in srv.engines()] == ["ready", "ready"]
     assert_engines_match(srv, model_name, demo_model, weights, "pushed-4")
-    assert not catch_up_files()
+    assert not srv.shm_files("catch_up")

@@ -10,7 +10,6 @@ restarted that did not die or hang, and the next push succeeding at the first tr
 from __future__ import annotations
 
 import asyncio
-import glob
 import json
 import random
 import signal
@@ -83,10 +82,6 @@ class Pushes:
 @pytest.fixture(scope="module")
 def pushes(demo_model, tmp_path_factory) -> Pushes:
     return Pushes(demo_model, tmp_path_factory.mktemp("pushes"))
-
-
-def segments() -> list[str]:
-    return glob.glob("/dev/shm/skyinfer-*")
 
 
 def engines(server) -> list[dict]:
@@ -169,7 +164,7 @@ def test_skyrl_colocated_syncs_at_levels_1_and_2_say_what_vllm_says(colocated, d
         }, states
         assert [e["weight_version"] for e in steps[-1]["engines"]] == [version, version]
         assert_engines_match(colocated, colocated.model, demo_model, weights, version)
-    assert not segments()
+    assert not colocated.shm_files()
 
 
 def test_a_level_2_wake_without_a_push_serves_nothing_and_says_why(colocated, demo_model, pushes):
@@ -265,7 +260,7 @@ async def test_a_push_into_running_engines_holds_their_requests(colocated, demo_
     assert any(s == [old_version, version] for s in spans), spans  # ran across the push
     assert [(e["pid"], e["restarts"]) for e in engines(colocated)] == before
     assert residency(colocated) == [("ready", None, [])] * 2
-    assert not segments()
+    assert not colocated.shm_files()
     assert_engines_match(colocated, colocated.model, demo_model, weights, version)
 
 
@@ -313,7 +308,7 @@ async def test_a_slow_trainer_waiting_for_the_fleet_is_not_aborted(colocated, de
             assert (await http.post("/resume")).status_code == 200
     finally:
         trainer.kill()
-    assert not segments()
+    assert not colocated.shm_files()
     await asyncio.to_thread(assert_engines_match, colocated, colocated.model, demo_model, weights, version)
 
 
@@ -323,6 +318,8 @@ def test_bad_transfer_metadata_is_refused_before_any_engine_touches_a_weight(col
     ]
     small = Path(f"/dev/shm/{prefix}{'a' * 32}")
     small.write_bytes(b"\0" * 1024)
+    # /weight_info names the prefix /init_weight_transfer answered: the leftover checks go by it.
+    assert colocated.shm_files("pushes") == colocated.shm_files() == [str(small)]
     norm = {"names": ["model.norm.weight"], "dtype_names": ["float32"], "shapes": [[128]]}
     state_before = [(e["state"], e["weight_version"], e["pid"]) for e in engines(colocated)]
     cases = {
@@ -402,7 +399,7 @@ def test_a_trainer_killed_mid_push_costs_no_restart_and_leaves_no_segment(coloca
     # The trainer's 3 s silence limit ends the update in seconds; one left open never ends. Deadlines
     # of 30 s: generous on a busy machine.
     wait_until(lambda: httpx.get(f"{colocated.url}/weight_info", timeout=30).json()["update_phase"] == "idle", 30)
-    wait_until(lambda: not segments(), 30, "a segment of skyinfer's is left in /dev/shm")
+    wait_until(lambda: not colocated.shm_files(), 30, "a segment of skyinfer's is left in /dev/shm")
     settled = time.monotonic() - fault_at
     assert [(e["pid"], e["restarts"]) for e in engines(colocated)] == before
     stale = [e["stale_reason"] for e in engines(colocated)]
@@ -415,7 +412,7 @@ def test_a_trainer_killed_mid_push_costs_no_restart_and_leaves_no_segment(coloca
     trainer = colocated_push(colocated, path, version)
     assert trainer.returncode == 0, trainer.stdout + trainer.stderr
     assert_engines_match(colocated, colocated.model, demo_model, weights, version)
-    assert not segments()
+    assert not colocated.shm_files()
     print(f"\nFAULT colocated trainer SIGKILL at {phase}: settled {settled:.1f}s")
 
 
@@ -451,7 +448,7 @@ def test_engines_hung_or_killed_while_the_fleet_sleeps_come_back_in_its_state(co
     assert residency(colocated) == [("sleeping", 1, ["kv_cache"])] * 2
     assert all(e["stale_reason"].startswith("it restarted from the checkpoint on disk") for e in engines(colocated))
     assert [c["sleeping"] for c in vllm_conditions(colocated)] == [True, True]
-    assert not segments()
+    assert not colocated.shm_files()
     weights, path, version = pushes.next()
     trainer = colocated_push(colocated, path, version)
     assert trainer.returncode == 0, trainer.stdout + trainer.stderr
@@ -469,4 +466,4 @@ def test_the_colocated_rl_loop_example(colocated):
     info = httpx.get(f"{colocated.url}/weight_info", timeout=30).json()
     assert [e["weight_version"] for e in info["engines"]] == ["step-3", "step-3"]
     assert residency(colocated) == [("ready", None, [])] * 2
-    assert not segments()
+    assert not colocated.shm_files()

@@ -19,6 +19,7 @@ from ..wire import (
     WireModel,
     takes,
 )
+from .catchup import CATCH_UP
 from .sync import WEIGHT_SYNC, WeightSync
 
 __all__ = ("add_weight_routes",)
@@ -124,8 +125,11 @@ async def _world_size(request: web.Request) -> web.Response:
 
 async def _weight_info(request: web.Request) -> web.Response:
     """The fleet's weight version, the update's phase, what the engines serve quantized and what a
-    push must carry for it, and each engine's version, state and group."""
-    return json_response(request.app[WEIGHT_SYNC].info())
+    push must carry for it, and each engine's version, state and group; the prefixes of the files
+    this server makes in /dev/shm (its trainers' segments, its catch-ups' copies)."""
+    sync = request.app[WEIGHT_SYNC]
+    files = {"pushes": sync.transport.shm_segment_prefix, "catch_up": request.app[CATCH_UP].prefix}
+    return json_response({**sync.info(), "shm_prefixes": files})
 
 
 def add_weight_routes(app: web.Application) -> None:

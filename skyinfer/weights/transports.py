@@ -82,6 +82,11 @@ class FrontTransport:
         # Shared-memory segments this server's trainers make begin with it.
         self.segment_prefix = segment_prefix(new_server_token())
 
+    @property
+    def shm_segment_prefix(self) -> str | None:
+        """What this server's trainers' segments begin with (the shared-memory transport's alone)."""
+        return self.segment_prefix if self.transport is SHM else None
+
     # -- init -------------------------------------------------------------------------
     async def plan_init(self, init_info: dict, workers_per_engine: tuple[int, ...]) -> InitPlan:
         """``workers_per_engine``: of the engines taking part (the fleet, in engine order)."""
