@@ -211,6 +211,14 @@ class ServeConfig:
         "starts in about 3 s instead of 10, a restart too; off: every engine process starts cold",
         choices=("auto", "off"),
     )
+    engine_template_socket: str | None = _option(
+        None,
+        "with --engine-templates auto: fork CPU engines from the engine template listening at PATH (python -m "
+        "skyinfer.engine.template --listen PATH --lifeline-fd FD, of this user), which the servers of one machine "
+        "share (the test suite's do), where its environment is the engines'; otherwise, or where it is gone, this "
+        "server starts its own",
+        metavar="PATH",
+    )
     max_push_failures: int = _option(
         3,
         "an engine that stays up but fails N weight pushes in a row by itself (the other engines did their "

@@ -11,6 +11,9 @@ side and says why).
   answers what it asks of an asyncio process. Its exit code comes from the template, its parent;
   its end from a pidfd, which does not need the template: a template that died leaves its engines
   serving, and their ends still seen (their codes then unknown: ``UNKNOWN_EXIT``).
+* A template shared by the servers of a machine (``--engine-template-socket``) is connected to
+  instead, where its environment is the engines' (otherwise, or where it cannot be reached, the
+  front starts its own): the front never kills it, and its engines are the front's as any other.
 * A template that cannot fork (it died, never came up, or does not answer within the front's
   probe timeout: hung) is dropped: that start is cold, and the
   next one of its environment starts a new template. Templates are never the reason an engine
@@ -99,7 +102,8 @@ class ForkedProcess:
 class _Template:
     """One template process and its channel."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, channel: socket.socket, answer_timeout_s: float):
+    def __init__(self, proc: asyncio.subprocess.Process | None, channel: socket.socket, answer_timeout_s: float):
+        # None: a shared template's, not the front's to kill.
         self.proc = proc
         self.answer_timeout_s = answer_timeout_s
         self.channel = channel
@@ -124,7 +128,7 @@ class _Template:
             return
         message = json.loads(data)
         if message.get("ready"):
-            self.ready.done() or self.ready.set_result(None)
+            self.ready.done() or self.ready.set_result(message.get("env"))
         elif "order" in message:
             future = self._orders.pop(message["order"], None)
             if future is not None and not future.done():
@@ -139,7 +143,16 @@ class _Template:
     async def fork(self, argv: Sequence[str], env: Mapping[str, str], fds: Sequence[int], stdin: int | None) -> int:
         order = self._next_order
         self._next_order += 1
-        message = {"order": order, "argv": list(argv), "env": dict(env), "fds": list(fds), "stdin": stdin is not None}
+        # Where it runs and on which cores, the front's (a shared template's may differ).
+        message = {
+            "order": order,
+            "argv": list(argv),
+            "env": dict(env),
+            "fds": list(fds),
+            "stdin": stdin is not None,
+            "cwd": os.getcwd(),
+            "cpus": sorted(os.sched_getaffinity(0)),
+        }
         passed = [*fds, *(() if stdin is None else (stdin,))]
         assert len(passed) <= MAX_FDS
         answer = self._orders[order] = asyncio.get_running_loop().create_future()
@@ -171,20 +184,32 @@ class _Template:
                 future.set_exception(ConnectionError("the engine template is gone"))
         self._orders.clear()
 
+    @property
+    def alive(self) -> bool:
+        return not self.closed and (self.proc is None or self.proc.returncode is None)
+
     def kill(self) -> None:
         self.close()
-        if self.proc.returncode is None:
+        if self.proc is not None and self.proc.returncode is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def _environment(env: Mapping[str, str]) -> tuple:
+    """What of an engine's environment its template must share: all but ``VARIES_PER_ENGINE``."""
+    return tuple(sorted((name, value) for name, value in env.items() if name not in VARIES_PER_ENGINE))
 
 
 class EngineTemplates:
     """The front's templates, by engine environment."""
 
-    def __init__(self, start_timeout_s: float, answer_timeout_s: float):
+    def __init__(self, start_timeout_s: float, answer_timeout_s: float, shared_socket: str | None = None):
         # How long a template may take to import; how long to answer a fork order.
         self.start_timeout_s = start_timeout_s
         self.answer_timeout_s = answer_timeout_s
+        self.shared_socket = shared_socket
+        # The environments the shared template is not of: their own templates, always.
+        self._not_shared: set[tuple] = set()
         self._templates: dict[tuple, _Template] = {}
         self._starting: dict[tuple, asyncio.Task] = {}
 
@@ -193,10 +218,11 @@ class EngineTemplates:
     ) -> ForkedProcess | None:
         """Fork ``python -m skyinfer.engine <argv>`` from the template of ``env``, holding ``fds``
         at their numbers (and ``stdin``); None if no template could (the caller starts it cold)."""
-        key = tuple(sorted((name, value) for name, value in env.items() if name not in VARIES_PER_ENGINE))
+        key = _environment(env)
         try:
             template = await self._template(key, env, lifeline_fd)
-            pid = await template.fork(argv, env, fds, stdin)
+            # Its output the front's, as a cold engine's (a shared template's is not).
+            pid = await template.fork(argv, env, (*fds, 1, 2), stdin)
         except (OSError, ConnectionError, asyncio.TimeoutError) as error:
             log.warning("engine template: cannot fork (%s); this engine starts cold", error)
             self._drop(key)
@@ -205,17 +231,54 @@ class EngineTemplates:
 
     async def _template(self, key: tuple, env: Mapping[str, str], lifeline_fd: int) -> _Template:
         template = self._templates.get(key)
-        if template is not None and not template.closed and template.proc.returncode is None:
+        if template is not None and template.alive:
             return template
         self._drop(key)
         # Engines that start together wait for the same template.
         if key not in self._starting:
-            self._starting[key] = asyncio.create_task(self._start(env, lifeline_fd))
+            self._starting[key] = asyncio.create_task(self._shared_or_own(key, env, lifeline_fd))
         try:
             template = await asyncio.shield(self._starting[key])
         finally:
             self._starting.pop(key, None)
         self._templates[key] = template
+        return template
+
+    async def _shared_or_own(self, key: tuple, env: Mapping[str, str], lifeline_fd: int) -> _Template:
+        if self.shared_socket is not None and key not in self._not_shared:
+            try:
+                return await self._connect(key, env)
+            except (OSError, ConnectionError, asyncio.TimeoutError) as error:
+                self._not_shared.add(key)
+                log.warning(
+                    "engine template: the shared one at %s %s; this server starts its own", self.shared_socket, error
+                )
+        return await self._start(env, lifeline_fd)
+
+    async def _connect(self, key: tuple, env: Mapping[str, str]) -> _Template:
+        channel = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        channel.setblocking(False)
+        try:
+            await asyncio.wait_for(
+                asyncio.get_running_loop().sock_connect(channel, self.shared_socket), self.answer_timeout_s
+            )
+            await asyncio.get_running_loop().sock_sendall(channel, json.dumps({"env": dict(env)}).encode())
+        except BaseException:
+            channel.close()
+            raise
+        template = _Template(None, channel, self.answer_timeout_s)
+        try:
+            # The first server to connect waits for the imports, the others for an answer.
+            theirs = await asyncio.wait_for(asyncio.shield(template.ready), self.start_timeout_s)
+        except BaseException:
+            template.kill()
+            raise
+        differ = sorted(dict(_environment(theirs or {})).items() ^ set(key))
+        if differ:
+            template.kill()
+            names = ", ".join(sorted({name for name, _ in differ}))
+            raise ConnectionError(f"is of another environment than these engines ({names} differ)")
+        log.info("engine template: engines of this environment fork from the shared one at %s", self.shared_socket)
         return template
 
     async def _start(self, env: Mapping[str, str], lifeline_fd: int) -> _Template:
@@ -250,6 +313,12 @@ class EngineTemplates:
         template = self._templates.pop(key, None)
         if template is not None:
             template.kill()
+            if template.proc is None:
+                # Not asked again: a template that failed once may hang next time.
+                self._not_shared.add(key)
+                log.warning(
+                    "engine template: the shared one at %s failed; this server starts its own", self.shared_socket
+                )
 
     async def stop(self) -> None:
         """Kill every template (its engines are the supervisor's to stop)."""
@@ -259,4 +328,5 @@ class EngineTemplates:
         for template in templates:
             template.kill()
         for template in templates:
-            await template.proc.wait()
+            if template.proc is not None:
+                await template.proc.wait()

@@ -43,7 +43,9 @@ class Supervisor:
         self.registry = registry
         self.config = config
         # CPU engines (and their spares) fork from these instead of importing torch and vLLM again.
-        self.templates = EngineTemplates(config.engine_start_timeout_s, config.engine_probe_timeout_s)
+        self.templates = EngineTemplates(
+            config.engine_start_timeout_s, config.engine_probe_timeout_s, config.engine_template_socket
+        )
         self.processes = {r.engine_id: EngineProcess(r, config, self.templates) for r in registry.records}
         # Warm spares: a restart takes the slot's, if alive, instead of starting a cold process.
         self.spares = Spares(registry, self.processes, config.warm_spares > 0, config.engine_start_timeout_s)

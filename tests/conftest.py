@@ -53,6 +53,12 @@ def pytest_configure(config) -> None:
     support.REAL_SERVERS_ALLOWED = config.getoption("--lane") != "front"
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish() -> None:
+    # After the session's servers stopped (server_plan.py), their engines with them.
+    support.stop_shared_engine_template()
+
+
 def pytest_addoption(parser) -> None:
     parser.addoption(
         "--lane",

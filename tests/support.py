@@ -8,10 +8,13 @@ import glob
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -37,6 +40,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# pytest's own, which differ from test to test: a server's engines whose environment differs from
+# the shared engine template's fork from a template of their own (SharedEngineTemplate).
+_PYTEST_VARIABLES = frozenset({"PYTEST_CURRENT_TEST", "COLUMNS", "LINES"})
+
+
+def _child_environment() -> dict[str, str]:
+    return {
+        **{name: value for name, value in os.environ.items() if name not in _PYTEST_VARIABLES},
+        # vLLM keeps Responses API answers (for GET /v1/responses/{id}) only when told to: the
+        # shared server's tests read them; every server has it, for one engine environment.
+        "VLLM_ENABLE_RESPONSES_API_STORE": "1",
+    }
+
+
 class ChildProcess:
     """A service started as a subprocess (port picked here, output to a log file)."""
 
@@ -53,7 +70,7 @@ class ChildProcess:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             preexec_fn=preexec_fn,
-            env=None if env is None else {**os.environ, **env},
+            env={**_child_environment(), **(env or {})},
         )
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
@@ -87,6 +104,71 @@ class ChildProcess:
 
 # False in the lane of the modules that start no vLLM engine (``--lane front``, tests/server_plan.py).
 REAL_SERVERS_ALLOWED = True
+
+
+class SharedEngineTemplate:
+    """The pytest's engine template (``--engine-template-socket``): its servers fork their CPU
+    engines from it instead of each starting a template of its own, which imports torch and vLLM
+    again (about 9 CPU-seconds; some 25 servers a run). Its environment is the first server's
+    engines'; a server whose engines' differs starts its own, as do those that pass
+    ``--engine-templates``. It lives as long as this process holds its lifeline."""
+
+    def __init__(self) -> None:
+        self.directory = Path(tempfile.mkdtemp(prefix="skyinfer-suite-template-"))  # the user's alone
+        self.socket = str(self.directory / "template.sock")
+        lifeline, self._lifeline = os.pipe()
+        self._log = open(self.directory / "template.log", "wb")  # noqa: SIM115 (stop() closes it)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "skyinfer.engine.template", "--listen", self.socket, "--lifeline-fd", str(lifeline)],
+            pass_fds=(lifeline,),
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            # The variables the interpreter reads at its start as the engines' (devices.py sets this one).
+            env={**_child_environment(), "PYTHONUNBUFFERED": "1"},
+            start_new_session=True,
+        )
+        os.close(lifeline)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(self.socket):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the suite's engine template did not listen: {self.log_tail()}")
+            time.sleep(0.05)
+
+    def log_tail(self) -> str:
+        self._log.flush()
+        return (self.directory / "template.log").read_text(errors="replace")[-3000:]
+
+    def stop(self) -> None:
+        os.close(self._lifeline)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+_shared_template: SharedEngineTemplate | None = None
+_shared_template_lock = threading.Lock()
+
+
+def shared_engine_template() -> str:
+    """The socket of the pytest's engine template, started on first use (again if it died)."""
+    global _shared_template
+    with _shared_template_lock:
+        if _shared_template is None or _shared_template.proc.poll() is not None:
+            _shared_template = SharedEngineTemplate()
+        return _shared_template.socket
+
+
+def stop_shared_engine_template() -> None:
+    global _shared_template
+    with _shared_template_lock:
+        if _shared_template is not None:
+            _shared_template.stop()
+            _shared_template = None
 
 
 # The suite's engines' KV cache: 128K tokens of the demo model in float32 (2 layers, one KV head of
@@ -133,6 +215,11 @@ class ServerProcess(ChildProcess):
                 ()
                 if "--kv-cache-memory-bytes" in extra_args
                 else ("--kv-cache-memory-bytes", str(SUITE_KV_CACHE_BYTES))
+            ),
+            *(
+                ()
+                if "--engine-templates" in extra_args or "--engine-template-socket" in extra_args
+                else ("--engine-template-socket", shared_engine_template())
             ),
             *extra_args,
         ]
@@ -188,8 +275,6 @@ def two_float32_engines(model: Path, log_path: Path, *more_args: str) -> ServerP
             str(MAX_LOGPROBS),
             *NO_SPARES,
         ),
-        # vLLM keeps Responses API answers (for GET /v1/responses/{id}) only when told to.
-        env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"},
     )
 
 

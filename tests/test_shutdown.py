@@ -26,6 +26,8 @@ from support import (
 )
 
 GRACE_S = 8
+# Each server's own engine template: what a SIGTERM must take with it is the front's process tree.
+OWN_TEMPLATE = ("--engine-templates", "auto")
 
 
 def _launch(demo_model: Path, logs: Path) -> dict[str, ServerProcess]:
@@ -38,7 +40,7 @@ def _launch(demo_model: Path, logs: Path) -> dict[str, ServerProcess]:
             demo_model,
             engines=1,
             log_path=logs / "finish.log",
-            extra_args=("--shutdown-grace", "60", *NO_SPARES),
+            extra_args=("--shutdown-grace", "60", *NO_SPARES, *OWN_TEMPLATE),
             cpus={0},
             env=WORKER_PROCESSES,
         ),
@@ -46,7 +48,7 @@ def _launch(demo_model: Path, logs: Path) -> dict[str, ServerProcess]:
             demo_model,
             engines=1,
             log_path=logs / "grace.log",
-            extra_args=("--shutdown-grace", str(GRACE_S), *NO_SPARES),
+            extra_args=("--shutdown-grace", str(GRACE_S), *NO_SPARES, *OWN_TEMPLATE),
             cpus={1},
             env=WORKER_PROCESSES,
         ),

@@ -64,6 +64,9 @@ def crash_process(demo_model, log_path, *more_args: str, worker_processes: bool 
         log_path=log_path,
         extra_args=(
             *more_args,
+            # Its own engine template: the last test finds it among the front's processes.
+            "--engine-templates",
+            "auto",
             "--dtype",
             "float32",
             "--health-interval",

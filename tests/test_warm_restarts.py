@@ -12,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import logging
 import os
 import shlex
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -26,10 +28,23 @@ from fakes import FAKE_ENGINE, fake_fleet, kill, until
 
 from skyinfer.config import ServeConfig
 from skyinfer.devices import WORKER_PROCESSES_ENV
+from skyinfer.engine.template import MAX_MESSAGE
+from skyinfer.engine_templates import EngineTemplates
 from skyinfer.registry import REGISTRY
 from skyinfer.supervisor import SUPERVISOR
 
-from support import ChildProcess, ServerProcess, engine_socket, engine_tree, free_port, module_servers, vllm_process
+from support import (
+    NO_SPARES,
+    ChildProcess,
+    ServerProcess,
+    SharedEngineTemplate,
+    engine_socket,
+    engine_tree,
+    free_port,
+    module_servers,
+    running,
+    vllm_process,
+)
 
 # A spare imports torch and vLLM on one busy core: it may take a while.
 SPARE_TIMEOUT_S = 300
@@ -41,7 +56,11 @@ def _launch(demo_model: Path, logs: Path) -> dict[str, ServerProcess]:
     probes = ("--health-interval", "1", "--health-timeout", "4")
     return {
         "warm": ServerProcess(
-            demo_model, engines=1, log_path=logs / "warm.log", extra_args=(*probes, "--loaded-spares", "auto"), cpus={0}
+            demo_model,
+            engines=1,
+            log_path=logs / "warm.log",
+            extra_args=(*probes, "--loaded-spares", "auto", "--engine-templates", "auto"),
+            cpus={0},
         ),
         "cold": ServerProcess(
             demo_model,
@@ -234,6 +253,89 @@ def test_an_engine_template_that_dies_costs_no_engine_and_its_successor_forks_th
     third.wait(10)  # killed, not left stopped
     log = warm.log_path.read_text(errors="replace")
     assert log.count("engine template: cannot fork") == 2, warm.log_tail()
+
+
+def test_a_shared_engine_template_forks_the_servers_engine_and_one_killed_costs_nothing(demo_model, tmp_path):
+    """``--engine-template-socket``: a template of the machine's (the suite's kind, a private one
+    here) forks the server's engine: a child of that template, on the front's core, in the front's
+    directory, its output in the front's log. The shared template SIGKILLed: the engine serves on.
+    The engine then SIGKILLed: its end is seen (its code unknown), and the server, which does not
+    ask a failed shared template again, forks the next engine from a template of its own."""
+    shared = SharedEngineTemplate()
+    extra = ("--engine-template-socket", shared.socket, *NO_SPARES, "--health-interval", "1", "--health-timeout", "4")
+    try:
+        with running(ServerProcess(demo_model, 1, tmp_path / "shared.log", extra_args=extra, cpus={1})) as srv:
+            engine = psutil.Process(srv.engines()[0]["pid"])
+            assert engine.ppid() == shared.proc.pid and not templates_of(srv)
+            assert engine.cpu_affinity() == [1] and engine.cwd() == psutil.Process(srv.proc.pid).cwd()
+            completes(srv)
+            log = srv.log_path.read_text(errors="replace")
+            assert f"fork from the shared one at {shared.socket}" in log, srv.log_tail()
+            assert f"[engine 0] (MainProcess pid={engine.pid})" in log, srv.log_tail()
+            shared.proc.kill()
+            shared.proc.wait(10)
+            completes(srv)
+            assert srv.engines()[0]["pid"] == engine.pid
+            engine.kill()
+            own = psutil.Process(back_up(srv, engine.pid)["pid"])
+            (template,) = templates_of(srv)
+            assert own.ppid() == template.pid
+            completes(srv)
+            log = srv.log_path.read_text(errors="replace")
+            assert f"process {engine.pid} exited with an unknown code (its engine template is gone)" in log
+            assert "this server starts its own" in log and "engine template: cannot fork" not in log, srv.log_tail()
+    finally:
+        shared.stop()
+
+
+async def test_a_shared_template_of_other_engines_or_hung_is_not_asked_again(tmp_path, monkeypatch, caplog):
+    """The front's side, against a socket that answers as a template would: one of another engine
+    environment is refused, naming what differs; one that takes a fork order and never answers
+    costs that engine its fork (it starts cold) after the probe timeout; neither is asked again
+    by that server (its own template then, refused here: cold)."""
+    path = str(tmp_path / "template.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen()
+    listener.setblocking(False)
+    connections: list[socket.socket] = []
+
+    async def answer(theirs: dict) -> None:
+        channel, _ = await asyncio.get_running_loop().sock_accept(listener)
+        connections.append(channel)
+        await asyncio.get_running_loop().sock_recv(channel, MAX_MESSAGE)
+        await asyncio.get_running_loop().sock_sendall(channel, json.dumps({"ready": True, "env": theirs}).encode())
+
+    async def no_own_template(env, lifeline_fd):
+        raise OSError("no template of its own in this test")
+
+    caplog.set_level(logging.INFO, logger="skyinfer")
+    env = {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"}
+    lifeline_read, lifeline_write = os.pipe()
+    try:
+        for theirs, why in (
+            ({"OMP_NUM_THREADS": "2", "VLLM_CPU_OMP_THREADS_BIND": "1"}, "(OMP_NUM_THREADS differ)"),
+            ({"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "1"}, "fork order unanswered"),
+        ):
+            templates = EngineTemplates(start_timeout_s=10, answer_timeout_s=0.5, shared_socket=path)
+            monkeypatch.setattr(templates, "_start", no_own_template)
+            started = time.monotonic()
+            answering = asyncio.create_task(answer(theirs))
+            caplog.clear()
+            assert await templates.fork(["--help"], env, lifeline_read, [lifeline_read], None) is None
+            await answering
+            if why.startswith("("):
+                assert f"is of another environment than these engines {why}" in caplog.text, caplog.text
+            else:  # its one variable that may differ did: it forked for it, then hung
+                assert "engine template: cannot fork" in caplog.text and time.monotonic() - started >= 0.5
+            assert await templates.fork(["--help"], env, lifeline_read, [lifeline_read], None) is None
+            with pytest.raises(BlockingIOError):  # nobody connected again
+                listener.accept()
+    finally:
+        for channel in (*connections, listener):
+            channel.close()
+        os.close(lifeline_read)
+        os.close(lifeline_write)
 
 
 def test_without_spares_a_restart_starts_cold(servers):

@@ -58,6 +58,15 @@ def name_process(title: str) -> None:
         setproctitle.setproctitle(title)
 
 
+def keep_title() -> None:
+    """Before this process's environment changes: setproctitle finds the room for a title next
+    to the environment's strings, where the process started with them."""
+    with contextlib.suppress(ImportError):
+        import setproctitle
+
+        setproctitle.getproctitle()
+
+
 class _Relay:
     def __init__(self, prefix: str, tail: _TailFile):
         self.prefix = prefix.encode()
