@@ -213,10 +213,10 @@ class ServeConfig:
     )
     engine_template_socket: str | None = _option(
         None,
-        "with --engine-templates auto: fork CPU engines from the engine template listening at PATH (python -m "
-        "skyinfer.engine.template --listen PATH --lifeline-fd FD, of this user), which the servers of one machine "
-        "share (the test suite's do), where its environment is the engines'; otherwise, or where it is gone, this "
-        "server starts its own",
+        "with --engine-templates auto: fork CPU engines from the engine templates hosted at PATH (python -m "
+        "skyinfer.engine.template --listen PATH --lifeline-fd FD, of this user: one template per engine environment), "
+        "which the servers of one machine share (the test suite's do); where they are gone or hung, this server "
+        "starts its own",
         metavar="PATH",
     )
     max_push_failures: int = _option(

@@ -11,9 +11,9 @@ side and says why).
   answers what it asks of an asyncio process. Its exit code comes from the template, its parent;
   its end from a pidfd, which does not need the template: a template that died leaves its engines
   serving, and their ends still seen (their codes then unknown: ``UNKNOWN_EXIT``).
-* A template shared by the servers of a machine (``--engine-template-socket``) is connected to
-  instead, where its environment is the engines' (otherwise, or where it cannot be reached, the
-  front starts its own): the front never kills it, and its engines are the front's as any other.
+* The templates of a machine's servers (``--engine-template-socket``: a host that starts one per
+  engine environment) are connected to instead; where they cannot be reached, the front starts
+  its own. The front never kills a shared one; its engines are the front's as any other.
 * A template that cannot fork (it died, never came up, or does not answer within the front's
   probe timeout: hung) is dropped: that start is cold, and the
   next one of its environment starts a new template. Templates are never the reason an engine
@@ -32,7 +32,7 @@ import socket
 import sys
 from collections.abc import Mapping, Sequence
 
-from .engine.template import MAX_FDS, MAX_MESSAGE, VARIES_PER_ENGINE
+from .engine.template import MAX_FDS, MAX_MESSAGE, environment_key
 
 __all__ = ["UNKNOWN_EXIT", "EngineTemplates", "ForkedProcess", "how_it_exited"]
 
@@ -195,11 +195,6 @@ class _Template:
                 os.killpg(self.proc.pid, signal.SIGKILL)
 
 
-def _environment(env: Mapping[str, str]) -> tuple:
-    """What of an engine's environment its template must share: all but ``VARIES_PER_ENGINE``."""
-    return tuple(sorted((name, value) for name, value in env.items() if name not in VARIES_PER_ENGINE))
-
-
 class EngineTemplates:
     """The front's templates, by engine environment."""
 
@@ -218,7 +213,7 @@ class EngineTemplates:
     ) -> ForkedProcess | None:
         """Fork ``python -m skyinfer.engine <argv>`` from the template of ``env``, holding ``fds``
         at their numbers (and ``stdin``); None if no template could (the caller starts it cold)."""
-        key = _environment(env)
+        key = environment_key(env)
         try:
             template = await self._template(key, env, lifeline_fd)
             # Its output the front's, as a cold engine's (a shared template's is not).
@@ -273,7 +268,7 @@ class EngineTemplates:
         except BaseException:
             template.kill()
             raise
-        differ = sorted(dict(_environment(theirs or {})).items() ^ set(key))
+        differ = sorted(dict(environment_key(theirs or {})).items() ^ set(key))
         if differ:
             template.kill()
             names = ", ".join(sorted({name for name, _ in differ}))

@@ -107,11 +107,11 @@ REAL_SERVERS_ALLOWED = True
 
 
 class SharedEngineTemplate:
-    """The pytest's engine template (``--engine-template-socket``): its servers fork their CPU
-    engines from it instead of each starting a template of its own, which imports torch and vLLM
-    again (about 9 CPU-seconds; some 25 servers a run). Its environment is the first server's
-    engines'; a server whose engines' differs starts its own, as do those that pass
-    ``--engine-templates``. It lives as long as this process holds its lifeline."""
+    """The pytest's engine templates (``--engine-template-socket``: a host, which starts one per
+    engine environment): its servers fork their CPU engines from them instead of each starting a
+    template of its own, which imports torch and vLLM again (about 9 CPU-seconds; some 25 servers
+    a run), but those that pass ``--engine-templates``. They live as long as this process holds
+    their lifeline."""
 
     def __init__(self) -> None:
         self.directory = Path(tempfile.mkdtemp(prefix="skyinfer-suite-template-"))  # the user's alone

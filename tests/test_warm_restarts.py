@@ -256,9 +256,10 @@ def test_an_engine_template_that_dies_costs_no_engine_and_its_successor_forks_th
 
 
 def test_a_shared_engine_template_forks_the_servers_engine_and_one_killed_costs_nothing(demo_model, tmp_path):
-    """``--engine-template-socket``: a template of the machine's (the suite's kind, a private one
-    here) forks the server's engine: a child of that template, on the front's core, in the front's
-    directory, its output in the front's log. The shared template SIGKILLed: the engine serves on.
+    """``--engine-template-socket``: the machine's templates (the suite's kind, a private host here)
+    fork the server's engine: a child of the host's template of its environment, on the front's
+    core, in the front's directory, its output in the front's log. That template SIGKILLed: the
+    engine serves on.
     The engine then SIGKILLed: its end is seen (its code unknown), and the server, which does not
     ask a failed shared template again, forks the next engine from a template of its own."""
     shared = SharedEngineTemplate()
@@ -266,20 +267,22 @@ def test_a_shared_engine_template_forks_the_servers_engine_and_one_killed_costs_
     try:
         with running(ServerProcess(demo_model, 1, tmp_path / "shared.log", extra_args=extra, cpus={1})) as srv:
             engine = psutil.Process(srv.engines()[0]["pid"])
-            assert engine.ppid() == shared.proc.pid and not templates_of(srv)
+            # The host's template of these engines' environment forked it.
+            template = psutil.Process(engine.ppid())
+            assert template.ppid() == shared.proc.pid and not templates_of(srv)
             assert engine.cpu_affinity() == [1] and engine.cwd() == psutil.Process(srv.proc.pid).cwd()
             completes(srv)
             log = srv.log_path.read_text(errors="replace")
             assert f"fork from the shared one at {shared.socket}" in log, srv.log_tail()
             assert f"[engine 0] (MainProcess pid={engine.pid})" in log, srv.log_tail()
-            shared.proc.kill()
-            shared.proc.wait(10)
+            template.kill()
+            template.wait(10)
             completes(srv)
             assert srv.engines()[0]["pid"] == engine.pid
             engine.kill()
             own = psutil.Process(back_up(srv, engine.pid)["pid"])
-            (template,) = templates_of(srv)
-            assert own.ppid() == template.pid
+            (own_template,) = templates_of(srv)
+            assert own.ppid() == own_template.pid
             completes(srv)
             log = srv.log_path.read_text(errors="replace")
             assert f"process {engine.pid} exited with an unknown code (its engine template is gone)" in log

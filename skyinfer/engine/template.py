@@ -19,16 +19,16 @@ The template answers ``{"order": n, "pid": p}``, reaps its children and reports 
 when the front's lifeline ends or its channel closes; its children live on (their lifelines are
 their own).
 
-A template shared by the servers of one machine (``--engine-template-socket``; the test suite's
-servers share one) listens instead: ``python -m skyinfer.engine.template --listen PATH
---lifeline-fd L``. Each front connects (a ``SOCK_SEQPACKET`` connection is its channel, as above;
-only a process of the template's own user is answered) and says ``{"env": {...}}``, its engines'
-environment. The first front's becomes the template's, before it imports (where the ``PYTHON*``
-variables, read when its interpreter started, are the template's own); every front is
-answered ``{"ready": true, "env": {...}}`` with it, and forks from the template only where that is
-its engines' environment too (a front whose is not starts a template of its own). Exits are
-reported on the channel of the front that ordered the fork; a front that goes leaves the others
-served. It exits when its lifeline (its starter's) ends.
+Templates shared by the servers of one machine (``--engine-template-socket``; the test suite's
+servers share them): ``python -m skyinfer.engine.template --listen PATH --lifeline-fd L`` starts a
+*host*, which imports nothing. Each front connects (only a process of the host's own user is
+answered) and says ``{"env": {...}}``, its engines' environment; the host hands the connection (a
+``SOCK_SEQPACKET`` one: the front's channel, as above) to the template of that environment, all but
+``VARIES_PER_ENGINE``, forking one (its child, which takes that environment and imports) the first
+time. A front whose ``PYTHON*`` variables (read when an interpreter starts) are not the host's is
+not served. The template answers the front ``{"ready": true, "env": {...}}`` and serves its orders;
+exits are reported on the channel of the front that ordered the fork, and a front that goes
+leaves the others served. Host and templates exit when the host's lifeline (its starter's) ends.
 
 Why the environment matters: libgomp reads ``OMP_*`` when torch loads it, in the template, so the
 front keeps one template per engine environment, apart from the variables read only when the
@@ -70,36 +70,72 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m skyinfer.engine.template")
     channel_or_socket = parser.add_mutually_exclusive_group(required=True)
     channel_or_socket.add_argument("--channel-fd", type=int, help="the front's SOCK_SEQPACKET socket")
-    channel_or_socket.add_argument("--listen", metavar="PATH", help="a Unix socket the fronts connect to")
+    channel_or_socket.add_argument("--listen", metavar="PATH", help="host templates for the fronts that connect here")
     parser.add_argument("--lifeline-fd", type=int, required=True, help="read end of its starter's lifeline pipe")
     ns = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if ns.listen is None:
-        _Template(socket.socket(fileno=ns.channel_fd), None, ns.lifeline_fd).serve()
+        _Template(ns.lifeline_fd, channel=socket.socket(fileno=ns.channel_fd)).serve()
         return
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(ns.listen)
     listener.listen(16)
     try:
-        _Template(None, listener, ns.lifeline_fd).serve()
+        _Host(listener, ns.lifeline_fd).serve()
     finally:
         with contextlib.suppress(OSError):
             os.unlink(ns.listen)
 
 
-class _Template:
-    """Its channels (one, or one per front connected to its socket), its children, its loop."""
+def environment_key(env) -> tuple:
+    """What of an engine's environment its template must share: all but ``VARIES_PER_ENGINE``."""
+    return tuple(sorted((name, value) for name, value in env.items() if name not in VARIES_PER_ENGINE))
 
-    def __init__(self, channel: socket.socket | None, listener: socket.socket | None, lifeline_fd: int):
-        self.listener = listener
+
+def _wake_on_children() -> tuple[int, int]:
+    """SIGCHLD wakes a loop through the pipe returned (read end first); the handler does nothing."""
+    wake_read, wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    signal.set_wakeup_fd(wake_write)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    return wake_read, wake_write
+
+
+def _drain(fd: int) -> None:
+    with contextlib.suppress(BlockingIOError):
+        os.read(fd, 4096)
+
+
+def _reaped() -> list[tuple[int, int]]:
+    """The children that ended, with their codes (negative: the signal, as asyncio's)."""
+    ended = []
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return ended
+        if pid == 0:
+            return ended
+        ended.append((pid, os.waitstatus_to_exitcode(status)))
+
+
+class _Template:
+    """Its channels (its front's, or those its host hands it), its children, its loop."""
+
+    def __init__(self, lifeline_fd: int, channel: socket.socket | None = None, handoff: socket.socket | None = None):
         self.lifeline_fd = lifeline_fd
+        # Given the front's channel: it ends with it. Else the host's socket, which hands channels over.
+        self.handoff = handoff
         self.selector = selectors.DefaultSelector()
         self.channels: list[socket.socket] = []
         # Whose fork each running child was: its exit is reported there.
         self.children: dict[int, socket.socket] = {}
-        self.env: dict[str, str] | None = None
         if channel is not None:
             self._add(channel)
-            self._import()
+        self.env = dict(os.environ)  # before the imports, which may set variables of their own
+        from .__main__ import import_engine
+
+        import_engine()
+        for channel in self.channels:
+            _send(channel, {"ready": True, "env": self.env})
 
     def _add(self, channel: socket.socket) -> None:
         self.channels.append(channel)
@@ -110,63 +146,38 @@ class _Template:
         self.channels.remove(channel)
         channel.close()
 
-    def _import(self) -> None:
-        """Import what an engine needs, in the engines' environment (what libgomp reads on torch's
-        import stays read), and tell every channel so."""
-        self.env = dict(os.environ)  # before the imports, which may set variables of their own
-        from .__main__ import import_engine
-
-        import_engine()
-        for channel in self.channels:
-            _send(channel, {"ready": True, "env": self.env})
-
     def serve(self) -> None:
-        # SIGCHLD wakes the loop below through a pipe; the handler itself does nothing.
-        self.wake_read, self.wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        signal.set_wakeup_fd(self.wake_write)
-        signal.signal(signal.SIGCHLD, lambda *_: None)
+        self.wake = _wake_on_children()
         self.selector.register(self.lifeline_fd, selectors.EVENT_READ, "lifeline")
-        self.selector.register(self.wake_read, selectors.EVENT_READ, "child")
-        if self.listener is not None:
-            self.selector.register(self.listener, selectors.EVENT_READ, "front")
+        self.selector.register(self.wake[0], selectors.EVENT_READ, "child")
+        if self.handoff is not None:
+            self.selector.register(self.handoff, selectors.EVENT_READ, "handoff")
         while True:
             for key, _ in self.selector.select():
                 if key.data == "child":
-                    with contextlib.suppress(BlockingIOError):
-                        os.read(self.wake_read, 4096)
+                    _drain(self.wake[0])
                     self._report_exits()
                 elif key.data == "lifeline":
                     if not os.read(self.lifeline_fd, 1):
                         return  # its starter is gone
-                elif key.data == "front":
-                    self._connected()
-                elif not self._order(key.data) and self.listener is None:
+                elif key.data == "handoff":
+                    if not self._handed_over():
+                        return  # its host is gone
+                elif not self._order(key.data) and self.handoff is None:
                     return  # its one front closed the channel
 
-    def _connected(self) -> None:
-        channel, _ = self.listener.accept()
-        uid = struct.unpack("3i", channel.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[1]
-        if uid != os.getuid():
-            channel.close()  # another user's process: a fork order is any engine command line
-            return
-        channel.settimeout(_HELLO_TIMEOUT_S)
+    def _handed_over(self) -> bool:
+        """A front's channel from the host; False once the host is gone."""
         try:
-            hello = json.loads(channel.recv(MAX_MESSAGE))
-        except (OSError, ValueError):
-            channel.close()
-            return
-        channel.settimeout(None)
-        if self.env is None and _read_at_start(hello["env"]) != _read_at_start(os.environ):
-            channel.close()  # its interpreter started in another environment than these engines'
-            return
+            _, fds, _, _ = socket.recv_fds(self.handoff, 16, 1)
+        except OSError:
+            return False
+        if not fds:
+            return False
+        channel = socket.socket(fileno=fds[0])
         self._add(channel)
-        if self.env is None:
-            keep_title()  # for its children's titles, their own command lines
-            os.environ.clear()
-            os.environ.update(hello["env"])
-            self._import()
-        else:
-            _send(channel, {"ready": True, "env": self.env})
+        _send(channel, {"ready": True, "env": self.env})
+        return True
 
     def _order(self, channel: socket.socket) -> bool:
         """Serve one fork order from ``channel``; False once it closed."""
@@ -177,24 +188,93 @@ class _Template:
         if not data:
             self._drop(channel)
             return False
-        keep = (*self.channels, *(() if self.listener is None else (self.listener,)))
-        pid = _fork(
-            channel, json.loads(data), fds, self.selector, (*keep, self.lifeline_fd, self.wake_read, self.wake_write)
-        )
+        mine = (*self.channels, *(() if self.handoff is None else (self.handoff,)))
+        pid = _fork(channel, json.loads(data), fds, self.selector, (*mine, self.lifeline_fd, *self.wake))
         self.children[pid] = channel
         return True
 
     def _report_exits(self) -> None:
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
+        for pid, code in _reaped():
             channel = self.children.pop(pid, None)
             if channel is not None and channel in self.channels:
-                _send(channel, {"pid": pid, "code": os.waitstatus_to_exitcode(status)})
+                _send(channel, {"pid": pid, "code": code})
+
+
+class _Host:
+    """The templates of one machine's servers, one per engine environment, and the socket they
+    connect to; it imports nothing itself."""
+
+    def __init__(self, listener: socket.socket, lifeline_fd: int):
+        self.listener = listener
+        self.lifeline_fd = lifeline_fd
+        # Engine environment -> its template's pid and the socket that hands it channels.
+        self.templates: dict[tuple, tuple[int, socket.socket]] = {}
+
+    def serve(self) -> None:
+        keep_title()  # before a template replaces its environment: for its children's titles
+        wake = _wake_on_children()
+        selector = selectors.DefaultSelector()
+        selector.register(self.listener, selectors.EVENT_READ, "front")
+        selector.register(self.lifeline_fd, selectors.EVENT_READ, "lifeline")
+        selector.register(wake[0], selectors.EVENT_READ, "child")
+        while True:
+            for key, _ in selector.select():
+                if key.data == "child":
+                    _drain(wake[0])
+                    ended = {pid for pid, _ in _reaped()}
+                    for env_key, (pid, handoff) in list(self.templates.items()):
+                        if pid in ended:
+                            handoff.close()
+                            del self.templates[env_key]
+                elif key.data == "lifeline":
+                    if not os.read(self.lifeline_fd, 1):
+                        return  # its starter is gone (its templates see the same lifeline end)
+                else:
+                    self._connected(selector, wake)
+
+    def _connected(self, selector, wake: tuple[int, int]) -> None:
+        channel, _ = self.listener.accept()
+        with channel:
+            uid = struct.unpack("3i", channel.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+            if uid[1] != os.getuid():
+                return  # another user's process: a fork order is any engine command line
+            channel.settimeout(_HELLO_TIMEOUT_S)
+            try:
+                env = json.loads(channel.recv(MAX_MESSAGE))["env"]
+            except (OSError, ValueError, KeyError, TypeError):
+                return
+            if _read_at_start(env) != _read_at_start(os.environ):
+                return  # an interpreter started in another environment than these engines'
+            env_key = environment_key(env)
+            if env_key not in self.templates:
+                self.templates[env_key] = self._start(env, selector, wake, channel)
+            with contextlib.suppress(OSError):  # a template that just died: the front sees the channel close
+                socket.send_fds(self.templates[env_key][1], [b"c"], [channel.fileno()])
+
+    def _start(self, env: dict, selector, wake: tuple[int, int], channel: socket.socket) -> tuple[int, socket.socket]:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                selector.close()
+                # The host's own, and the front's connection: the template gets it handed over, so
+                # that it closes when the template ends (an engine forked later holds no copy).
+                for item in (self.listener, ours, channel, *(handoff for _, handoff in self.templates.values())):
+                    item.close()
+                signal.set_wakeup_fd(-1)
+                for fd in wake:
+                    os.close(fd)
+                os.environ.clear()
+                os.environ.update(env)
+                _Template(self.lifeline_fd, handoff=theirs).serve()
+                code = 0
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        theirs.close()
+        return pid, ours
 
 
 def _read_at_start(env) -> dict[str, str]:
