@@ -192,10 +192,14 @@ def main(argv: list[str] | None = None) -> int:
         config = _config_from_args(args, extra)
     except ValueError as exc:  # attrs validators and the bind rule
         parser.error(str(exc))
+    from .ranks import LayoutError
     from .service import run_service
 
     # uvloop's transports cut the front's per-chunk cost of relaying streams.
-    return uvloop.run(run_service(config))
+    try:
+        return uvloop.run(run_service(config))
+    except LayoutError as exc:  # the engines do not fit this machine: refused before any starts
+        parser.error(str(exc))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from .adapters import ADAPTERS, AdapterFleet, add_adapter_routes
 from .bringup import Bringup
 from .config import ServeConfig
 from .control import CONTROL, ControlPlane, add_control_routes
+from .cpu_support import Cpu, refuse_what_this_cpu_cannot_run
 from .devices import detect_device_kind, given, plan_engine_devices
 from .draining import IN_FLIGHT, InFlight
 from .errors import openai_errors_middleware
@@ -22,7 +23,6 @@ from .health import engines_view, health, ready
 from .leasing import LocalLeases
 from .metrics import METRICS, WORKER_METRICS, ServiceMetrics, metrics_view
 from .proxy import GROUP_PREFIX_CHARS, LEASES, add_data_plane_routes
-from .ranks import LayoutError
 from .registry import REGISTRY, EngineRegistry
 from .routing import SessionRouter
 from .security import DATA_PLANE_PATHS, AccessPolicy
@@ -32,47 +32,14 @@ from .supervisor import SUPERVISOR, Supervisor, add_supervisor_routes
 from .transfer import transport_for
 from .vllm_routes import add_vllm_routes
 from .weights.catchup import CATCH_UP, CatchUp, add_catch_up_routes
-from .weights.checkpoint import CheckpointSpec
 from .weights.routes import add_weight_routes
 from .weights.sync import WEIGHT_SYNC, WeightSync
 from .weights.transports import FrontTransport
 
-# Measured with vLLM 0.32 alone (vllm serve --data-parallel-size 2 of a tiny Qwen3-MoE on CPU): the
-# engine starts, then its first request raises NotImplementedError in every rank and the engine dies.
-_CPU_MOE_DATA_PARALLEL = (
-    "a mixture-of-experts model cannot run data-parallel on vLLM's CPU backend: its experts' data-parallel"
-    " dispatch gathers the ranks' tokens with all_gatherv, which vLLM's CPU communicator does not implement"
-    " (the first request kills the engine, in vllm serve too). Run it with -dp 1 (--engines N for more"
-    " engines), or on GPUs"
-)
-# Measured the same way (vllm serve --enable-lora of the same model): with LoRA on, vLLM runs the experts
-# through its Triton kernel, which vLLM's CPU backend lacks; the first request, to the base model too,
-# raises AttributeError (triton.language has no float32) and the engine dies.
-_CPU_MOE_LORA = (
-    "a mixture-of-experts model cannot serve LoRA adapters on vLLM's CPU backend: with --enable-lora vLLM"
-    " runs its experts through a Triton kernel the CPU backend lacks (the first request kills the engine,"
-    " in vllm serve too). Leave --enable-lora out, or serve it on GPUs"
-)
-
-
-def _refuse_what_cpu_moe_cannot_run(config: ServeConfig) -> None:
-    """What vLLM's CPU backend cannot run for a mixture-of-experts model, refused before any engine
-    starts rather than found at the first request, which kills the engine."""
-    reasons = [
-        reason
-        for applies, reason in (
-            (config.data_parallel_size > 1, _CPU_MOE_DATA_PARALLEL),
-            (given("--enable-lora", config.engine_args), _CPU_MOE_LORA),
-        )
-        if applies
-    ]
-    if reasons and (spec := CheckpointSpec.find(config.model)) is not None and spec.has_experts:
-        raise LayoutError(reasons[0])
-
 
 def build_registry(config: ServeConfig, kind: str, socket_dir: str) -> EngineRegistry:
     if kind == "cpu":
-        _refuse_what_cpu_moe_cannot_run(config)
+        refuse_what_this_cpu_cannot_run(config, Cpu.this_machine())
     # vLLM's own option, when given, sizes the KV cache (to the byte: --cpu-kvcache-gib is whole GiB).
     kvcache_gib = None if given("--kv-cache-memory-bytes", config.engine_args) else config.cpu_kvcache_gib
     plans = plan_engine_devices(kind, config.workers_per_engine, kvcache_gib)

@@ -387,11 +387,16 @@ def _answer(
     extra_headers: dict[str, str],
 ) -> web.Response:
     """An engine's whole answer as the caller gets it; ``_EngineDied`` if the engine says it died."""
+    if ENGINE_DIED_HEADER in upstream_headers:
+        # The engine's record of what it generated is the front's alone: the caller's answer is the error.
+        record = None
+        if CONTINUE_HEADER in upstream_headers and (died := _json_object(payload)) is not None:
+            record = died.pop(CONTINUE_FIELD, None)
+            payload = orjson.dumps(died)
+        answer = _buffered(status, upstream_headers, payload, {**_own_headers(engine), **extra_headers})
+        raise _EngineDied(engine, answer, None if record is None else orjson.dumps(record))
     # Read once the engine answers: the version a kept request finished with.
     answer = _buffered(status, upstream_headers, payload, {**_own_headers(engine), **extra_headers})
-    if ENGINE_DIED_HEADER in upstream_headers:
-        record = _record_of(payload) if CONTINUE_HEADER in upstream_headers else None
-        raise _EngineDied(engine, answer, record)
     if status == 200:
         _remember_response(request, engine, payload)
     return answer
@@ -590,9 +595,3 @@ async def _go_on_streaming(
     except stream_relay.EngineHangUp:
         # The next engine's process went away under it: a second death all the same.
         return await _end_with_error(response, None, _second_death(request, body, dead, engine.engine_id), status=500)
-
-
-def _record_of(payload: bytes) -> bytes | None:
-    """The record in a 503 of an engine that died (``CONTINUE_FIELD``), as JSON."""
-    record = (_json_object(payload) or {}).get(CONTINUE_FIELD)
-    return None if record is None else orjson.dumps(record)

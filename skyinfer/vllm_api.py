@@ -66,6 +66,9 @@ NAMES: dict[str, tuple[str, ...]] = {
     "dispatch_cpu_unquantized_gemm": ("vllm.model_executor.layers.utils",),
     # The CPU int8 W8A8 kernel, whose oneDNN handler reads the weight scales it was built with (engine/cpu_setup.py).
     "CPUInt8ScaledMMLinearKernel": ("vllm.model_executor.kernels.linear.scaled_mm.cpu",),
+    # Whether that kernel takes SGLang's AMX path for a layer (bfloat16 or float16 activations only):
+    # the suite checks skyinfer's own reading of it (cpu_support.py) against it, on whichever CPU it runs.
+    "check_cpu_sgl_kernel": ("vllm.model_executor.layers.utils",),
     # How that kernel quantizes a layer's input to int8 (engine/cpu_setup.py computes with it where oneDNN saturates).
     "onednn_scaled_int8_quant": ("vllm._custom_ops",),
     # What loads a parameter whose layer names no loader of its own (a staged push's shadow, engine/targets.py).

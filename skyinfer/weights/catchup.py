@@ -103,8 +103,9 @@ def _pushed_reason(source: int) -> str:
 # vLLM's CPU kernels for quantized layers (int8 W8A8: oneDNN) pack the weights into themselves and
 # drop the parameters: what a peer can export is the rest, and would serve old weights under the new label.
 _PACKED_IN_KERNEL = (
-    "its model is quantized on CPU, whose kernels (vLLM's int8 oneDNN handlers) keep the weights inside"
-    " themselves, out of a copy's reach"
+    "its model is quantized on CPU, whose int8 kernels keep the weights in a form of their own (inside"
+    " vLLM's oneDNN handlers; packed for SGLang's AMX kernel on cores with AMX), which a copy of a peer's"
+    " parameters is not known to carry"
 )
 
 

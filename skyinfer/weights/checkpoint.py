@@ -152,6 +152,14 @@ class CheckpointSpec:
         """The modules whose weight the checkpoint stores quantized, with its scale (``<module>.weight_scale``)."""
         return {name.rpartition(".")[0] for name in self.names if name.endswith(".weight" + SCALE_SUFFIX)}
 
+    def quantized_layer_shapes(self) -> dict[str, tuple[int, int]]:
+        """Each quantized layer as vLLM holds it (q, k and v in one), and its weight's [out, in] shape."""
+        weights = (name for name in self.names if name.endswith(".weight"))
+        return {
+            layer: (sum(self.shapes[name][0] for name in parts), self.shapes[min(parts)][1])
+            for layer, parts in _by_quantized_layer(weights, self.quantized_modules).items()
+        }
+
     def check_whole_layers(self, names: Iterable[str]) -> None:
         """Raise ValueError naming a layer the update carries part of, where the part left out could
         not be served as it is: vLLM reloads a mixture-of-experts layer or a quantized one whole,
