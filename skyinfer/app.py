@@ -23,6 +23,7 @@ from .health import engines_view, health, ready
 from .leasing import LocalLeases
 from .metrics import METRICS, WORKER_METRICS, ServiceMetrics, metrics_view
 from .proxy import GROUP_PREFIX_CHARS, LEASES, add_data_plane_routes
+from .ranks import LayoutError
 from .registry import REGISTRY, EngineRegistry
 from .routing import SessionRouter
 from .security import DATA_PLANE_PATHS, AccessPolicy
@@ -91,8 +92,12 @@ def create_app(config: ServeConfig) -> web.Application:
     app[SUPERVISOR] = supervisor
     app[METRICS] = metrics
     app[CONTROL] = ControlPlane(registry, config.control_timeout_s)
+    try:
+        chosen = transport_for(kind, config.colocate, config.weight_transport)
+    except ValueError as exc:
+        raise LayoutError(str(exc)) from None
     transport = FrontTransport(
-        transport_for(kind, config.colocate),
+        chosen,
         config.workers_per_engine,
         config.weight_transfer_timeout_s,
         config.allow_pickled_ipc,

@@ -158,6 +158,14 @@ class ServeConfig:
         f"--gpu-memory-utilization {COLOCATED_GPU_MEMORY_UTILIZATION} unless given) and take weights from its memory "
         "(CUDA IPC on GPUs, shared memory on CPU) instead of a process group",
     )
+    weight_transport: str = _option(
+        "auto",
+        "how pushed weights reach the engines; auto: by device and --colocate (a gloo group on CPU, NCCL on GPUs;"
+        " colocated, shared memory on CPU, CUDA IPC on GPUs). nccl on CPU: vLLM's NCCL rendezvous and wire into"
+        " skyinfer's receiver over a gloo communicator in NCCL's place (how the test suite runs the GPU path; the"
+        " trainer's communicator must be swapped the same way)",
+        choices=("auto", "gloo", "nccl", "shm", "ipc"),
+    )
     # vLLM's VLLM_CPU_KVCACHE_SPACE; unused on GPU.
     cpu_kvcache_gib: int = _option(
         1, "KV cache per engine on CPU, GiB (vLLM's --kv-cache-memory-bytes, when given, instead)", metavar="GIB"
@@ -360,6 +368,12 @@ class ServeConfig:
             raise ValueError(
                 "--data-parallel-size among the engine arguments: give it to skyinfer (-dp N, before the engine"
                 " arguments), which counts each engine's workers for devices and weight-transfer ranks"
+            )
+        if given("--weight-transfer-config", self.engine_args):
+            raise ValueError(
+                "--weight-transfer-config among the engine arguments: skyinfer gives every engine its own receiver"
+                " for the transport it runs (--weight-transport), which keeps a failed push's outcome, the rest of"
+                " a layer a push filled in part and the CPU kernels; leave it out"
             )
         if self.allow_pickled_ipc and not self.colocate:
             raise ValueError("--allow-pickled-ipc is for a colocated server's IPC transport: add --colocate")

@@ -291,6 +291,6 @@ def platform_engine_args(
     if not given("--enable-scale-out", user_args):
         # vLLM's app behind the engine serves its render and token routes only with it.
         args.append("--enable-scale-out")
-    if not given("--weight-transfer-config", user_args):
-        args += ["--weight-transfer-config", f'{{"backend": "{transfer_backend}"}}']
+    # Always skyinfer's own receiver (the configuration refuses the user's --weight-transfer-config).
+    args += ["--weight-transfer-config", f'{{"backend": "{transfer_backend}"}}']
     return tuple(args)

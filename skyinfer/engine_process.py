@@ -107,7 +107,7 @@ class EngineProcess:
                 c.engine_args,
                 c.colocate,
                 COLOCATED_GPU_MEMORY_UTILIZATION,
-                transport_for(self.record.devices.kind, c.colocate).backend,
+                transport_for(self.record.devices.kind, c.colocate, c.weight_transport).backend,
             ),
             *c.engine_args,
         ]

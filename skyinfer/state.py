@@ -331,6 +331,8 @@ class EngineRecord:
     weight_version: str | None = attrs.field(default=None, on_setattr=_announce)
     # The dtype it serves weights in.
     model_dtype: str | None = None
+    # The layers it serves quantized, by vLLM's names, as it reports them at start.
+    quantized_layers: tuple[str, ...] | None = None
     # The largest LoRA rank it takes; None: started without --enable-lora.
     max_lora_rank: int | None = None
     # The LoRA adapters it holds: name -> version (a new process holds none). Replaced, never
@@ -468,6 +470,8 @@ class EngineRecord:
             "queued": self.queued,
             "weight_version": self.weight_version,
             "model_dtype": self.model_dtype,
+            # How many of its layers it serves quantized (each takes a push of all its tensors or none).
+            "quantized_layers": None if self.quantized_layers is None else len(self.quantized_layers),
             "adapters": dict(self.adapters),
             "restarts": self.restarts,
             "spare": self.spare,

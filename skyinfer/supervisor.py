@@ -127,6 +127,7 @@ class Supervisor:
         process.ready_since = time.monotonic()
         record.weight_version = info["weight_version"]
         record.model_dtype = info["model_dtype"]
+        record.quantized_layers = tuple(info["quantized_layers"])
         record.max_lora_rank = info["max_lora_rank"]
         record.push_failures = 0
         assert self.bring_up is not None

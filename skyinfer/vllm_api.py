@@ -52,6 +52,10 @@ NAMES: dict[str, tuple[str, ...]] = {
     # vLLM's CUDA IPC backend, which skyinfer's ipc receiver extends (transfer/ipc.py).
     "IPCWeightTransferEngine": ("vllm.distributed.weight_transfer.ipc_engine",),
     "IPCWeightTransferUpdateInfo": ("vllm.distributed.weight_transfer.ipc_engine",),
+    # vLLM's NCCL rendezvous and communicator, which skyinfer's NCCL receiver joins with (transfer/nccl.py).
+    "StatelessProcessGroup": ("vllm.distributed.utils",),
+    "PyNcclCommunicator": ("vllm.distributed.device_communicators.pynccl",),
+    "unpinned_nccl_env": ("vllm.utils.nccl",),
     "stateless_init_torch_distributed_process_group": ("vllm.distributed.utils",),
     "stateless_destroy_torch_distributed_process_group": ("vllm.distributed.utils",),
     # The CPU worker skyinfer's own CPU worker class extends (engine/cpu_worker.py).

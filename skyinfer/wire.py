@@ -233,6 +233,9 @@ class UpdateRequest(WireModel):
     # between two steps (for an update opened by /start_weight_update, its start says so).
     staged: bool = False
     kv: KvRule = "recompute"
+    # Only check what the call would be refused for (nothing moves, no engine is asked): a group
+    # trainer asks first, so that it never broadcasts into a push the server refuses.
+    check_only: bool = False
 
 
 # Per-tensor digests as vLLM's ``/weight_checker`` computes them (sha256 of each

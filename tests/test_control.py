@@ -210,6 +210,7 @@ async def test_engines_view_says_cpu_sleep_frees_no_memory_and_full_precision(ht
     assert [e["devices"]["sleep_frees_memory"] for e in engines] == [False, False]
     # What an int8 fleet names there (test_quantized); a full-precision one, nothing.
     assert [e["quantization"] for e in engines] == [None, None]
+    assert [e["quantized_layers"] for e in engines] == [0, 0]
 
 
 async def test_ordering_mistakes_are_409(http):

@@ -91,6 +91,8 @@ def test_the_fresh_int8_engines_serve_and_say_what_a_push_must_carry(fleet, serv
     assert quantization["method"] == "compressed-tensors" and quantization["format"] == "int-quantized", quantization
     assert "with its scale" in quantization["push"] and quantization["trainer_scheme"] == "w8a8_int8", quantization
     assert [e["quantization"] for e in fleet.server.engines()] == ["compressed-tensors"] * 2
+    # What each engine serves quantized, as it reports it: q/k/v, o, gate/up and down of both layers.
+    assert [e["quantized_layers"] for e in fleet.server.engines()] == [8, 8]
     server_info = httpx.get(f"{fleet.server.url}/server_info", timeout=60).json()
     assert "quantization=compressed-tensors" in server_info["vllm_config"], server_info["vllm_config"][:2000]
     for per_prompt in (*fleet.fresh.values(), *served_on_new.values()):
@@ -217,6 +219,26 @@ def test_a_push_that_does_not_fit_the_int8_model_is_refused_before_any_byte_move
         assert done.returncode == 3 and "refused 400" in done.stdout and said in done.stdout, (case, done.stdout)
     info = httpx.get(f"{fleet.server.url}/weight_info", timeout=60).json()
     assert info["update_phase"] == "idle" and [e["stale_reason"] for e in info["engines"]] == [None, None], info
+    fleet.assert_serves_fresh()
+
+
+def test_a_staged_push_of_part_of_an_int8_layer_is_refused_and_every_engine_serves_as_before(fleet, tmp_path):
+    """A staged push whose start names no tensors (as vLLM's client starts one) and whose chunks
+    carry q of layer 0's q/k/v, with its scale, and nothing of k and v: each chunk fits, and only
+    once all came is the layer known to be part of a push. Refused before the swap, naming it: no
+    engine swapped anything in, each serves what it served, as before, under its version."""
+    before = httpx.get(f"{fleet.server.url}/weight_info", timeout=60).json()["weight_version"]
+    new = load_file(int8_file(fleet.model_dir))
+    q = "model.layers.0.self_attn.q_proj.weight"
+    part = {q: new[q], q + "_scale": new[q + "_scale"] * 2}
+    done = run_trainer(
+        fleet.server, save(part, tmp_path / "part.safetensors"), "part-of-qkv", "--staged", "--start-names-nothing"
+    )
+    assert done.returncode == 3 and "refused 400" in done.stdout, done.stdout + done.stderr
+    assert "not swapped in" in done.stdout and "self_attn.qkv_proj" in done.stdout, done.stdout
+    info = httpx.get(f"{fleet.server.url}/weight_info", timeout=60).json()
+    assert info["update_phase"] == "idle" and info["weight_version"] == before, info
+    assert [(e["state"], e["weight_version"]) for e in info["engines"]] == [("ready", before)] * 2, info
     fleet.assert_serves_fresh()
 
 

@@ -10,8 +10,10 @@ import os
 import random
 import re
 
+import attrs
 import pytest
 import torch
+from vllm.distributed.weight_transfer.nccl_common import worker_init_payload
 from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferInitInfo
 
 from skyinfer.config import ServeConfig
@@ -235,23 +237,27 @@ async def test_init_info_says_which_transport_the_server_takes():
     group = {"master_address": "127.0.0.1", "master_port": 1234, "world_size": 3, "timeout_s": 7}
     gloo_plan, nccl_plan = await gloo.plan_init(group, FLEET), await nccl.plan_init(group, FLEET)
     assert [i["rank_offset"] for i in gloo_plan.engine_init_infos] == [1, 2]
-    # Only skyinfer's gloo backend takes a timeout; vLLM's nccl init_info refuses fields it lacks.
-    assert gloo_plan.engine_init_infos[0]["timeout_s"] == 7 and "timeout_s" not in nccl_plan.engine_init_infos[0]
+    # Every engine's receiver (skyinfer's, NCCL's too) bounds its rendezvous and collectives by the group's timeout.
+    assert [i["timeout_s"] for plan in (gloo_plan, nccl_plan) for i in plan.engine_init_infos] == [7] * 4
     # NCCL's torch-free rendezvous, without master_address.
     unique = {"nccl_unique_id_b64": base64.b64encode(bytes(128)).decode(), "world_size": 3}
     assert (await nccl.plan_init(unique, FLEET)).engine_init_infos[1] == {
         **unique,
         "rank_offset": 2,
+        "timeout_s": 60.0,
         "packed": False,
         "packed_buffer_size_bytes": 1024**3,
         "packed_num_buffers": 2,
     }
-    # What an engine on the NCCL backend does with them: vLLM's own parser takes every field.
+    # What an engine's receiver parses them with, and what vLLM's trainer engine tells the engines
+    # (its init info for the workers, as it sends it): every field taken.
     for plan in (nccl_plan, await nccl.plan_init(unique, FLEET)):
         for info in plan.engine_init_infos:
-            NCCLWeightTransferInitInfo(**info)
-    with pytest.raises(TypeError):  # why timeout_s must not reach it
-        NCCLWeightTransferInitInfo(**nccl_plan.engine_init_infos[0], timeout_s=7)
+            GroupInitInfo.parse(info)
+    vllm_worker_info = worker_init_payload(
+        NCCLWeightTransferInitInfo(master_address="127.0.0.1", master_port=1234, rank_offset=1, world_size=3)
+    )
+    assert (await nccl.plan_init(vllm_worker_info, FLEET)).engine_init_infos[0]["rank_offset"] == 1
     with pytest.raises(TransferRefused, match="only NCCL"):
         await gloo.plan_init(unique, FLEET)
     with pytest.raises(WireError, match="not both"):
@@ -285,6 +291,22 @@ def test_a_quantized_layer_takes_a_push_of_all_its_tensors_or_none():
     for left_out in (f"{attention}.q_proj.weight_scale", f"{attention}.v_proj.weight"):
         with pytest.raises(ValueError, match=rf"5 of the 6 tensors of {attention}\.qkv_proj \({left_out} left out\)"):
             spec.check_whole_layers(set(shapes) - {left_out})
+
+
+def test_a_layer_the_engines_serve_quantized_takes_a_push_of_all_its_tensors_or_none():
+    """An online quantization (``--quantization fp8`` on a bf16 checkpoint) stores no scale: the
+    layers the engines report quantized are whole or refused all the same; the others take part."""
+    attention = "model.layers.0.self_attn"
+    shapes = {f"{attention}.{p}_proj.weight": (4, 4) for p in "qkvo"} | {"model.norm.weight": (4,)}
+    bf16 = CheckpointSpec(shapes, dict.fromkeys(shapes, "bfloat16"))
+    part = {f"{attention}.q_proj.weight", f"{attention}.o_proj.weight"}
+    bf16.check_whole_layers(part)  # full precision as served: the rest is read back from the engines
+    online = attrs.evolve(bf16, served_quantized=frozenset({f"{attention}.qkv_proj", f"{attention}.o_proj"}))
+    assert online.quantized_modules == {f"{attention}.{p}_proj" for p in "qkvo"}
+    online.check_whole_layers(set(shapes))
+    online.check_whole_layers({f"{attention}.o_proj.weight", "model.norm.weight"})
+    with pytest.raises(ValueError, match=rf"1 of the 3 tensors of {attention}\.qkv_proj"):
+        online.check_whole_layers(part)
 
 
 def test_the_trainers_int8_quantizer_scales_each_output_channel_to_127():
@@ -348,6 +370,39 @@ def test_serve_options_that_cannot_work_are_refused(tmp_path):
     with pytest.raises(ValueError, match="--allow-pickled-ipc needs an admin key"):
         ServeConfig(model=str(tmp_path), colocate=True, allow_pickled_ipc=True)
     ServeConfig(model=str(tmp_path), colocate=True, allow_pickled_ipc=True, admin_key="admin-0123456789")
+
+
+def test_every_transport_the_front_can_choose_runs_skyinfers_receiver():
+    """Whatever the device, --colocate and --weight-transport, every engine's weight-transfer backend
+    is one of skyinfer's, each a ``LayerwiseReceiver`` (its failures kept for the front to ask for,
+    the rest of a layer a push filled in part kept, CPU kernels repacked); what does not fit the
+    server is refused, and so is a backend the user names among vLLM's arguments."""
+    from skyinfer.devices import platform_engine_args
+    from skyinfer.engine import backends  # noqa: F401 - registers skyinfer's backends, as in every worker
+    from skyinfer.transfer import SKYINFER_BACKENDS, TRANSPORTS, transport_for
+    from skyinfer.transfer.receiving import LayerwiseReceiver
+    from skyinfer.vllm_api import WeightTransferEngineFactory
+
+    chosen = set()
+    for kind in ("cpu", "cuda"):
+        for colocate in (False, True):
+            for choice in ("auto", *(t.name for t in TRANSPORTS)):
+                try:
+                    transport = transport_for(kind, colocate, choice)
+                except ValueError as exc:
+                    assert "does not fit" in str(exc), exc
+                    continue
+                args = platform_engine_args(kind, (), colocate, 0.5, transport.backend)
+                (config,) = [args[i + 1] for i, arg in enumerate(args) if arg == "--weight-transfer-config"]
+                backend = json.loads(config)["backend"]
+                assert backend in SKYINFER_BACKENDS, (kind, colocate, choice, backend)
+                receiver = WeightTransferEngineFactory._registry[backend]()
+                assert issubclass(receiver, LayerwiseReceiver), (backend, receiver.__mro__)
+                chosen.add(transport)
+    assert chosen == set(TRANSPORTS)
+    assert transport_for("cpu", False, "nccl") is NCCL and transport_for("cuda", False) is NCCL
+    with pytest.raises(ValueError, match="weight-transfer-config among the engine arguments"):
+        ServeConfig(model="m", engine_args=("--weight-transfer-config", '{"backend": "nccl"}'))
 
 
 async def test_the_front_refuses_ipc_bodies_over_http_before_any_engine(aiohttp_client, demo_model, tmp_path):

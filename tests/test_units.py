@@ -558,7 +558,7 @@ def test_a_chat_stream_parsed_as_it_goes_is_not_continued_and_an_answer_parsed_w
     assert why_chat_stream_not_continued(declined, None) is None
 
 
-@pytest.mark.parametrize("backend", ["GlooBackend", "SharedMemoryBackend", "IpcBackend"])
+@pytest.mark.parametrize("backend", ["GlooBackend", "NcclBackend", "SharedMemoryBackend", "IpcBackend"])
 def test_every_backend_keeps_a_failed_chunk_for_the_engine_to_ask(backend):
     """A chunk that fails in a worker is kept for ``skyinfer_update_outcome``, not raised through
     vLLM's executor (whose other ranks' answers would stay queued); the IPC backend once raised, and

@@ -14,6 +14,8 @@ With ``--hold-before-update`` it prints ``before update`` once its update is sta
 the update call only when a line arrives on its stdin, then prints how long that call took.
 With ``--hold-before-finish`` it prints ``before finish`` once every chunk was sent and makes the
 finish call only when a line arrives on its stdin.
+With ``--start-names-nothing`` its start carries no metadata (as vLLM's client starts an update):
+each chunk names its tensors.
 With ``--listen-late S`` it sends its init and only S seconds later listens as the group's rank 0
 (a trainer that loads its model meanwhile).
 
@@ -101,6 +103,11 @@ def main() -> int:
     )
     p.add_argument("--hold-before-update", action="store_true", help="wait for a line on stdin before the update call")
     p.add_argument("--hold-before-finish", action="store_true", help="wait for a line on stdin before the finish")
+    p.add_argument(
+        "--start-names-nothing",
+        action="store_true",
+        help="start the update without its metadata (as vLLM's client starts one): each chunk names its tensors",
+    )
     p.add_argument("--more", action="store_true", help="then push WEIGHTS VERSION from each line of stdin")
     p.add_argument(
         "--listen-late", type=float, metavar="S", help="send the init, then take S seconds (loading a model) to listen"
@@ -176,6 +183,9 @@ def main() -> int:
             os._exit(9)
 
         trainer._calls.update_weights = update_then_die
+    if args.start_names_nothing:
+        starting = client.start_weight_update
+        client.start_weight_update = lambda update_info, **kw: starting(None, **kw)
     finishing = client.finish_weight_update
     if args.die_at == "finish":
         client.finish_weight_update = lambda *a, **kw: os._exit(9)

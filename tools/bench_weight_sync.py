@@ -8,7 +8,8 @@ loading into vLLM's model, finish. Figures are medians over alternating rounds.
 ``--transport gloo`` (engines on devices of their own): one engine per node, the transfer group
 the trainer plus one worker per node, against a raw gloo broadcast of the same packed buffers
 (same chunking) from a plain torch process to one receiver per node. Also counted, from each
-node's own metrics: HTTP calls per push. With ``--nodes 2`` each node is a separate
+node's own metrics: HTTP calls per push; and the same push made by one ``/update_weights`` call
+(``one_call=True``), timed beside the three-call one in each round. With ``--nodes 2`` each node is a separate
 ``skyinfer serve`` on a core of its own, joined into one group through ``MultiNodeClient``.
 
 ``--transport shm`` (colocated): one ``skyinfer serve --colocate`` with ``--engines`` engines,
@@ -22,6 +23,7 @@ into vLLM, another transport).
     .venv/bin/python tools/bench_weight_sync.py --pushes 3 --nodes 2
     .venv/bin/python tools/bench_weight_sync.py --transport shm --pushes 5
     .venv/bin/python tools/bench_weight_sync.py --quantized --pushes 3
+    .venv/bin/python tools/bench_weight_sync.py --model demo --pushes 5   # a push's fixed cost
 
 ``--quantized``: the same model served twice, in bf16 and as int8 W8A8 (one engine each, each on a
 core of its own), and a trainer holding the bf16 weights pushing to both in turn with gloo: to the
@@ -151,9 +153,9 @@ class Memcpy:
         return self._copy([torch.empty(self.total, dtype=torch.uint8) for _ in self.destinations])
 
 
-def timed_push(trainer, tensors, version: str) -> float:
+def timed_push(trainer, tensors, version: str, **how) -> float:
     started = time.perf_counter()
-    trainer.push(tensors, version=version)
+    trainer.push(tensors, version=version, **how)
     return time.perf_counter() - started
 
 
@@ -178,7 +180,7 @@ def bench_gloo(args, model_dir: Path, tensors, mib: float, buffer_size: int) -> 
     ]
     urls = [f"http://127.0.0.1:{port}" for port in ports]
     raw = RawGloo(tensors, buffer_size, receivers=args.nodes, pushes=args.pushes)
-    raw_s, sky_s, calls = [], [], []
+    raw_s, sky_s, one_call_s, calls = [], [], [], []
     try:
         asyncio.run(wait_servers(list(zip(urls, procs)), path="/ready"))
         trainer = GlooTrainer(urls if len(urls) > 1 else urls[0], timeout_s=300, buffer_size_bytes=buffer_size)
@@ -188,6 +190,7 @@ def bench_gloo(args, model_dir: Path, tensors, mib: float, buffer_size: int) -> 
             before = weight_calls(urls)
             sky_s.append(timed_push(trainer, tensors, f"bench-{i}"))
             calls.append(weight_calls(urls) - before)
+            one_call_s.append(timed_push(trainer, tensors, f"bench-one-call-{i}", one_call=True))
         trainer.close()
         # Packed: the tensors go in a few buffers, cut by vLLM's rule; same HTTP calls.
         packed = GlooTrainer(
@@ -207,8 +210,10 @@ def bench_gloo(args, model_dir: Path, tensors, mib: float, buffer_size: int) -> 
     print(f"{'':38s} {'seconds':>8s} {'MiB/s':>8s}")
     print(median_row("raw gloo broadcast", raw_s, mib))
     print(median_row("skyinfer push (end to end)", sky_s, mib))
+    print(median_row("skyinfer push, one call", one_call_s, mib))
     print(median_row("skyinfer push, packed", packed_s, mib))
     print(f"throughput ratio skyinfer / raw: {statistics.median(raw_s) / statistics.median(sky_s):.3f}")
+    print(f"time ratio one call / three calls: {statistics.median(one_call_s) / statistics.median(sky_s):.3f}")
     print(f"HTTP calls per push over all nodes: {calls} ({len(tensors)} tensors)")
 
 
@@ -347,9 +352,15 @@ def main() -> None:
     p.add_argument("--nodes", type=int, default=1, help="gloo: skyinfer servers, one engine each, each on its own core")
     p.add_argument("--engines", type=int, default=2, help="shm: engines of the colocated server")
     p.add_argument("--quantized", action="store_true", help="a bf16 push beside an int8 W8A8 one (gloo)")
+    p.add_argument(
+        "--model",
+        choices=["bench", "demo"],
+        default="bench",
+        help="bench: the model of a few hundred MB; demo: the demo model (about a MB: a push's fixed cost)",
+    )
     args = p.parse_args()
     buffer_size = args.buffer_size_mb * 2**20
-    model_dir = build_demo_model(scratch_dir("bench-weights-"), **BENCH_MODEL)
+    model_dir = build_demo_model(scratch_dir("bench-weights-"), **(BENCH_MODEL if args.model == "bench" else {}))
     tensors = weights_of(model_dir)
     mib = sum(t.numel() * t.element_size() for _, t in tensors) / 2**20
     print(f"model: {len(tensors)} tensors, {mib:.0f} MiB ({tensors[0][1].dtype})", file=sys.stderr)

@@ -230,7 +230,12 @@ async def _tokens(request: web.Request) -> web.Response:
 async def _info(request: web.Request) -> web.Response:
     engine = request.app[STATE]
     return json_response(
-        {"weight_version": engine.weight_version, "model_dtype": "float32", "max_lora_rank": engine.max_lora_rank}
+        {
+            "weight_version": engine.weight_version,
+            "model_dtype": "float32",
+            "max_lora_rank": engine.max_lora_rank,
+            "quantized_layers": [],
+        }
     )
 
 

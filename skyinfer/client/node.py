@@ -270,17 +270,25 @@ class AsyncClient:
         return await self._admin("/start_weight_update", json=body or None)
 
     async def update_weights(
-        self, update_info: dict, weight_version: str | None = None, *, staged: bool = False, kv: str = "recompute"
+        self,
+        update_info: dict,
+        weight_version: str | None = None,
+        *,
+        staged: bool = False,
+        kv: str = "recompute",
+        check_only: bool = False,
     ) -> dict:
         """``POST /update_weights``: every engine receives ``update_info``'s tensors while the trainer sends
         them; with no update open, one call starts, receives and finishes it (``weight_version``).
         ``staged``: received while the engines generate, swapped in between two steps; ``kv``: "keep"
-        lets running requests go on over the KV they have."""
+        lets running requests go on over the KV they have. ``check_only``: the server raises what it
+        would refuse the call for, and nothing moves."""
         body = {
             "update_info": update_info,
             **({"weight_version": weight_version} if weight_version is not None else {}),
             **({"staged": True} if staged else {}),
             **({"kv": kv} if kv != "recompute" else {}),
+            **({"check_only": True} if check_only else {}),
         }
         return await self._admin("/update_weights", json=body)
 

@@ -4,17 +4,22 @@ import (the worker extension imports this module in every worker, before the mod
 
 from __future__ import annotations
 
-from ..transfer import GLOO, IPC, SHM
+from ..transfer import GLOO, IPC, NCCL, SHM
 from ..transfer.gloo import GlooReceiver
 from ..transfer.ipc import IpcReceiver
+from ..transfer.nccl import NcclReceiver
 from ..transfer.shm import SharedMemoryReceiver
 from ..vllm_api import IPCWeightTransferEngine, WeightTransferEngine, WeightTransferEngineFactory
 
-__all__ = ["GlooBackend", "IpcBackend", "SharedMemoryBackend"]
+__all__ = ["GlooBackend", "IpcBackend", "NcclBackend", "SharedMemoryBackend"]
 
 
 class GlooBackend(GlooReceiver, WeightTransferEngine):
     """``skyinfer_gloo``: a gloo group with the trainer (separate devices, CPU)."""
+
+
+class NcclBackend(NcclReceiver, WeightTransferEngine):
+    """``skyinfer_nccl``: vLLM's NCCL rendezvous and wire (separate devices, GPU; on CPU over gloo)."""
 
 
 class SharedMemoryBackend(SharedMemoryReceiver, WeightTransferEngine):
@@ -28,6 +33,8 @@ class IpcBackend(IpcReceiver, IPCWeightTransferEngine):
 # Every skyinfer backend (transfer.SKYINFER_BACKENDS), as vLLM's factory.py registers its own.
 
 WeightTransferEngineFactory.register_engine(GLOO.backend, GlooBackend)
+
+WeightTransferEngineFactory.register_engine(NCCL.backend, NcclBackend)
 
 WeightTransferEngineFactory.register_engine(SHM.backend, SharedMemoryBackend)
 

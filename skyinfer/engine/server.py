@@ -34,6 +34,7 @@ from .standby import Standby
 from .stream_end import choice_count, with_finish_reasons
 from .vllm_app import add_vllm_app_routes
 from .weights import KvEpochs, add_weight_routes
+from .worker_calls import on_every_worker
 
 __all__ = ["create_engine_app", "serve_engine"]
 
@@ -252,11 +253,16 @@ async def _health(request: web.Request) -> web.Response:
 
 async def _info(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_CLIENT]
+    # Every worker holds the same layers (its shard of each): the first one's answer.
+    quantized_layers, *_ = await on_every_worker(engine, "skyinfer_quantized_layers")
     return json_response(
         {
             "weight_version": await engine.get_weight_version(),
             # The dtype weights are served in: pushed tensors must match it.
             "model_dtype": str(engine.model_config.dtype).removeprefix("torch."),
+            # The layers served quantized (the checkpoint's, or an online quantization's): a push
+            # must carry each whole.
+            "quantized_layers": quantized_layers,
             # None: started without --enable-lora.
             "max_lora_rank": lora_config.max_lora_rank if (lora_config := engine.vllm_config.lora_config) else None,
         }

@@ -60,6 +60,22 @@ class SkyinferWorkerExtension:
             raise failure
 
     @answers_every_rank
+    def skyinfer_quantized_layers(self) -> list[str]:
+        """The model's layers that serve their weights quantized (vLLM's names: ``qkv_proj``), whatever
+        quantized them (the checkpoint's int8, an online ``--quantization fp8``): each takes a push
+        of all its weights or of none, as its served tensors cannot seed the rest."""
+        from ..vllm_api import UnquantizedEmbeddingMethod, UnquantizedFusedMoEMethod, UnquantizedLinearMethod
+
+        unquantized = (UnquantizedLinearMethod, UnquantizedEmbeddingMethod, UnquantizedFusedMoEMethod)
+        return sorted(
+            name
+            for name, module in self.model_runner.get_model().named_modules()
+            if (method := getattr(module, "quant_method", None)) is not None
+            and not isinstance(method, unquantized)
+            and any(True for _ in module.parameters(recurse=False))
+        )
+
+    @answers_every_rank
     def skyinfer_give_back_memory(self) -> None:
         """After a push's finish: what it freed goes back to the kernel (and the GPU)."""
         give_back_freed_memory()
@@ -160,6 +176,12 @@ class SkyinferWorkerExtension:
             finally:
                 # Layers that received nothing get their old tensors back (a failed swap's engine is stale).
                 self.finish_weight_update()
+            # The finish keeps what it refused (part of a quantized layer, which kept its old
+            # weights whole) rather than raise it through the executor: asked, it fails the swap.
+            failure, self.weight_transfer_engine.update_failure = self.weight_transfer_engine.update_failure, None
+            if failure is not None:
+                self._skyinfer_staged = None
+                raise failure
         self._skyinfer_staged = None
         if not isinstance(staged.target, ShadowTarget):  # a shadow's old tensors go on their own thread
             give_back_freed_memory()

@@ -13,39 +13,25 @@ the way vLLM builds its members' groups. It needs torch, never vLLM::
     # or, for a LoRA policy (peft), the adapter alone:
     trainer.push_adapter("policy", get_peft_model_state_dict(peft_model).items(), lora_config, version="step-17")
 
-One difference in timing from vLLM's nccl backend: the engine side's rendezvous runs on a
-thread. vLLM runs worker calls inside the EngineCore's loop, so a blocking rendezvous would stop
-the engine from serving until the trainer joins (or never, if it does not):
-``init_transfer_engine`` returns at once and ``status()`` reports how the rendezvous is going.
+The engines' side receives as every process-group transport does (``collective``); only how a
+worker joins the group is gloo's.
 """
 
 from __future__ import annotations
 
-import logging
 import socket
-import threading
-import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from ..client import Client, SkyinferError
-from ..ranks import worker_index
-from .packing import DEFAULT_BUFFER_SIZE_BYTES, TensorMeta, dtype_from_name, pack, plan_chunks, unpack
-from .protocol import GroupInitInfo, GroupUpdateInfo
+from ..client import Client
+from .collective import GroupReceiver
+from .packing import DEFAULT_BUFFER_SIZE_BYTES, TensorMeta, pack, plan_chunks
+from .protocol import GroupInitInfo
 from .pushing import NamedTensors, OneCall, Trainer, tensor_list, update_weights_call
-from .receiving import LayerwiseReceiver
-from .rendezvous import wait_until_listening
-
-log = logging.getLogger("skyinfer.transfer.gloo")
-
-
-def _metas(info: GroupUpdateInfo) -> list[TensorMeta]:
-    return [TensorMeta(n, dtype_from_name(d), tuple(s)) for n, d, s in zip(info.names, info.dtype_names, info.shapes)]
-
 
 # -- the trainer's side ---------------------------------------------------------------
 
@@ -157,10 +143,14 @@ class GlooTrainer(Trainer):
         return [(name, t.detach().contiguous().cpu()) for name, t in named_tensors]
 
     def _send(self, tensors: list[tuple[str, torch.Tensor]], metadata: dict, one_call: OneCall | None) -> None:
+        update_info = {**metadata, "packed": self.packed}
+        if one_call is not None:
+            # What the server would refuse the call for, asked first: a refusal raises here, and no
+            # broadcast waits on engines that will not receive. (A chunk of an open update was checked
+            # at its start.)
+            update_weights_call(self._calls, update_info, one_call, check_only=True)
         with ThreadPoolExecutor(1) as pool:
-            receiving = pool.submit(update_weights_call, self._calls, {**metadata, "packed": self.packed}, one_call)
-            if one_call is not None:
-                _raise_if_refused(receiving)
+            receiving = pool.submit(update_weights_call, self._calls, update_info, one_call)
             self._broadcast(tensors)
             receiving.result()
 
@@ -192,137 +182,38 @@ def _json_ready(value):
     return value
 
 
-# How long a one-call push waits for the server to refuse its metadata before
-# broadcasting. The front checks metadata first thing, so a refusal is back
-# in milliseconds; a call still pending after this is receiving.
-_REFUSAL_GRACE_S = 0.5
-
-
-def _raise_if_refused(receiving: Future) -> None:
-    done = threading.Event()
-    receiving.add_done_callback(lambda _f: done.set())
-    if done.wait(_REFUSAL_GRACE_S):
-        receiving.result()  # raises the refusal
-        raise SkyinferError(500, "the server finished an update before any byte was sent")
-
-
 # -- the engines' side ----------------------------------------------------------------
 
 
-class GlooReceiver(LayerwiseReceiver):
-    """vLLM's weight-transfer backend interface, for gloo (receiving.py: how it joins vLLM)."""
+class _GlooGroup:
+    """A gloo process group as a communicator (collective.py): ``PyNcclCommunicator``'s calls."""
 
-    init_info_cls = GroupInitInfo
-    update_info_cls = GroupUpdateInfo
+    def __init__(self, group) -> None:
+        self.group = group
 
-    def __init__(self, config, vllm_config, device, model) -> None:
-        super().__init__(config, vllm_config, device, model)
-        self._group = None
-        self._info: GroupInitInfo | None = None
-        self._joining: threading.Thread | None = None
-        self._join_error: BaseException | None = None
-        self._join_timed_out = False
-        self._attempt = 0
-        # The trainer's address while this worker waits for it to listen.
-        self._waiting_for: str | None = None
+    def broadcast(self, tensor: torch.Tensor, src: int, stream=None) -> None:
+        self.group.broadcast(tensor, src).wait()
 
-    # -- rendezvous ---------------------------------------------------------
-    def init_transfer_engine(self, init_info: GroupInitInfo) -> None:
-        if init_info.master_address is None or init_info.timeout_s is None:
-            raise ValueError("the gloo backend needs master_address, master_port and timeout_s")
-        self.shutdown()
-        # A rendezvous still blocked in a connect (its trainer never came) cannot
-        # be interrupted; a new one supersedes it and its outcome is dropped.
-        self._attempt += 1
-        self._info = init_info
-        self._join_error = None
-        self._join_timed_out = False
-        # A worker's rank: its place in this engine (tp x pp x dp), after the ranks before it.
-        rank = init_info.rank_offset + worker_index(self.parallel_config)
-        self._joining = threading.Thread(
-            target=self._join, args=(init_info, rank, self._attempt), daemon=True, name="gloo-rendezvous"
-        )
-        self._joining.start()
+    def destroy(self) -> None:
+        from ..vllm_api import stateless_destroy_torch_distributed_process_group
 
-    def _join(self, info: GroupInitInfo, rank: int, attempt: int) -> None:
+        stateless_destroy_torch_distributed_process_group(self.group)
+
+
+class GlooReceiver(GroupReceiver):
+    """A gloo group with the trainer, joined as vLLM joins its members' (``GlooTrainer`` hosts it)."""
+
+    def _open(self, info: GroupInitInfo, rank: int) -> _GlooGroup:
+        if info.master_address is None:
+            raise ValueError("the gloo backend needs master_address and master_port (gloo has no NCCL unique id)")
         from ..vllm_api import stateless_init_torch_distributed_process_group
 
-        started = time.monotonic()
-        try:
-            self._wait_for_trainer(info, started + info.timeout_s, attempt)
-            group = stateless_init_torch_distributed_process_group(
-                info.master_address,
-                info.master_port,
-                rank,
-                info.world_size,
-                backend="gloo",
-                timeout=timedelta(seconds=info.timeout_s),
-            )
-        except BaseException as exc:  # reported through status()
-            if attempt == self._attempt:
-                self._join_error = exc
-                # Nobody to meet until the time ran out: the trainer never came.
-                self._join_timed_out = time.monotonic() - started >= 0.9 * info.timeout_s
-            return
-        if attempt == self._attempt:
-            self._group = group
-            log.info("joined the weight-transfer group as rank %d of %d", rank, info.world_size)
-
-    def _wait_for_trainer(self, info: GroupInitInfo, deadline: float, attempt: int) -> None:
-        """Connect to the trainer's store only once it listens (rendezvous.py says why); the front
-        waits for the same before asking, so this covers a trainer that restarted since."""
-        self._waiting_for = f"{info.master_address}:{info.master_port}"
-        try:
-            # Wanted until a newer init supersedes this one.
-            if not wait_until_listening(
-                info.master_address, info.master_port, deadline, lambda: attempt == self._attempt
-            ):
-                raise RuntimeError("superseded by a newer init")
-        finally:
-            self._waiting_for = None
-
-    def status(self) -> dict:
-        if self._joining is None:
-            return {"state": "none"}
-        if self._joining.is_alive():
-            waiting_for = self._waiting_for
-            return {"state": "joining", **({"waiting_for": waiting_for} if waiting_for else {})}
-        if self._join_error is not None:
-            state = "timeout" if self._join_timed_out else "failed"
-            return {"state": state, "error": f"{type(self._join_error).__name__}: {self._join_error}"}
-        return {"state": "ready"}
-
-    def _ready_group(self):
-        if self._joining is None or self._info is None:
-            raise RuntimeError("weight transfer not initialized; call init_weight_transfer_engine first")
-        self._joining.join(self._info.timeout_s)
-        if self._group is None:
-            raise RuntimeError(f"no weight-transfer group: {self.status()}")
-        return self._group
-
-    # -- one update -----------------------------------------------------------
-    def receive_weights(self, update_info: GroupUpdateInfo) -> None:
-        group = self._ready_group()
-        assert self._info is not None
-        metas = _metas(update_info)
-        packed = self._info.packed if update_info.packed is None else update_info.packed
-        if packed:
-            for chunk in plan_chunks(metas, self._info.packed_buffer_size_bytes):
-                buffer = torch.empty(sum(m.nbytes for m in chunk), dtype=torch.uint8)
-                group.broadcast(buffer, 0).wait()
-                self.model.load_weights(unpack(buffer, chunk))
-        else:
-            for meta in metas:
-                tensor = torch.empty(meta.shape, dtype=meta.dtype)
-                group.broadcast(tensor, 0).wait()
-                self.model.load_weights([(meta.name, tensor)])
-
-    def shutdown(self) -> None:
-        if self._group is not None:
-            from ..vllm_api import stateless_destroy_torch_distributed_process_group
-
-            try:
-                stateless_destroy_torch_distributed_process_group(self._group)
-            except Exception:  # a group whose peer died may not shut down cleanly
-                log.warning("weight-transfer group did not shut down cleanly", exc_info=True)
-            self._group = None
+        group = stateless_init_torch_distributed_process_group(
+            info.master_address,
+            info.master_port,
+            rank,
+            info.world_size,
+            backend="gloo",
+            timeout=timedelta(seconds=info.timeout_s),
+        )
+        return _GlooGroup(group)

@@ -156,12 +156,13 @@ class OneCall:
         return {"weight_version": self.version, "staged": self.staged, "kv": self.kv}
 
 
-def update_weights_call(calls, update_info: dict, one_call: OneCall | None) -> None:
-    """``calls.update_weights`` for one chunk, or for a whole push made in one call."""
+def update_weights_call(calls, update_info: dict, one_call: OneCall | None, check_only: bool = False) -> None:
+    """``calls.update_weights`` for one chunk, or for a whole push made in one call (``check_only``:
+    only what the server would refuse that call for)."""
     if one_call is None:
         calls.update_weights(update_info)
     else:
-        calls.update_weights(update_info, **one_call.fields())
+        calls.update_weights(update_info, **one_call.fields(), **({"check_only": True} if check_only else {}))
 
 
 class ProtocolCalls:

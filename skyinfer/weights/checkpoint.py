@@ -58,14 +58,23 @@ _FUSED_PROJECTIONS = {
 }  # fmt: skip
 
 
+def _module_of(name: str) -> str:
+    return name.rpartition(".")[0]
+
+
+def _layer_of(module: str) -> str:
+    """The layer vLLM holds a checkpoint module in (q, k and v in ``qkv_proj``)."""
+    parent, _, projection = module.rpartition(".")
+    return f"{parent}.{_FUSED_PROJECTIONS.get(projection, projection)}"
+
+
 def _by_quantized_layer(names: Iterable[str], quantized_modules: set[str]) -> dict[str, set[str]]:
     """The tensors of each quantized layer as vLLM holds it (q, k and v in one), by that layer."""
     layers: dict[str, set[str]] = {}
     for name in names:
-        module = name.rpartition(".")[0]
+        module = _module_of(name)
         if module in quantized_modules:
-            parent, _, projection = module.rpartition(".")
-            layers.setdefault(f"{parent}.{_FUSED_PROJECTIONS.get(projection, projection)}", set()).add(name)
+            layers.setdefault(_layer_of(module), set()).add(name)
     return layers
 
 
@@ -96,6 +105,9 @@ class CheckpointSpec:
     names: frozenset[str] = attrs.field(default=attrs.Factory(lambda spec: frozenset(spec.shapes), takes_self=True))
     # config.json's quantization_config: how the checkpoint stores its quantized weights (None: full precision).
     quantization: dict | None = None
+    # The layers the engines serve quantized, by vLLM's names (``qkv_proj``), as they report them:
+    # an online quantization's (``--quantization fp8`` on a full-precision checkpoint) too.
+    served_quantized: frozenset[str] = frozenset()
 
     def missing(self, received: set[str]) -> list[str]:
         """The checkpoint's tensors a push did not carry (none: it replaced every weight)."""
@@ -149,8 +161,10 @@ class CheckpointSpec:
 
     @property
     def quantized_modules(self) -> set[str]:
-        """The modules whose weight the checkpoint stores quantized, with its scale (``<module>.weight_scale``)."""
-        return {name.rpartition(".")[0] for name in self.names if name.endswith(".weight" + SCALE_SUFFIX)}
+        """The checkpoint's modules that are served quantized: those whose weight it stores quantized,
+        with its scale (``<module>.weight_scale``), and those of a layer the engines report quantized."""
+        stored = {name.rpartition(".")[0] for name in self.names if name.endswith(".weight" + SCALE_SUFFIX)}
+        return stored | {module for module in map(_module_of, self.names) if _layer_of(module) in self.served_quantized}
 
     def quantized_layer_shapes(self) -> dict[str, tuple[int, int]]:
         """Each quantized layer as vLLM holds it (q, k and v in one), and its weight's [out, in] shape."""

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
+
+import attrs
 
 from ..engine_calls import EngineReply, call_engine, failure
 from ..errors import TRANSFER_GROUP_GONE, ApiError
@@ -61,6 +63,13 @@ class Fleet:
         if self._spec is None and time.monotonic() - self._spec_looked_at >= _SPEC_LOOK_AGAIN_S:
             self._spec = CheckpointSpec.find(self._model)
             self._spec_looked_at = time.monotonic()
+        if self._spec is None:
+            return None
+        # The layers the engines serve quantized, as they report them: an online quantization's
+        # too, which the checkpoint's files do not show.
+        served = frozenset(layer for r in self.registry.records for layer in r.quantized_layers or ())
+        if served != self._spec.served_quantized:
+            self._spec = attrs.evolve(self._spec, served_quantized=served)
         return self._spec
 
     def workers(self, records: list[EngineRecord]) -> tuple[int, ...]:
@@ -105,18 +114,22 @@ class Fleet:
         self._refuse_unless_fits(lambda spec: spec.check(meta))
         return meta
 
-    def check_whole_update(self, meta: UpdateMetadata) -> None:
-        """Refuse (400) the metadata of a whole update (a start's, a one-call push's) that carries
-        part of a mixture-of-experts layer's experts or of a quantized layer, before any byte moves."""
-        self._refuse_unless_fits(lambda spec: spec.check_whole_layers(meta.names))
+    def check_whole_update(self, names: Iterable[str], why: str = "update_info rejected before any transfer") -> None:
+        """Refuse (400) a whole update (a start's metadata, a one-call push's, what a staged push
+        received before its swap) that carries part of a mixture-of-experts layer's experts or of a
+        quantized layer (as the checkpoint stores it, or as the engines serve it), before any live
+        weight is touched."""
+        self._refuse_unless_fits(lambda spec: spec.check_whole_layers(names), why)
 
-    def _refuse_unless_fits(self, check: Callable[[CheckpointSpec], None]) -> None:
+    def _refuse_unless_fits(
+        self, check: Callable[[CheckpointSpec], None], why: str = "update_info rejected before any transfer"
+    ) -> None:
         """``check`` against the served checkpoint (where its names are known); its ValueError a 400."""
         if (spec := self.spec) is not None:
             try:
                 check(spec)
             except ValueError as exc:
-                raise SyncError(400, f"update_info rejected before any transfer: {exc}") from None
+                raise SyncError(400, f"{why}: {exc}") from None
 
     def missing(self, received: set[str]) -> list[str] | None:
         """The checkpoint's tensors an update left out; None where the checkpoint's names are unknown."""

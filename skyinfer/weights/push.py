@@ -143,10 +143,38 @@ class Push:
         records = self.fleet.engines_in_group()
         meta = None if update_info is None else self.fleet.check_metadata(update_info, carries_data=False)
         if meta is not None:
-            self.fleet.check_whole_update(meta)
+            self.fleet.check_whole_update(meta.names)
         (self.staged if staged else self.live).fits(records, meta)
         self.update.open(staged)
         return {"status": "started", "staged": staged}
+
+    def _refusal_of_receive(self, meta: UpdateMetadata, kv: KvRule, staged: bool) -> list[EngineRecord]:
+        """Raise what a receive of ``meta`` is refused for, before any engine is asked; the engines
+        it would go to."""
+        # A chunk of an update the server abandoned is no update of its own.
+        self.update.refuse_if_abandoned()
+        self.fleet.refuse_unless(Phase.IDLE, Phase.STARTED, Phase.STAGING, Phase.RECEIVING)
+        one_shot = self.update.phase is Phase.IDLE
+        if not one_shot and (kv != "recompute" or staged):
+            raise SyncError(
+                400,
+                "kv and staged belong to a one-call push: for an open update, staged goes to its"
+                " /start_weight_update and kv to its /finish_weight_update",
+            )
+        records = self.fleet.engines_in_group()
+        if one_shot:
+            self.fleet.check_whole_update(meta.names)
+            (self.staged if staged else self.live).fits(records, meta)
+            if not staged and (reason := unpushable(records)) is not None:
+                raise SyncError(409, f"cannot start a weight update: {reason}")
+        return records
+
+    async def check_receive(self, update_info: dict, kv: KvRule = "recompute", staged: bool = False) -> dict:
+        """What a receive of ``update_info`` would be refused for (raised), with nothing moved."""
+        meta = self.fleet.check_metadata(update_info)
+        async with self.registry.fleet_change():
+            records = self._refusal_of_receive(meta, kv, staged)
+        return {"status": "checked", "engines": [r.engine_id for r in records]}
 
     async def receive(
         self, update_info: dict, weight_version: str | None, kv: KvRule = "recompute", staged: bool = False
@@ -156,19 +184,9 @@ class Push:
         meta = self.fleet.check_metadata(update_info)
         try:
             async with self.registry.fleet_change():
-                # A chunk of an update the server abandoned is no update of its own.
-                self.update.refuse_if_abandoned()
-                self.fleet.refuse_unless(Phase.IDLE, Phase.STARTED, Phase.STAGING, Phase.RECEIVING)
                 one_shot = self.update.phase is Phase.IDLE
-                if not one_shot and (kv != "recompute" or staged):
-                    raise SyncError(
-                        400,
-                        "kv and staged belong to a one-call push: for an open update, staged goes to its"
-                        " /start_weight_update and kv to its /finish_weight_update",
-                    )
-                records = self.fleet.engines_in_group()
+                records = self._refusal_of_receive(meta, kv, staged)
                 if one_shot:
-                    self.fleet.check_whole_update(meta)
                     self.update.current.staged = staged
                 path = self._path()
                 started = time.monotonic()
@@ -263,6 +281,13 @@ class Push:
                 reason = f"cannot swap the staged push in: {reason}"
                 await self.end_abandoned(reason)  # no live weight was touched
                 raise SyncError(409, reason)
+            try:
+                # Its chunks were checked one by one; a layer is whole or not only once all came.
+                why = "the staged push was not swapped in, and every engine serves its weights as before"
+                self.fleet.check_whole_update(self.update.received, why)
+            except SyncError as exc:
+                await self.end_abandoned(str(exc))  # its copies dropped, no live weight touched
+                raise
             self.updates_begun += 1
         replies, extras = await path.apply(records, version, kv)
         await self._settle(path.apply_step, records, replies)

@@ -117,9 +117,11 @@ class FrontTransport:
             await _check_trainer_address(info)
         timeout_s = self.timeout_s if info.timeout_s is None else info.timeout_s
         fields = info.model_dump(exclude_none=True, exclude={"timeout_s"})
-        # skyinfer's gloo backend takes the group's timeout; vLLM's nccl init_info refuses fields it lacks.
-        own = {"timeout_s": timeout_s} if self.transport is GLOO else {}
-        engine_infos = [{**fields, **own, "rank_offset": layout.rank_offset(i)} for i in range(len(workers_per_engine))]
+        # Every engine's receiver bounds its rendezvous and collectives with the group's timeout.
+        engine_infos = [
+            {**fields, "timeout_s": timeout_s, "rank_offset": layout.rank_offset(i)}
+            for i in range(len(workers_per_engine))
+        ]
         answer = {
             "transport": self.transport.name,
             "world_size": info.world_size,
