@@ -155,13 +155,18 @@ def main() -> int:
         started = client.start_weight_update
         client.start_weight_update = lambda *a, **kw: (started(*a, **kw), os._exit(9))
     updating = trainer._calls.update_weights
+
+    def on_the_update_call(fault):
+        """``fault`` in place of the update call; the check a one-call push asks first goes as it is."""
+        trainer._calls.update_weights = lambda *a, **kw: updating(*a, **kw) if kw.get("check_only") else fault(*a, **kw)
+
     if args.stop_before_update is not None:
         # A fault at exactly this phase: an engine hangs as the update reaches it.
         def stop_then_update(*a, **kw):
             os.kill(args.stop_before_update, signal.SIGSTOP)
             return updating(*a, **kw)
 
-        trainer._calls.update_weights = stop_then_update
+        on_the_update_call(stop_then_update)
     if args.hold_before_update:
         # Whoever runs it does something to the fleet first (the update call may then wait for it).
         def update_when_told(*a, **kw):
@@ -171,10 +176,10 @@ def main() -> int:
             updating(*a, **kw)
             print(f"update took {time.monotonic() - started:.1f}s", flush=True)
 
-        trainer._calls.update_weights = update_when_told
+        on_the_update_call(update_when_told)
     if args.die_at == "segment":
         # The segment is written; the call that would name it to the server is never made.
-        trainer._calls.update_weights = lambda *a, **kw: os._exit(9)
+        on_the_update_call(lambda *a, **kw: os._exit(9))
     elif args.die_at == "update":
         # Dies while its update call is in flight.
         def update_then_die(*a, **kw):
@@ -182,7 +187,7 @@ def main() -> int:
             time.sleep(0.02)
             os._exit(9)
 
-        trainer._calls.update_weights = update_then_die
+        on_the_update_call(update_then_die)
     if args.start_names_nothing:
         starting = client.start_weight_update
         client.start_weight_update = lambda update_info, **kw: starting(None, **kw)
