@@ -166,6 +166,13 @@ class ServeConfig:
         " trainer's communicator must be swapped the same way)",
         choices=("auto", "gloo", "nccl", "shm", "ipc"),
     )
+    staged_swap: str = _option(
+        "auto",
+        "how a staged push's weights go into the live model; auto: copied in place on GPUs (CUDA graphs hold the"
+        " live tensors' addresses), pointed at on CPU (no copy between two steps); in-place: copied on CPU too"
+        " (what GPUs do: how the test suite runs their swap)",
+        choices=("auto", "in-place"),
+    )
     # vLLM's VLLM_CPU_KVCACHE_SPACE; unused on GPU.
     cpu_kvcache_gib: int = _option(
         1, "KV cache per engine on CPU, GiB (vLLM's --kv-cache-memory-bytes, when given, instead)", metavar="GIB"

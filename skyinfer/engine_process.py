@@ -18,7 +18,7 @@ from .devices import platform_engine_args
 from .engine.output import read_tail
 from .engine_calls import unix_client
 from .engine_templates import EngineTemplates, ForkedProcess, how_it_exited
-from .engine_wire import EXTENSION_PATH, STACKS_SIGNAL
+from .engine_wire import EXTENSION_PATH, STACKS_SIGNAL, STAGED_SWAP_ENV
 from .shm_leftovers import mapped_segments, remove_segments
 from .state import EngineRecord
 from .transfer import transport_for
@@ -134,6 +134,8 @@ class EngineProcess:
         if self.config.allow_pickled_ipc:
             # vLLM's ipc backend unpickles ipc_handles_pickled only with it (the operator's opt-in).
             env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        if self.config.staged_swap != "auto":
+            env[STAGED_SWAP_ENV] = self.config.staged_swap
         return env
 
     async def spawn(self, lifeline_fd: int, spare: WarmSpare | None = None) -> None:

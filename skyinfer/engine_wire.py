@@ -19,6 +19,7 @@ __all__ = [
     "NOT_CONTINUED_FIELD",
     "SESSION_HEADER",
     "STACKS_SIGNAL",
+    "STAGED_SWAP_ENV",
     "WORKER_SPIN_ENV",
 ]
 
@@ -33,6 +34,9 @@ STACKS_SIGNAL = signal.SIGUSR2
 # Seconds a CPU worker spins on its message queue after each message (engine/cpu_setup.py), set by
 # the front for CPU engines (devices.py); unset, vLLM's own 1 s.
 WORKER_SPIN_ENV = "SKYINFER_WORKER_SPIN_S"
+# Set to "in-place" by the front (``--staged-swap in-place``): a staged push's weights are copied
+# into the live tensors on CPU too, as on GPUs (engine/targets.py); unset, by the device.
+STAGED_SWAP_ENV = "SKYINFER_STAGED_SWAP"
 # A multi-turn session's id: the front keeps a session on one engine, and an engine of several
 # data-parallel ranks keeps it on one rank (engine/server.py), where its earlier turns are cached.
 SESSION_HEADER = "X-Session-ID"

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from pushes import PROMPTS, greedy_completion, run_trainer, save, sessions_per_engine
+from pushes import PROMPTS, fleet_checksums, greedy_completion, run_trainer, save, sessions_per_engine
 from support import ServerProcess
 
 
@@ -77,6 +77,25 @@ class MoeFleet:
                 got = served[:-12]
                 diff = max(abs(a - b) for a, b in zip(got, expected, strict=True))
                 assert diff < 0.05, f"engine {engine}, {prompt!r}: logprobs differ from transformers by {diff:.4f}"
+
+    def assert_staged_lands_as_live(
+        self, new: dict[str, torch.Tensor], tmp_path: Path, back: dict[str, torch.Tensor] | None = None
+    ) -> None:
+        """A live push of ``new`` and a staged push of it leave the same weights (vLLM's checksums of
+        every tensor the workers compute with), other than the fresh engines'; ``back`` (the
+        checkpoint's weights, as pushed) is pushed back after each."""
+        back = self.checkpoint if back is None else back
+        fresh = fleet_checksums(self.server)
+        self.push(new, "live-new", tmp_path)
+        live = fleet_checksums(self.server)
+        self.push(back, "live-back", tmp_path)
+        assert fleet_checksums(self.server) == fresh
+        self.push(new, "staged-new", tmp_path, "--staged")
+        staged = fleet_checksums(self.server)
+        assert staged.keys() == live.keys() and [k for k in live if staged[k] != live[k]] == []
+        assert live != fresh
+        self.push(back, "staged-back", tmp_path, "--staged")
+        self.assert_serves_fresh()
 
     def assert_serves_fresh(self) -> None:
         assert_same(self.served(), self.fresh)

@@ -132,6 +132,13 @@ def assert_engines_match(server, model_name, demo_model, weights, version):
             assert diff < 0.05, f"engine {engine}, {prompt!r}: logprobs differ by {diff:.4f}"
 
 
+def fleet_checksums(server) -> dict[str, str]:
+    """vLLM's weight checksums (every tensor a worker computes with), which every engine agrees on."""
+    checked = httpx.post(f"{server.url}/weight_checker", json={"action": "checksum"}, timeout=120).json()
+    assert checked["agree"] and checked["held_out"] == [], checked
+    return checked["checksums"]
+
+
 def greedy(server, model_name, session: str) -> list[int]:
     r = httpx.post(
         f"{server.url}/v1/completions",

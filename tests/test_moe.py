@@ -5,7 +5,9 @@ Qwen2-MoE (a shared expert beside 4 routed ones), each served by two float32 eng
 Each push path in turn: pause-push (gloo), staged, ``/reload_weights``, a peer's catch-up after an
 EngineCore is killed, and a push whose trainer is killed halfway. A push of the weights served
 must leave every logprob as it was (1e-6); new weights must land within 0.05 of transformers; the
-first weights pushed back must give exactly what a fresh engine gave."""
+first weights pushed back must give exactly what a fresh engine gave; a staged push must leave the
+weights a live push of the same weights leaves, installed as on CPU (Qwen3-MoE) or as on GPUs
+(Qwen2-MoE, ``--staged-swap in-place``)."""
 
 from __future__ import annotations
 
@@ -26,13 +28,19 @@ from support import ServerProcess, free_port, module_servers, two_float32_engine
 ARCHITECTURES = sorted(MOE_CONFIGS)
 
 
+# The architecture whose staged pushes are installed as on GPUs (copied into the live tensors); the
+# other's as on CPU (the live parameters pointed at the staged ones).
+STAGED_IN_PLACE = "qwen2_moe"
+
+
 def _launch(demo_model: Path, logs: Path) -> dict[str, ServerProcess]:
     servers = {}
     for architecture in ARCHITECTURES:
         model = build_demo_moe_model(logs / architecture, architecture)
+        in_place = ("--staged-swap", "in-place") if architecture == STAGED_IN_PLACE else ()
         # A killed trainer's collective ends with the group's timeout.
         servers[architecture] = two_float32_engines(
-            model, logs / f"{architecture}.log", "--weight-transfer-timeout", "30"
+            model, logs / f"{architecture}.log", "--weight-transfer-timeout", "30", *in_place
         )
     return servers
 
@@ -68,6 +76,16 @@ def test_a_staged_push_lands_and_the_first_weights_come_back_exactly(moe, tmp_pa
     moe.assert_matches_transformers(new, tmp_path)
     moe.push(moe.checkpoint, "staged-back", tmp_path, "--staged")
     moe.assert_serves_fresh()
+
+
+def test_a_staged_push_leaves_the_weights_a_live_push_of_the_same_weights_leaves(moe, tmp_path):
+    """Bit for bit (vLLM's checksums of every tensor the workers compute with, the experts as the
+    kernel packed them): the staged path processes each layer as the live path's reload does, whether
+    it installs the result by pointer (CPU) or by copying it into the live tensors (GPUs, and here
+    ``STAGED_IN_PLACE``)."""
+    moe.assert_staged_lands_as_live(moe.modified(seed=4), tmp_path)
+    installed = "copied in place" if Path(moe.model_dir).name == STAGED_IN_PLACE else "by pointer"
+    assert httpx.get(f"{moe.server.url}/weight_info", timeout=60).json()["last_staged_swap"]["installed"] == installed
 
 
 def test_reload_weights_brings_the_checkpoint_back_exactly(moe, tmp_path):

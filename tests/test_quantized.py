@@ -167,6 +167,13 @@ def test_new_int8_weights_serve_as_an_engine_started_on_them_and_the_first_come_
     fleet.assert_serves_fresh()
 
 
+def test_a_staged_push_leaves_the_weights_a_live_push_of_the_same_weights_leaves(fleet, int8_servers, tmp_path):
+    """vLLM's checksums of every tensor the workers hold (the scales, and the weights where the
+    kernel keeps them as parameters) after a live and a staged push of the new int8 weights."""
+    new = load_file(int8_file(Path(int8_servers["fresh_on_new"].model)))
+    fleet.assert_staged_lands_as_live(new, tmp_path, back=load_file(int8_file(fleet.model_dir)))
+
+
 def test_the_weights_served_after_pushes_hold_through_many_steps(fleet, int8_servers):
     """Freed memory is reused: answers after several pushes and many decode steps still equal the
     fresh engines' (a dangling scale shows once the allocator hands its memory out again)."""

@@ -19,7 +19,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from pushes import assert_engines_match, modified_weights, run_trainer, save, start_trainer
+from pushes import assert_engines_match, fleet_checksums, modified_weights, run_trainer, save, start_trainer
 from support import ServerProcess, module_servers, sse_lines, two_float32_engines, vllm_process
 
 # Tokens each request in flight generates: enough to be running across the push.
@@ -349,3 +349,22 @@ def test_a_staged_push_of_part_of_two_fused_projections_keeps_the_rest_as_served
     served = {**fleet["weights"], **part}
     fleet.update(version="part-1", weights=served)
     assert_engines_match(staged_server, staged_server.model, demo_model, served, "part-1")
+
+
+def test_a_staged_push_leaves_the_weights_a_live_push_of_the_same_weights_leaves(
+    staged_server, demo_model, fleet, tmp_path
+):
+    """Bit for bit (vLLM's checksums of every tensor the workers compute with): the staged path
+    packs each layer it writes as the live path's reload does."""
+    new = modified_weights(demo_model, seed=22)
+    path = save(new, tmp_path / "new.safetensors")
+    before = fleet_checksums(staged_server)
+    after = []
+    for version, how in (("live-22", ()), ("staged-22", ("--staged",))):
+        pushed = run_trainer(staged_server, path, version, *how)
+        assert pushed.returncode == 0 and f"pushed {version}" in pushed.stdout, pushed.stdout + pushed.stderr
+        after.append(fleet_checksums(staged_server))
+    live, staged = after
+    assert staged.keys() == live.keys() and [k for k in live if staged[k] != live[k]] == [] and live != before
+    fleet.update(version="staged-22", weights=new)
+    assert_engines_match(staged_server, staged_server.model, demo_model, new, "staged-22")

@@ -19,18 +19,24 @@ __all__ = ["StagedPush"]
 log = logging.getLogger("skyinfer.engine.staging")
 
 
+def _gpu_has_room(update_nbytes: int) -> bool:
+    free, _total = torch.cuda.mem_get_info()
+    return free - update_nbytes > DEVICE_HEADROOM_BYTES
+
+
 def _staging_place(update_nbytes: int) -> tuple[torch.device, bool]:
-    """Where a GPU worker keeps a push of ``update_nbytes`` (the whole push, decided at its first
-    chunk): its GPU if it has room, else pinned host memory if the host has; else refused."""
+    """Where a GPU worker keeps a quantized model's push of ``update_nbytes`` (the whole push,
+    decided at its first chunk): its GPU if it has room, else pinned host memory if the host has;
+    else refused."""
     if not torch.cuda.is_available():
         return torch.device("cpu"), False
-    free, _total = torch.cuda.mem_get_info()
-    if free - update_nbytes > DEVICE_HEADROOM_BYTES:
+    if _gpu_has_room(update_nbytes):
         return torch.device("cuda", torch.cuda.current_device()), False
     available = host_memory_available()
     if available - update_nbytes <= HOST_HEADROOM_BYTES:
         raise RuntimeError(
-            f"no room for a staging copy of {update_nbytes / 2**30:.2f} GiB: the GPU has {free / 2**30:.2f} GiB free,"
+            f"no room for a staging copy of {update_nbytes / 2**30:.2f} GiB: the GPU has"
+            f" {torch.cuda.mem_get_info()[0] / 2**30:.2f} GiB free,"
             f" the host {available / 2**30:.2f} GiB available: push without staged"
         )
     return torch.device("cpu"), True
@@ -45,8 +51,9 @@ class StagedPush:
     to point an update elsewhere, as adapter pushes do); ``status`` says how it goes, and
     ``swap_into`` and ``drop`` each take one worker call.
 
-    ``shadow_of``: the live model, to stage into a shadow of it (CPU, unquantized; ``vllm_config``
-    is the worker's, which vLLM's processing of a layer reads); else the checkpoint's tensors are kept."""
+    ``shadow_of``: the live model, to stage into a shadow of it (unquantized; ``vllm_config`` is the
+    worker's, which vLLM's processing of a layer reads; ``in_place``: how the swap installs it), on
+    the model's own device; else the checkpoint's tensors are kept."""
 
     def __init__(
         self,
@@ -56,12 +63,21 @@ class StagedPush:
         adding_to: StagedPush | None = None,
         shadow_of: torch.nn.Module | None = None,
         vllm_config=None,
+        in_place: bool = False,
     ) -> None:
         self.target: WeightTarget
+        self._device = engine.device
         if adding_to is not None:  # the next chunk of the same update
             self.place, self.target = adding_to.place, adding_to.target
         elif shadow_of is not None:
-            self.place, self.target = "cpu", ShadowTarget(shadow_of, vllm_config)
+            # A GPU's shadow takes the memory of every parameter at once.
+            shadow_nbytes = sum(p.numel() * p.element_size() for p in shadow_of.parameters())
+            if self._device.type == "cuda" and not _gpu_has_room(shadow_nbytes):
+                raise RuntimeError(
+                    f"no room on the GPU for a staged copy of {shadow_nbytes / 2**30:.2f} GiB (the model in its"
+                    " own layout, processed on the GPU as vLLM processes it at start-up): push without staged"
+                )
+            self.place, self.target = self._device.type, ShadowTarget(shadow_of, vllm_config, in_place)
         else:
             device, pinned = _staging_place(update_nbytes)
             self.place = f"{device.type}{' pinned' if pinned else ''}"
@@ -80,6 +96,8 @@ class StagedPush:
 
     def _receive(self) -> None:
         started = time.monotonic()
+        if self._device.type == "cuda":
+            torch.cuda.set_device(self._device)  # a new thread's is GPU 0: the staging side's work is this worker's
         threads = torch.get_num_threads()
         # Its own OpenMP team would take every core beside the engine's threads (on 2 cores under
         # load, steps took up to 4.5x their length while a push was staged with 2 threads).
@@ -87,8 +105,8 @@ class StagedPush:
         try:
             self._receiver.receive_weights(self._info)
             self.target.received()
-            if torch.cuda.is_available():
-                torch.cuda.current_stream().synchronize()
+            if self._device.type == "cuda":
+                torch.cuda.current_stream(self._device).synchronize()
         except BaseException as exc:
             self.error = exc
             log.warning("staging a push failed: %s: %s", type(exc).__name__, exc)
@@ -115,9 +133,9 @@ class StagedPush:
         return answer
 
     def swap_into(self, model: torch.nn.Module, device: torch.device) -> int:
-        """Swap the staged weights into ``model``: by pointer from a shadow, else through the
-        model's own loaders (in place, or into vLLM's layerwise reload where the caller opened
-        one); how many tensors the push staged."""
+        """Swap the staged weights into ``model``: a shadow installed by the device's means, or the
+        checkpoint's tensors through the model's loaders into vLLM's layerwise reload the caller
+        opened; how many tensors the push staged."""
         if self.receiving or self.error is not None:
             raise RuntimeError(f"nothing staged to swap in: {self.status()}")
         self.target.swap_into(model, device)

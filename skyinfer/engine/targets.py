@@ -1,6 +1,7 @@
 """What a push's tensors are received into (the backend's ``set_weight_update_target``): the
-``WeightTarget`` protocol, and its two kinds, a copy of the checkpoint's tensors (``CopyTarget``)
-and a shadow of the live model in its own layout (``ShadowTarget``, an unquantized model on CPU)."""
+``WeightTarget`` protocol, and its two kinds, a copy of the checkpoint's tensors (``CopyTarget``: a
+quantized model's staged push, swapped in through vLLM's reload; a pushed adapter) and a shadow of
+the live model in its own layout (``ShadowTarget``: an unquantized model's staged push, on any device)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Protocol
 import torch
 
 from ..memory import give_back_freed_memory
-from ..transfer.receiving import cpu_moe_layers
+from ..transfer.receiving import unquantized_moe_layers
 from ..vllm_api import default_weight_loader
 from .cpu_setup import pack_cpu_gemms
 
@@ -31,6 +32,7 @@ class WeightTarget(Protocol):
 
     nbytes: int  # the bytes received so far
     dropped: bool  # thrown away: what is still received is not kept
+    installed: str  # how ``swap_into`` puts it into the live model, in words
 
     @property
     def names(self) -> Collection[str]:
@@ -64,6 +66,7 @@ class CopyTarget(torch.nn.Module):
         self.tensors: dict[str, torch.Tensor] = {}
         self.nbytes = 0
         self.dropped = False
+        self.installed = "through the model's loaders"
         self._device = device
         self._pinned = pinned
 
@@ -95,37 +98,48 @@ class CopyTarget(torch.nn.Module):
 
 
 class ShadowTarget(torch.nn.Module):
-    """A weight-update target in the live model's own layout, for an unquantized model on CPU.
+    """A weight-update target in the live model's own layout, for an unquantized model, on any device.
 
     The shadow is a shallow copy of each of the model's modules whose parameters are new tensors
     (of the same class and attributes, so the model's own loaders fill them as they would the live
-    ones: fused projections, tensor-parallel slices, tied embeddings). A parameter is copied from
-    the live one before its first sharded write only (a fused projection a push fills in part);
-    one no push wrote is not swapped. Each layer a push wrote packs its kernel's weight on the
-    staging thread (``received``). The swap points each live parameter at its shadow's tensor and
-    each live layer at its new kernel: a few hundred pointer moves between two steps.
+    ones: fused projections, tensor-parallel slices, tied embeddings), on the live one's device (a
+    GPU's memory is taken for all of them at once; a CPU's pages as a loader writes them). A
+    parameter is copied from the live one before its first sharded write only (a fused projection a
+    push fills in part); one no push wrote is not swapped.
 
-    A mixture-of-experts layer serves its experts padded and packed (``receiving.
-    forget_cpu_moe_kernels`` says why): its shadow takes the experts in the shapes the layer was
-    created with, and once every element of them came, vLLM's own processing pads and packs them
-    and builds the kernel, on the staging thread (``_ShadowExperts``). Its served tensors cannot be
-    read back unpacked, so a push must carry all of a layer's experts or none (the swap refuses)."""
+    What vLLM does to a layer after loading it is done here too, on the staging thread
+    (``received``), so that the swap installs weights as the engine computes with them: each CPU
+    linear layer a push wrote packs its kernel's weight; a mixture-of-experts layer, whose experts
+    its kernel serves converted (padded and packed on CPU, shuffled or laid out in blocks by some GPU
+    kernels), takes its experts in the shapes the layer was created with and, once every element of
+    them came, is processed by vLLM's own method, as at start-up (``_ShadowExperts``). Its served
+    tensors cannot be read back unconverted, so a push must carry all of a layer's experts or none.
+    A layer processed any other way after loading (a quantized one, a tensor an attention layer
+    derives from its weights, as MLA's) is refused before the swap.
 
-    def __init__(self, model: torch.nn.Module, vllm_config) -> None:
+    The swap installs each written parameter by the device's own means (``in_place``): on a GPU its
+    values are copied into the live tensor, whose address CUDA graphs hold; on a CPU the live
+    parameter is pointed at the shadow's tensor (a pointer move, where a copy would cost about 0.4 s
+    per GB between two steps). Either way the live layers take the kernels packed for them."""
+
+    def __init__(self, model: torch.nn.Module, vllm_config, in_place: bool) -> None:
         super().__init__()
         self.names: set[str] = set()
         self.nbytes = 0
         self.dropped = False
+        self.in_place = in_place
+        self.installed = "copied in place" if in_place else "by pointer"
         self._modules_of: dict[int, tuple[torch.nn.Module, torch.nn.Module]] = {}  # id(live): (live, shadow)
         self._params_of: dict[int, tuple[torch.nn.Parameter, torch.nn.Parameter]] = {}  # id(live): (live, shadow)
         self._written: set[int] = set()  # ids of live parameters a loader wrote into their shadows
         self._unpacked: set[int] = set()  # ids of live modules whose shadows were written since packed
         self._owners: dict[int, list[int]] = {}  # id(live parameter): ids of the live modules holding it
         self._experts: dict[int, _ShadowExperts] = {}  # id(live MoE layer): its shadow
-        self._expert_layers = {id(layer) for layer in cpu_moe_layers(model)}
+        self._expert_layers = {id(layer) for layer in unquantized_moe_layers(model)}
         self._vllm_config = vllm_config
         # Not a submodule of this target: a plain attribute.
         object.__setattr__(self, "_root", self._shadow_module(model))
+        self._refused = _unstageable_parameters(model, self._experts)
 
     def _shadow_module(self, live: torch.nn.Module) -> torch.nn.Module:
         known = self._modules_of.get(id(live))
@@ -153,7 +167,6 @@ class ShadowTarget(torch.nn.Module):
         known = self._params_of.get(id(live))
         if known is not None:
             return known[1]
-        # Uninitialised: its memory is taken when a loader writes it.
         shadow = _shadow_parameter(live, torch.empty_like(live.data), lambda loader: self._loader(live, loader))
         self._params_of[id(live)] = (live, shadow)
         return shadow
@@ -183,10 +196,17 @@ class ShadowTarget(torch.nn.Module):
         return set(self.names)
 
     def received(self) -> None:
-        """Pack the kernels of the layers written since they were last packed (on this thread), and
+        """Refuse a push into a layer vLLM processes in a way a staged push does not redo; then, on
+        this thread, pack the CPU kernels of the layers written since they were last packed and
         process the mixture-of-experts layers whose experts all came."""
         if self.dropped:
             return
+        refused = sorted({self._refused[p] for p in self._written if p in self._refused})
+        if refused:
+            raise ValueError(
+                f"a staged push cannot carry {', '.join(refused)}: vLLM processes them after loading in a way a"
+                " staged push does not redo; push them without staged (the live path reloads them as vLLM does)"
+            )
         pack_cpu_gemms(self._modules_of[module_id][1] for module_id in self._unpacked)
         self._unpacked.clear()
         from ..vllm_api import set_current_vllm_config
@@ -196,21 +216,21 @@ class ShadowTarget(torch.nn.Module):
                 experts.process_if_whole()
 
     def swap_into(self, model: torch.nn.Module, device: torch.device) -> None:
-        # Packed already: the staging thread ends with ``received``, and a failed one is never swapped.
+        # Processed already: the staging thread ends with ``received``, and a failed one is never swapped.
         partial = [f"{e.name} ({e.loaded} of {e.total} elements)" for e in self._experts.values() if e.partial]
         if partial:
             raise RuntimeError(
                 "a staged push must carry every expert of a mixture-of-experts layer it writes (the layer"
-                f" serves them packed: what it left out cannot be carried over), and part came for {', '.join(partial)}"
+                f" serves them converted: what it left out cannot be carried over), and part came for {', '.join(partial)}"
             )
-        retired = []  # the old weights and kernels: freed off this call (1 GB takes 60 ms to unmap)
-        for experts in self._experts.values():
-            if experts.processed:
-                retired += experts.swap_in()
-        for param_id in self._written:
-            live, shadow = self._params_of[param_id]
-            retired.append(live.data)
-            live.data = shadow.data
+        retired = []  # what the live model held until now: freed off this call (1 GB takes 60 ms to unmap)
+        with torch.no_grad():
+            for experts in self._experts.values():
+                if experts.processed:
+                    retired += experts.swap_in(self.in_place)
+            for param_id in self._written:
+                live, shadow = self._params_of[param_id]
+                retired.append(_install(live, shadow.data, self.in_place))
         for module_id in {owner for param_id in self._written for owner in self._owners[param_id]}:
             live_module, shadow_module = self._modules_of[module_id]
             if "cpu_linear" in shadow_module.__dict__:
@@ -233,6 +253,35 @@ class ShadowTarget(torch.nn.Module):
         object.__setattr__(self, "_root", None)
 
 
+def _install(live: torch.nn.Parameter, new: torch.Tensor, in_place: bool) -> torch.Tensor:
+    """Make ``live`` hold ``new``'s values: copied into its tensor (``in_place``) or by pointing it at
+    ``new``; what the live model no longer holds (``new`` once copied, else the old tensor)."""
+    if in_place:
+        if new.shape != live.shape or new.dtype != live.dtype:
+            raise RuntimeError(f"staged {tuple(new.shape)} {new.dtype} cannot go into {tuple(live.shape)} {live.dtype}")
+        live.data.copy_(new)
+        return new
+    old, live.data = live.data, new
+    return old
+
+
+def _unstageable_parameters(model: torch.nn.Module, experts: dict) -> dict[int, str]:
+    """The model's parameters a staged push may not write, by id, each with its layer's name: those
+    of a layer processed after loading other than as the shadow redoes it (quantized ones), and
+    those an attention layer derives tensors from after loading (MLA's ``kv_b_proj``)."""
+    from ..vllm_api import UnquantizedEmbeddingMethod, UnquantizedLinearMethod, is_deferred_attention_layer
+
+    redone = (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)  # identity on GPUs; packed here on CPU
+    refused = {}
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        processed_apart = method is not None and not isinstance(method, redone) and id(module) not in experts
+        if processed_apart or is_deferred_attention_layer(module):
+            for param in module.parameters():  # an attention layer's too: those it derives from
+                refused.setdefault(id(param), name)
+    return refused
+
+
 def _shadow_parameter(live: torch.nn.Parameter, data: torch.Tensor, wrap_loader) -> torch.nn.Parameter:
     """A parameter over ``data`` with ``live``'s class and attributes, its weight loader wrapped by
     ``wrap_loader`` (the model's own loaders then fill it as they would the live one)."""
@@ -244,10 +293,10 @@ def _shadow_parameter(live: torch.nn.Parameter, data: torch.Tensor, wrap_loader)
 
 
 class _ShadowExperts:
-    """The shadow of one CPU mixture-of-experts layer: its experts in the shapes the layer was
-    created with (vLLM's reload keeps them), counted as loaders write them, then padded, packed and
-    given a kernel by a copy of the layer's own method (``process_if_whole``); swapped in by pointer
-    with that kernel (``swap_in``)."""
+    """The shadow of one mixture-of-experts layer: its experts in the shapes the layer was created
+    with (vLLM's reload keeps them), on the layer's device, counted as loaders write them, then
+    converted and given a kernel by a copy of the layer's own method (``process_if_whole``);
+    installed with the parameters' own means (``swap_in``)."""
 
     def __init__(self, live: torch.nn.Module, shadow: torch.nn.Module) -> None:
         from ..vllm_api import get_layerwise_info
@@ -267,8 +316,8 @@ class _ShadowExperts:
         return self.loaded > 0 and not self.processed
 
     def shadow_parameter(self, name: str, live: torch.nn.Parameter) -> torch.nn.Parameter:
-        created = self._created.get(name)
-        data = torch.empty(created.shape, dtype=created.dtype) if created is not None else torch.empty_like(live.data)
+        created = self._created.get(name, live.data)
+        data = torch.empty(created.shape, dtype=created.dtype, device=live.device)
         return _shadow_parameter(live, data, self._counting)
 
     def _counting(self, loader):
@@ -291,14 +340,15 @@ class _ShadowExperts:
         self.shadow.quant_method.process_weights_after_loading(self.shadow)
         self.processed = True
 
-    def swap_in(self) -> list[torch.Tensor]:
-        """Point the live layer's tensors at the processed shadow's and hand it the new kernel; the
-        tensors it served with until now."""
-        retired = []
-        for name, live in self.live._parameters.items():
-            if live is not None:
-                retired.append(live.data)
-                live.data = self.shadow._parameters[name].data
-        method, processed = self.live.quant_method, self.shadow.quant_method
-        method.moe_kernel, method.moe_quant_config = processed.moe_kernel, processed.moe_quant_config
+    def swap_in(self, in_place: bool) -> list[torch.Tensor]:
+        """Install the processed shadow's tensors in the live layer: copied into the live tensors,
+        whose kernel computes with them (as vLLM's own weight update does), or by pointer, handing
+        the live layer the shadow's kernel too; what the live layer no longer holds."""
+        installed = [
+            (live, self.shadow._parameters[name]) for name, live in self.live._parameters.items() if live is not None
+        ]
+        retired = [_install(live, shadow.data, in_place) for live, shadow in installed]
+        if not in_place:
+            method, processed = self.live.quant_method, self.shadow.quant_method
+            method.moe_kernel, method.moe_quant_config = processed.moe_kernel, processed.moe_quant_config
         return retired

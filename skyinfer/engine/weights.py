@@ -170,8 +170,9 @@ async def stage_weights(request: web.Request) -> web.Response:
 
 
 async def swap_staged(request: web.Request) -> web.Response:
-    """A staged push's second half: every worker loads its staged copy into the live weights
-    (vLLM's layerwise reload, opened and closed in the same worker call), then the new version and
+    """A staged push's second half: every worker installs its staged copy in the live weights (a
+    shadow copied in place or pointed at; a quantized model's through vLLM's layerwise reload,
+    opened and closed in the same worker call), then the new version and
     the KV rule (finish_weight_update's), all inside a keep-pause: the engine stops for the swap
     alone. The three are separate EngineCore calls, in no set order (logged: the new version came
     first in 6 swaps of 6), and a step can run between two of them: once in CI, a token the old
@@ -198,7 +199,12 @@ async def swap_staged(request: web.Request) -> web.Response:
         if paused_here:
             await engine.resume_generation()
     return json_response(
-        {"status": "swapped", "tensors": sum(a["tensors"] for a in swapped), "weight_version": body["weight_version"]}
+        {
+            "status": "swapped",
+            "tensors": sum(a["tensors"] for a in swapped),
+            "installed": swapped[0]["installed"],
+            "weight_version": body["weight_version"],
+        }
     )
 
 

@@ -9,7 +9,7 @@ import os
 import torch
 from safetensors.torch import save_file
 
-from ..engine_wire import ADAPTER_WEIGHTS_FILE, WORKER_SPIN_ENV
+from ..engine_wire import ADAPTER_WEIGHTS_FILE, STAGED_SWAP_ENV, WORKER_SPIN_ENV
 from ..memory import give_back_freed_memory
 from ..ranks import worker_index
 from . import backends  # noqa: F401 - registers skyinfer's backends with vLLM's factory
@@ -136,8 +136,9 @@ class SkyinferWorkerExtension:
             raise RuntimeError("a staged receive this worker dropped is still blocked in the transfer")
         # A later chunk of the same update adds to its copy (a dropped copy is gone, with its update).
         adding_to = current if current is not None and not current.target.dropped else None
-        # On CPU an unquantized model is staged in its own layout, packed, and swapped by pointer.
-        in_shadow = self.device.type == "cpu" and self.vllm_config.quant_config is None
+        # An unquantized model is staged in its own layout and processed as vLLM processes it
+        # (targets.py); a quantized one as the checkpoint's tensors, swapped in through vLLM's reload.
+        in_shadow = self.vllm_config.quant_config is None
         self._skyinfer_staged = StagedPush(
             engine,
             update_info,
@@ -145,6 +146,7 @@ class SkyinferWorkerExtension:
             adding_to=adding_to,
             shadow_of=self.model_runner.get_model() if in_shadow else None,
             vllm_config=self.vllm_config,
+            in_place=self.device.type == "cuda" or os.environ.get(STAGED_SWAP_ENV) == "in-place",
         )
         return self._skyinfer_staged.status()
 
@@ -156,11 +158,9 @@ class SkyinferWorkerExtension:
     @answers_every_rank
     def skyinfer_swap_staged(self) -> dict:
         """Swap the staged copy into the live weights, then drop it, in this one call (between two
-        steps of the engine). On CPU an unquantized model's live parameters and layers are pointed
-        at the shadow staged and packed beside them; on a GPU its weights load in place, as verl's
-        and SkyRL's in-place updates do (each loader copies into the live parameter, whose address
-        CUDA graphs hold): vLLM's layerwise reload would cost more than the copy. A quantized
-        model goes through vLLM's own weight update, started and finished here."""
+        steps of the engine). An unquantized model takes its shadow, staged and processed beside it:
+        copied into the live tensors on a GPU (CUDA graphs hold their addresses), pointed at on CPU.
+        A quantized model goes through vLLM's own weight update, started and finished here."""
         staged = getattr(self, "_skyinfer_staged", None)
         if staged is None:
             raise RuntimeError("no staged push on this worker")
@@ -185,7 +185,7 @@ class SkyinferWorkerExtension:
         self._skyinfer_staged = None
         if not isinstance(staged.target, ShadowTarget):  # a shadow's old tensors go on their own thread
             give_back_freed_memory()
-        return {"tensors": swapped}
+        return {"tensors": swapped, "installed": staged.target.installed}
 
     @answers_every_rank
     def skyinfer_drop_staged(self) -> dict:

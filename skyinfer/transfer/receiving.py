@@ -130,16 +130,20 @@ def _serves_as_loaded(layer: torch.nn.Module, info) -> bool:
     )
 
 
-def cpu_moe_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's unquantized mixture-of-experts layers whose experts live on CPU."""
+def unquantized_moe_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's unquantized mixture-of-experts layers."""
     from ..vllm_api import UnquantizedFusedMoEMethod
 
     return [
         layer
         for layer in model.modules()
         if isinstance(getattr(layer, "quant_method", None), UnquantizedFusedMoEMethod)
-        and layer.w13_weight.device.type == "cpu"
     ]
+
+
+def cpu_moe_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's unquantized mixture-of-experts layers whose experts live on CPU."""
+    return [layer for layer in unquantized_moe_layers(model) if layer.w13_weight.device.type == "cpu"]
 
 
 def forget_cpu_moe_kernels(model: torch.nn.Module) -> dict[torch.nn.Module, tuple]:

@@ -72,6 +72,10 @@ class Fleet:
             self._spec = attrs.evolve(self._spec, served_quantized=served)
         return self._spec
 
+    def serves_quantized(self) -> bool:
+        """Whether the engines serve any layer quantized, as they report it."""
+        return any(r.quantized_layers for r in self.registry.records)
+
     def workers(self, records: list[EngineRecord]) -> tuple[int, ...]:
         return tuple(self.transport.workers_per_engine[r.engine_id] for r in records)
 

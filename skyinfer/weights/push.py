@@ -127,6 +127,8 @@ class Push:
         self.live = LivePath(fleet, self._begin)
         self.staged = StagedPath(fleet)
         self.last_update_s: float | None = None
+        # How the last staged push went into the engines' live weights (``/weight_info``).
+        self.last_staged_swap: dict | None = None
         # Updates that began touching engines (or a reload): a peer catch-up that sees this move
         # while it copies gives way to the push (catchup.py).
         self.updates_begun = 0
@@ -293,6 +295,7 @@ class Push:
         await self._settle(path.apply_step, records, replies)
         if path is self.staged:
             self.last_update_s = extras["swap_seconds"]
+            self.last_staged_swap = {"seconds": extras["swap_seconds"], "installed": extras["installed"]}
         self.registry.fleet_weight_version = version
         self.fleet.metrics.push_seconds.observe(time.monotonic() - self.update.current.started_at)
         missing = [] if self.update.current.whole_checkpoint else self.fleet.missing(self.update.received)

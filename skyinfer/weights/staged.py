@@ -57,9 +57,15 @@ class StagedPath:
         if records[0].devices.kind == "cpu":
             self._host_fits(_CPU_COPIES * elements * served * len(records), f"{_CPU_COPIES} copies per engine")
             return
-        # A GPU worker keeps the tensors as pushed, whole (every tp worker), on its GPU, or in pinned
-        # host memory where its GPU has no room (the engine decides so for the whole push).
-        per_worker = meta.total_bytes() if meta is not None else elements * served
+        # A GPU worker stages on its GPU: an unquantized model in its own layout, every parameter at
+        # once (its layers then processed there, as at start-up); a quantized one as pushed, whole
+        # (every tp worker), or in pinned host memory where its GPU has no room (the engine decides so
+        # for the whole push).
+        quantized = self.fleet.serves_quantized()
+        if not quantized and self.fleet.spec is not None:
+            per_worker = self.fleet.spec.elements * served
+        else:
+            per_worker = meta.total_bytes() if meta is not None else elements * served
         first_gpus = [group[0] for r in records for group in r.devices.worker_ids]
         try:
             free_bytes = gpu_free_bytes(tuple(first_gpus))
@@ -67,6 +73,13 @@ class StagedPath:
             log.warning("staged push: no GPU memory figures from NVML (%s): the engines place their copies", exc)
             free_bytes = []
         spilled = sum(free - per_worker <= DEVICE_HEADROOM_BYTES for free in free_bytes)
+        if spilled and not quantized:
+            raise SyncError(
+                409,
+                f"a staged push needs {_gib(per_worker)} of GPU memory per worker for its staging copy, and"
+                f" {spilled} worker(s) have no room (less {_gib(DEVICE_HEADROOM_BYTES)} kept free): push without staged",
+                code=STAGING_DOES_NOT_FIT,
+            )
         if spilled:
             self._host_fits(per_worker * spilled, f"pinned, for {spilled} worker(s) whose GPU has no room")
         current = self.fleet.update.current
@@ -149,7 +162,8 @@ class StagedPath:
             self.fleet.update.current.copies_held = False  # a swap consumes them
         for record in records:
             record.staging = None
-        return replies, {"swap_seconds": round(time.monotonic() - started, 4)}
+        installed = sorted({reply.body.get("installed") for reply in replies if reply.ok})
+        return replies, {"swap_seconds": round(time.monotonic() - started, 4), "installed": ", ".join(installed)}
 
     async def drop(self, records: list[EngineRecord]) -> list[EngineReply]:
         """Every engine throws its staging copy away (the update ended without its swap)."""
