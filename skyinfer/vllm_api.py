@@ -49,9 +49,6 @@ NAMES: dict[str, tuple[str, ...]] = {
     "WeightTransferInitRequest": _TRANSFER_BASE,
     "WeightTransferUpdateRequest": _TRANSFER_BASE,
     "WeightTransferEngineFactory": ("vllm.distributed.weight_transfer.factory",),
-    # vLLM's CUDA IPC backend, which skyinfer's ipc receiver extends (transfer/ipc.py).
-    "IPCWeightTransferEngine": ("vllm.distributed.weight_transfer.ipc_engine",),
-    "IPCWeightTransferUpdateInfo": ("vllm.distributed.weight_transfer.ipc_engine",),
     # vLLM's NCCL rendezvous and communicator, which skyinfer's NCCL receiver joins with (transfer/nccl.py).
     "StatelessProcessGroup": ("vllm.distributed.utils",),
     "PyNcclCommunicator": ("vllm.distributed.device_communicators.pynccl",),

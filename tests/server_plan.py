@@ -63,6 +63,7 @@ SECOND_ENGINES_LANE = frozenset(
     {
         "test_catch_up",
         "test_faults",
+        "test_ipc",
         "test_lora",
         "test_moe",
         "test_moe_colocated",

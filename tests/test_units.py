@@ -614,7 +614,7 @@ async def test_a_staged_swap_runs_inside_a_keep_pause(aiohttp_client, caller_pau
     class EngineCore:
         async def call_utility_all_async(self, method, rpc, *args):
             calls.append(rpc)
-            return [[{"tensors": 26}]]
+            return [[{"tensors": 26, "installed": "by pointer"}]]
 
     class Engine:
         engine_core = EngineCore()

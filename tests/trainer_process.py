@@ -26,7 +26,8 @@ with --die-at it dies (exit 9) right after joining the group, right after
 starting the update, after writing its shared-memory segment (shm) and before sending it, while
 the update call is in flight, or right before finishing it; with --stop-before-update it
 SIGSTOPs a process (an engine's) right before its update call. ``--transport shm`` pushes with
-``SharedMemoryTrainer`` into a colocated server; ``--colocated-step LEVEL`` wraps the push in a
+``SharedMemoryTrainer`` into a colocated server, ``--transport ipc`` with ``IPCTrainer``
+(into a CPU server's stand-in for CUDA IPC: ``--colocate --weight-transport ipc``); ``--colocated-step LEVEL`` wraps the push in a
 colocated trainer's step: sleep at LEVEL, wake the weights, push, wake the KV cache. ``--client`` picks who makes
 the push's HTTP calls: skyinfer's client, vLLM's ``HTTPVLLMWeightSyncClient``, or
 the calls TRL's async GRPO trainer makes (its bodies, sent with ``requests``);
@@ -45,7 +46,7 @@ import requests
 from safetensors.torch import load_file
 
 from skyinfer.client import SkyinferError
-from skyinfer.trainer import GlooTrainer, SharedMemoryTrainer
+from skyinfer.trainer import GlooTrainer, IPCTrainer, SharedMemoryTrainer
 
 
 class TrlCalls:
@@ -96,7 +97,7 @@ def main() -> int:
     p.add_argument("--pause-keep", action="store_true")
     p.add_argument("--as-is", action="store_true", help="send every tensor as it is (no quantizing for the engines)")
     p.add_argument("--adapter", help="push WEIGHTS (a PEFT adapter directory) as this LoRA adapter")
-    p.add_argument("--transport", choices=["gloo", "shm"], default="gloo")
+    p.add_argument("--transport", choices=["gloo", "shm", "ipc"], default="gloo")
     p.add_argument("--colocated-step", type=int, choices=[0, 1, 2], metavar="LEVEL")
     p.add_argument(
         "--stop-before-update", type=int, metavar="PID", help="SIGSTOP this process right before the update call"
@@ -123,6 +124,8 @@ def main() -> int:
     stop_after = args.die_after if args.die_after is not None else args.hang_after
     if args.transport == "shm":
         trainer = SharedMemoryTrainer(urls[0], timeout_s=args.timeout)
+    elif args.transport == "ipc":
+        trainer = IPCTrainer(urls[0], timeout_s=args.timeout)
     else:
         trainer = GlooTrainer(
             urls if len(urls) > 1 else urls[0],

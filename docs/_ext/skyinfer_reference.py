@@ -361,6 +361,12 @@ ENGINE_ENVIRONMENT = {
         ' other processes and the front share their cores (docs: benchmarks, "OpenMP threads that'
         ' sleep"); ``ACTIVE`` keeps them spinning, for cores nothing else runs on',
     ),
+    "SKYINFER_STAGED_SWAP": EnvVar(
+        "SKYINFER_STAGED_SWAP",
+        "set to ``in-place`` for each engine by ``skyinfer serve --staged-swap in-place``",
+        "a staged push's weights are copied into the live tensors on CPU too, as on GPUs, instead of"
+        " the live parameters being pointed at them (``skyinfer/engine/targets.py``)",
+    ),
     "SKYINFER_WORKER_SPIN_S": EnvVar(
         "SKYINFER_WORKER_SPIN_S",
         "set to ``0.05`` for each engine on CPU where the front's environment does not set it"

@@ -9,7 +9,7 @@ from ..transfer.gloo import GlooReceiver
 from ..transfer.ipc import IpcReceiver
 from ..transfer.nccl import NcclReceiver
 from ..transfer.shm import SharedMemoryReceiver
-from ..vllm_api import IPCWeightTransferEngine, WeightTransferEngine, WeightTransferEngineFactory
+from ..vllm_api import WeightTransferEngine, WeightTransferEngineFactory
 
 __all__ = ["GlooBackend", "IpcBackend", "NcclBackend", "SharedMemoryBackend"]
 
@@ -26,8 +26,9 @@ class SharedMemoryBackend(SharedMemoryReceiver, WeightTransferEngine):
     """``skyinfer_shm``: the trainer's shared-memory segments, mapped (colocated, CPU)."""
 
 
-class IpcBackend(IpcReceiver, IPCWeightTransferEngine):
-    """``skyinfer_ipc``: vLLM's CUDA IPC backend taking skyinfer's JSON handles (colocated, GPU)."""
+class IpcBackend(IpcReceiver, WeightTransferEngine):
+    """``skyinfer_ipc``: CUDA IPC handles, skyinfer's JSON ones or vLLM's pickled ones (colocated, GPU;
+    on CPU, torch's shared memory in CUDA's place)."""
 
 
 # Every skyinfer backend (transfer.SKYINFER_BACKENDS), as vLLM's factory.py registers its own.

@@ -15,7 +15,8 @@ shm and ipc need none: the trainer's memory is mapped by the engines (a POSIX sh
 segment, CUDA IPC handles). Every backend is skyinfer's own receiver (``receiving``): the front
 never runs one of vLLM's, whose failures, partial layers and CPU kernels skyinfer's handle. On a
 CPU, ``--weight-transport nccl`` runs NCCL's wire and receiver over a gloo communicator in NCCL's
-place (``nccl``). What the updates carry is declared once, in ``protocol``; this module and
+place (``nccl``), and ``--colocate --weight-transport ipc`` the CUDA IPC path over handles to
+torch's shared memory in CUDA's place (``ipc``): what only a GPU runs is the device primitives. What the updates carry is declared once, in ``protocol``; this module and
 ``protocol`` import neither torch nor vLLM, so the front can use them.
 """
 
@@ -45,7 +46,7 @@ TRANSPORTS = (GLOO, NCCL, SHM, IPC)
 # What ``--weight-transport`` may name, by device kind and colocated or not; the first is "auto"'s.
 _CHOICES = {
     ("cpu", False): (GLOO, NCCL),
-    ("cpu", True): (SHM,),
+    ("cpu", True): (SHM, IPC),
     ("cuda", False): (NCCL,),
     ("cuda", True): (IPC,),
 }

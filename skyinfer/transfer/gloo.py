@@ -1,7 +1,7 @@
 """Weights over a gloo process group, for engines on separate devices on CPU: both sides.
 
-The engines' side is a weight-transfer backend for vLLM (``skyinfer_gloo``), since vLLM's own
-(nccl, ipc) need an accelerator. It takes the same ``init_info`` fields as vLLM's nccl backend
+The engines' side is a weight-transfer backend for vLLM (``skyinfer_gloo``), since NCCL and CUDA
+IPC need an accelerator. It takes the same ``init_info`` fields as vLLM's nccl backend
 and the same ``update_info`` fields, packs by the same rule, and loads through vLLM's
 layerwise-reload lifecycle, so a trainer moves between CPU and GPU by changing the backend only.
 The trainer's side is ``GlooTrainer``: rank 0 of a group spanning every engine's workers, built

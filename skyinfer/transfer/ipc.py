@@ -9,6 +9,13 @@ defines (``protocol.IpcHandle``: handle bytes in base64, classes and dtype by na
 field by field, so no pickle crosses the wire. A server started with ``--allow-pickled-ipc``
 also takes vLLM's pickled body, as vLLM does with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``.
 
+The device primitive is the handle: CUDA's (``reduce_tensor`` on the trainer, ``rebuild_cuda_tensor``
+in each worker). On a CPU, where CUDA has none, a POSIX shared-memory segment of the trainer's takes
+its place in the same fields (its name as the storage handle, each tensor at its offset in it),
+removed when the push ends, by the trainer, or by the server as for the shared-memory transport:
+a CPU server started with ``--colocate --weight-transport ipc`` (the test suite's) runs every other
+line of this path as a GPU does.
+
 A multi-rank trainer (torch.distributed, one rank per GPU) calls ``push`` on every rank: each
 exports the handles of its own GPU's copy, every rank gathers them all before any server call, and
 rank 0 alone sends one update carrying all of them; each engine worker takes the handle of its GPU.
@@ -23,7 +30,11 @@ rank raises the server's refusal: none is left waiting in a collective for a ran
 from __future__ import annotations
 
 import base64
+import contextlib
 import functools
+import os
+import pickle
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,9 +43,11 @@ import torch
 import torch.distributed as dist
 
 from ..client import Client, SkyinferError
-from .protocol import IpcHandle, IpcInitInfo, IpcUpdateInfo
+from .packing import TensorMeta, dtype_from_name, unpack
+from .protocol import IpcHandle, IpcInitInfo, IpcUpdateInfo, checked_segment_name, segment_path
 from .pushing import NamedTensors, OneCall, Trainer, update_weights_call
 from .receiving import LayerwiseReceiver
+from .shm import layout, map_segment, write_segment
 
 # -- the JSON form of torch's rebuild_cuda_tensor arguments ----------------------------------
 
@@ -83,6 +96,8 @@ def encode_handle(rebuild_args: Sequence) -> dict:
 
 _TENSOR_CLASSES = {"Tensor": torch.Tensor, "Parameter": torch.nn.Parameter}
 _STORAGE_CLASSES = {"TypedStorage": torch.storage.TypedStorage, "UntypedStorage": torch.UntypedStorage}
+# What stands for a GPU's UUID where the handles are to host memory (a CPU's stand-in for CUDA IPC).
+HOST_MEMORY_UUID = "GPU-00000000-0000-0000-0000-000000000000"
 
 
 def decode_handle(handle: IpcHandle) -> tuple:
@@ -104,6 +119,48 @@ def decode_handle(handle: IpcHandle) -> tuple:
         None if handle.event_handle is None else base64.b64decode(handle.event_handle),
         handle.event_sync_required,
     )
+
+
+# -- the device primitive: a tensor's handle, made and opened ---------------------------------
+
+
+def device_uuid(device: torch.device) -> str:
+    """The key of a device's handles: the GPU's UUID, as torch prints it; host memory's stand-in on CPU."""
+    if device.type == "cuda":
+        return str(torch.cuda.get_device_properties(device).uuid)
+    return HOST_MEMORY_UUID
+
+
+def export_handles(tensors: list[torch.Tensor], segment: str | None = None) -> list[tuple]:
+    """The arguments that open each of ``tensors`` in another process: ``reduce_tensor``'s for CUDA
+    tensors; for CPU ones, the same fields for a new shared-memory ``segment`` that holds them all
+    (its name as the storage handle, each tensor at an aligned offset; the caller removes it)."""
+    if segment is None:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        return [reduce_tensor(t)[1] for t in tensors]
+    offsets, size = layout([("", t) for t in tensors])
+    write_segment(segment, tensors, offsets, size)
+    name = segment.encode()
+    return [
+        (torch.Tensor, t.size(), t.stride(), offset // t.element_size(), torch.UntypedStorage, t.dtype, 0, name, size,
+         0, False, name, 0, None, False)
+        for t, offset in zip(tensors, offsets)
+    ]  # fmt: skip
+
+
+def open_handle(args: Sequence, device: torch.device) -> torch.Tensor:
+    """The tensor another process exported (``export_handles``), mapped here without a copy: on a
+    GPU through CUDA IPC, onto ``device``; on a CPU from the shared-memory segment it names."""
+    if device.type == "cuda":
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        opened = list(args)
+        opened[6] = device.index  # the handle names the exporter's device index; this worker's is its own
+        return rebuild_cuda_tensor(*opened)
+    _cls, size, stride, offset, _storage_cls, dtype, _device, segment, nbytes, *_ = args
+    buffer = map_segment(checked_segment_name(segment.decode()), nbytes)
+    return buffer[: nbytes - nbytes % dtype.itemsize].view(dtype).as_strided(size, stride, offset)
 
 
 # -- a multi-rank trainer's ranks, in step ----------------------------------------------
@@ -206,10 +263,6 @@ class Ranks:
 # -- the trainer's side ---------------------------------------------------------------
 
 
-def _device_uuid() -> str:
-    return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
-
-
 class IPCTrainer(Trainer):
     """A trainer on the same GPUs as a colocated skyinfer server (``--colocate``): pushes from its
     own GPU memory. With torch.distributed initialized, call ``init`` and ``push`` on every rank of
@@ -231,13 +284,17 @@ class IPCTrainer(Trainer):
         self._keep: list[torch.Tensor] = []
         # Every rank's handles per tensor, gathered as the tensors are prepared.
         self._handles: list[dict[str, dict]] = []
+        # On a CPU: what this server's segments are named, and the one a push exported into.
+        self._segment_prefix: str | None = None
+        self._segment: str | None = None
 
     def init(self) -> None:
         """Tell the engines a trainer pushes through CUDA IPC; on every rank, which all return or all raise."""
         self._ranks.agree(self._init_engines)
 
     def _init_engines(self) -> None:
-        self.client.init_weight_transfer_engine({"packed": False, "timeout_s": self.timeout_s})
+        answer = self.client.init_weight_transfer_engine({"packed": False, "timeout_s": self.timeout_s})
+        self._segment_prefix = answer.get("segment_prefix")
 
     def _pushed(self) -> None:
         # Every rank's tensors and handles, held for the engines while they copied them.
@@ -264,47 +321,102 @@ class IPCTrainer(Trainer):
         # Gathered when the tensors were prepared, so that a push sent again carries the same ones.
         update_weights_call(self._calls, {**metadata, "ipc_handles": self._handles}, one_call)
 
-    # The CUDA steps, apart from the ranks' choreography (a test runs that on CPU with stand-ins).
+    # The device steps, apart from the ranks' choreography (a test runs that on CPU with stand-ins).
+
+    @staticmethod
+    def _device() -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
     def _on_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.detach().to(torch.device("cuda", torch.cuda.current_device())).contiguous()
+        return tensor.detach().to(self._device()).contiguous()  # on a CPU, copied into a segment when exported
 
     def _export_handles(self, tensors: list[tuple[str, torch.Tensor]]) -> list[dict[str, dict]]:
-        """One ``{this GPU's uuid: handle}`` per tensor."""
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        here = _device_uuid()
-        return [{here: encode_handle(reduce_tensor(t)[1])} for _, t in tensors]
+        """One ``{this device's uuid: handle}`` per tensor."""
+        device = self._device()
+        if device.type == "cpu":
+            if self._segment_prefix is None:
+                raise RuntimeError("call init() first: the server names the segments it takes")
+            self._segment = f"{self._segment_prefix}{uuid.uuid4().hex}"
+        handles = export_handles([t for _, t in tensors], self._segment)
+        return [{device_uuid(device): encode_handle(args)} for args in handles]
 
     def _release_exported(self) -> None:
-        torch.cuda.ipc_collect()
+        if torch.cuda.is_available():
+            torch.cuda.ipc_collect()
+        if self._segment is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(segment_path(self._segment))
+            self._segment = None
 
 
 # -- the engines' side ----------------------------------------------------------------
 
 
 class IpcReceiver(LayerwiseReceiver):
-    """vLLM's ``ipc`` backend taking skyinfer's JSON handles (or, where the server allows it, vLLM's
-    pickled ones); mixed with vLLM's ``IPCWeightTransferEngine`` in engine/backends.py."""
+    """Each worker opens the handles of its own device (skyinfer's JSON ones, or, where the server
+    allows it, vLLM's pickled ones) and loads what they map, as vLLM's ``ipc`` backend does."""
 
     init_info_cls = IpcInitInfo
     update_info_cls = IpcUpdateInfo
 
-    def receive_weights(self, update_info: IpcUpdateInfo) -> None:
-        from ..vllm_api import IPCWeightTransferUpdateInfo
+    packed = False
+    # A packed buffer opened once for every chunk that names it (an exporter that reuses its buffer
+    # ships the same handle each chunk): opened and released once per export, as vLLM's importer does.
+    _packed_buffer: tuple[tuple, torch.Tensor] | None = None
 
-        fields = {"names": update_info.names, "dtype_names": update_info.dtype_names, "shapes": update_info.shapes}
-        if update_info.pickled:
-            # vLLM unpickles it, and only with VLLM_ALLOW_INSECURE_SERIALIZATION=1 (--allow-pickled-ipc).
-            vllm_info = IPCWeightTransferUpdateInfo(
-                **fields, ipc_handles_pickled=update_info.ipc_handles_pickled, tensor_sizes=update_info.tensor_sizes
-            )
-        elif isinstance(update_info.ipc_handles, dict):
-            handles = {uuid: decode_handle(h) for uuid, h in update_info.ipc_handles.items()}
-            vllm_info = IPCWeightTransferUpdateInfo(
-                **fields, ipc_handles=handles, tensor_sizes=update_info.tensor_sizes
-            )
+    def init_transfer_engine(self, init_info: IpcInitInfo) -> None:
+        self.packed = init_info.packed
+
+    def receive_weights(self, update_info: IpcUpdateInfo) -> None:
+        handles = self._handles(update_info)
+        here = device_uuid(self.device)
+        if isinstance(handles, dict):  # one packed buffer
+            buffer = self._packed(_mine(handles, here))
+            metas = [
+                TensorMeta(name, dtype_from_name(dtype), tuple(shape))
+                for name, dtype, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes)
+            ]
+            # Copies: the exporter reuses its buffer for the next chunk, and vLLM's reload may replay a
+            # layer's loads from what it was given, after this call.
+            weights = [(name, tensor.clone()) for name, tensor in unpack(buffer[: sum(m.nbytes for m in metas)], metas)]
         else:
-            handles = [{uuid: decode_handle(h) for uuid, h in per.items()} for per in update_info.ipc_handles or []]
-            vllm_info = IPCWeightTransferUpdateInfo(**fields, ipc_handles=handles)
-        super().receive_weights(vllm_info)
+            weights = [
+                (name, open_handle(_mine(per, here), self.device)) for name, per in zip(update_info.names, handles)
+            ]
+        self.model.load_weights(weights)
+
+    @staticmethod
+    def _handles(update_info: IpcUpdateInfo) -> list[dict[str, tuple]] | dict[str, tuple]:
+        """Each tensor's handles (or the packed buffer's), as ``open_handle`` takes them."""
+        if update_info.pickled:
+            # Only a server started with --allow-pickled-ipc lets such a body through to here, and
+            # only its engines are started with vLLM's own opt-in.
+            if os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION") != "1":
+                raise ValueError(
+                    "ipc_handles_pickled: this engine unpickles nothing (the server's --allow-pickled-ipc)"
+                )
+            return pickle.loads(base64.b64decode(update_info.ipc_handles_pickled))
+        if isinstance(update_info.ipc_handles, dict):
+            return {uuid: decode_handle(h) for uuid, h in update_info.ipc_handles.items()}
+        return [{uuid: decode_handle(h) for uuid, h in per.items()} for per in update_info.ipc_handles or []]
+
+    def _packed(self, args: tuple) -> torch.Tensor:
+        key = tuple(args)
+        if self._packed_buffer is None or self._packed_buffer[0] != key:
+            self._packed_buffer = (key, open_handle(args, self.device).view(-1).view(torch.uint8))
+        return self._packed_buffer[1]
+
+    def finish_weight_update(self) -> None:
+        try:
+            super().finish_weight_update()
+        finally:
+            self._packed_buffer = None  # the export's one release
+
+    def shutdown(self) -> None:
+        self._packed_buffer = None
+
+
+def _mine(handles: dict[str, tuple], uuid: str) -> tuple:
+    if uuid not in handles:
+        raise ValueError(f"no handle for this worker's device {uuid}; the update has handles for {', '.join(handles)}")
+    return handles[uuid]

@@ -91,7 +91,7 @@ class GroupInitInfo(WireModel):
     # Packing many tensors into few broadcasts, by vLLM's rule (transfer/packing.py).
     packed: bool = False
     packed_buffer_size_bytes: Annotated[int, Field(ge=1, strict=True)] = DEFAULT_BUFFER_SIZE_BYTES
-    # Accepted as vLLM's nccl backend takes it; gloo has no streams to overlap.
+    # Accepted as vLLM's NCCL trainer sends it; the receivers take one buffer at a time.
     packed_num_buffers: Annotated[int, Field(ge=1, strict=True)] = 2
 
     @model_validator(mode="after")
@@ -134,7 +134,8 @@ def segment_path(name: str) -> str:
     return os.path.join(SEGMENT_DIR, name)
 
 
-def _segment_name(name: str) -> str:
+def checked_segment_name(name: str) -> str:
+    """``name``, if it is a segment name a server hands out; else ValueError (no path, no other file)."""
     if not _SEGMENT_NAME.match(name):
         raise ValueError(
             "a segment name is skyinfer-<server token>-<32 hex digits> (the prefix POST /init_weight_transfer"
@@ -143,7 +144,7 @@ def _segment_name(name: str) -> str:
     return name
 
 
-SegmentName = Annotated[str, AfterValidator(_segment_name)]
+SegmentName = Annotated[str, AfterValidator(checked_segment_name)]
 
 
 class SharedMemoryInitInfo(WireModel):

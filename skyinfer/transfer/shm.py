@@ -46,27 +46,35 @@ def layout(tensors: list[tuple[str, torch.Tensor]]) -> tuple[list[int], int]:
     return offsets, max(end, SEGMENT_ALIGNMENT)
 
 
+def write_segment(name: str, tensors: list[torch.Tensor], offsets: list[int], size: int) -> None:
+    """A new segment holding ``tensors`` at ``offsets``; removed by whoever made it (or the server)."""
+    path = segment_path(name)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        for tensor, offset in zip(tensors, offsets):
+            # One copy, by the kernel, into pages it allocates as it goes: measured twice as
+            # fast here as faulting them in through a mapping (tools/bench_weight_sync.py).
+            os.pwrite(fd, tensor.reshape(-1).view(torch.uint8).numpy(), offset)
+    except BaseException:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+
+
 @contextlib.contextmanager
 def written_segment(
     name: str, tensors: list[tuple[str, torch.Tensor]], offsets: list[int], size: int
 ) -> Iterator[None]:
     """A new segment holding ``tensors`` at ``offsets``, for the duration of the block; unlinked
     afterwards, whatever happens in it."""
-    path = segment_path(name)
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    write_segment(name, [tensor for _name, tensor in tensors], offsets, size)
     try:
-        try:
-            os.ftruncate(fd, size)
-            for (_name, tensor), offset in zip(tensors, offsets):
-                # One copy, by the kernel, into pages it allocates as it goes: measured twice as
-                # fast here as faulting them in through a mapping (tools/bench_weight_sync.py).
-                os.pwrite(fd, tensor.reshape(-1).view(torch.uint8).numpy(), offset)
-        finally:
-            os.close(fd)
         yield
     finally:
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+            os.unlink(segment_path(name))
 
 
 class SharedMemoryTrainer(Trainer):

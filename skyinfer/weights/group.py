@@ -70,7 +70,7 @@ class TransferGroup:
             if records != members:  # an engine retired or rejoined meanwhile: its ranks move
                 plan = await self.transport.plan_init(init_info, self.fleet.workers(records))
             # A transfer engine formed before is shut down first, even one whose group broke since:
-            # vLLM's nccl backend would leak its communicator.
+            # an NCCL communicator left open would leak.
             await self.leave(records)
             for record in records:
                 record.transfer_engine_open = True  # an init that fails may have built part of one

@@ -162,7 +162,7 @@ class StagedPath:
             self.fleet.update.current.copies_held = False  # a swap consumes them
         for record in records:
             record.staging = None
-        installed = sorted({reply.body.get("installed") for reply in replies if reply.ok})
+        installed = sorted({reply.body["installed"] for reply in replies if reply.ok and "installed" in reply.body})
         return replies, {"swap_seconds": round(time.monotonic() - started, 4), "installed": ", ".join(installed)}
 
     async def drop(self, records: list[EngineRecord]) -> list[EngineReply]:

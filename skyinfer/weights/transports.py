@@ -84,8 +84,9 @@ class FrontTransport:
 
     @property
     def shm_segment_prefix(self) -> str | None:
-        """What this server's trainers' segments begin with (the shared-memory transport's alone)."""
-        return self.segment_prefix if self.transport is SHM else None
+        """What this server's trainers' segments begin with: the shared-memory transport's, and the
+        CUDA IPC transport's stand-in for its handles on CPU."""
+        return self.segment_prefix if self.transport in (SHM, IPC) else None
 
     # -- init -------------------------------------------------------------------------
     async def plan_init(self, init_info: dict, workers_per_engine: tuple[int, ...]) -> InitPlan:
@@ -96,9 +97,8 @@ class FrontTransport:
         if rendezvous:
             raise _wrong_transport(self.transport, f"has {', '.join(sorted(rendezvous))}")
         info = (SharedMemoryInitInfo if self.transport is SHM else IpcInitInfo).parse(init_info, ("init_info",))
-        answer = {"transport": self.transport.name}
-        if self.transport is SHM:
-            answer["segment_prefix"] = self.segment_prefix
+        # What a trainer names its segments with (IPC's: where a CPU stands in for CUDA's handles).
+        answer = {"transport": self.transport.name, "segment_prefix": self.segment_prefix}
         timeout_s = self.timeout_s if info.timeout_s is None else info.timeout_s
         engine_info = info.model_dump(exclude={"timeout_s"})
         return InitPlan([engine_info] * len(workers_per_engine), timeout_s, answer)
@@ -185,7 +185,7 @@ class FrontTransport:
 
     def update_ended(self) -> list[str]:
         """An update finished or was aborted: whatever segments its trainer left go too."""
-        return remove_segments(self.segment_prefix) if self.transport is SHM else []
+        return remove_segments(self.segment_prefix) if self.transport in (SHM, IPC) else []
 
 
 async def _check_trainer_address(info: GroupInitInfo) -> None:
