@@ -3,8 +3,11 @@
 each engine, its EngineCore and workers (forked or not), the trainers and clients. coverage.py
 starts in each Python process whose environment names its configuration (``COVERAGE_PROCESS_START``;
 coverage's own ``.pth`` hook), restarts in each forked child (``patch = fork``) and saves at any
-exit it can (``patch = _exit``, ``sigterm``); a process killed with SIGKILL (the fault tests' victims)
-saves nothing, the rest of the suite runs what it ran.
+exit it can (``patch = _exit``, ``sigterm``). An EngineCore, where the workers of a one-worker
+engine run, is killed soon after its engine ends: so a SIGTERM handler any measured process
+installs (an engine's) first saves coverage's data and has its Python descendants save theirs (a
+``.pth`` hook this tool puts in the environment for the run, and takes out after). A process killed
+with SIGKILL alone (the fault tests' victims) saves nothing; the rest of the suite runs what it ran.
 
     .venv/bin/python tools/weight_path_coverage.py                    # tools/run-tests, then the report
     .venv/bin/python tools/weight_path_coverage.py -- -k "nccl or ipc"  # pytest's arguments after --
@@ -40,6 +43,65 @@ WEIGHT_PATH = (
     "skyinfer/engine/worker_extension.py",
 )
 
+SAVER_PTH = "zz_skyinfer_coverage_saver.pth"
+# Run by the site module at every interpreter start, after coverage's own a1_coverage.pth. Every
+# measured process saves its data on SAVE_SIGNAL; a SIGTERM handler any of them installs (the
+# engine's, vLLM's EngineCore's) first saves its own data and has its Python descendants save
+# theirs, then runs: a process's children are SIGKILLed soon after it ends (vLLM's EngineCore, where
+# the workers of a one-worker engine run, by its engine), and so lose nothing.
+SAVER = "import sys; exec({!r}, {{}})".format(
+    "import os\n"
+    "if os.getenv('SKYINFER_COVERAGE_ON_SIGTERM'):\n"
+    " import signal, time, coverage\n"
+    " SAVE_SIGNAL = signal.SIGRTMIN + 5\n"
+    " install = signal.signal\n"
+    " def save(*_):\n"
+    "  cov = coverage.Coverage.current()\n"
+    "  if cov is not None:\n"
+    "   try:\n"
+    "    cov.save()\n"
+    "   except Exception:\n"
+    "    pass\n"
+    " def python_descendants(pid):\n"
+    "  found = []\n"
+    "  try:\n"
+    "   tasks = os.listdir(f'/proc/{pid}/task')\n"
+    "  except OSError:\n"
+    "   return found\n"
+    "  for task in tasks:\n"
+    "   try:\n"
+    "    children = open(f'/proc/{pid}/task/{task}/children').read().split()\n"
+    "   except OSError:\n"
+    "    continue\n"
+    "   for child in map(int, children):\n"
+    "    try:\n"
+    "     if 'python' in os.readlink(f'/proc/{child}/exe'):\n"
+    "      found.append(child)\n"
+    "    except OSError:\n"
+    "     continue\n"
+    "    found += python_descendants(child)\n"
+    "  return found\n"
+    " def saving_first(handler):\n"
+    "  def on_sigterm(signum, frame):\n"
+    "   save()\n"
+    "   descendants = python_descendants(os.getpid())\n"
+    "   for pid in descendants:\n"
+    "    try:\n"
+    "     os.kill(pid, SAVE_SIGNAL)\n"
+    "    except OSError:\n"
+    "     pass\n"
+    "   if descendants:\n"
+    "    time.sleep(0.5)\n"
+    "   return handler(signum, frame)\n"
+    "  return on_sigterm\n"
+    " def chained(signum, handler):\n"
+    "  if signum == signal.SIGTERM and callable(handler):\n"
+    "   handler = saving_first(handler)\n"
+    "  return install(signum, handler)\n"
+    " install(SAVE_SIGNAL, save)\n"
+    " signal.signal = chained\n"
+)
+
 RCFILE = """\
 [run]
 parallel = true
@@ -65,8 +127,20 @@ def run_suite(out: Path, pytest_args: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rcfile = out / "coveragerc"
     rcfile.write_text(RCFILE.format(data=out / ".coverage"))
-    env = {**os.environ, "COVERAGE_PROCESS_START": str(rcfile)}
-    return subprocess.run([str(ROOT / "tools" / "run-tests"), *pytest_args], cwd=ROOT, env=env).returncode
+    subprocess.run([str(ROOT / "tools" / "bootstrap")], cwd=ROOT, check=True)  # the environment, with coverage
+    site_packages = subprocess.run(
+        [str(ROOT / ".venv" / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    saver = Path(site_packages) / SAVER_PTH
+    saver.write_text(SAVER + "\n")
+    env = {**os.environ, "COVERAGE_PROCESS_START": str(rcfile), "SKYINFER_COVERAGE_ON_SIGTERM": "1"}
+    try:
+        return subprocess.run([str(ROOT / "tools" / "run-tests"), *pytest_args], cwd=ROOT, env=env).returncode
+    finally:
+        saver.unlink()
 
 
 def functions(path: Path) -> list[tuple[str, int, set[int]]]:
