@@ -17,6 +17,7 @@ import socket
 import pytest
 from fakes import calls, fake_fleet, kill, script, states, until, whole_checkpoint
 
+from skyinfer.devices import EngineDevices
 from skyinfer.registry import REGISTRY
 from skyinfer.weights import staged
 from skyinfer.weights.checkpoint import safetensors_shapes
@@ -604,6 +605,42 @@ async def test_a_staged_push_is_sized_by_both_copies_it_takes_with_or_without_me
     info = await weight_info(client)
     assert info["update_phase"] == "idle" and info["weight_version"] is None, info
     r = await client.post("/update_weights", json={"update_info": checkpoint, "weight_version": "live"})
+    assert r.status == 200, await r.text()
+
+
+async def test_a_staged_push_on_gpus_takes_their_memory_unquantized_and_pinned_host_memory_quantized(
+    aiohttp_client, demo_model, tmp_path, group_init, monkeypatch
+):
+    """Engines on GPUs (as NVML counts their free memory): an unquantized model is staged on its
+    GPUs, in its own layout (its layers processed there): where a GPU has no room for the whole
+    model, the staged push is refused with a 409 that gives the figures, before any engine is asked.
+    A quantized model's copy may go to pinned host memory instead, where the host has room."""
+    checkpoint = whole_checkpoint(demo_model)
+    one_copy = sum(math.prod(shape) * 4 for shape in checkpoint["shapes"])
+    free = {"gpu": staged.DEVICE_HEADROOM_BYTES + one_copy // 2, "host": 1 << 40}
+    monkeypatch.setattr(staged, "gpu_free_bytes", lambda ids: [free["gpu"]] * len(ids))
+    monkeypatch.setattr(staged, "host_memory_available", lambda: free["host"])
+    app, client = await fake_fleet(aiohttp_client, demo_model, tmp_path)
+    for record in app[REGISTRY].records:
+        record.devices = EngineDevices("cuda", ((f"{record.engine_id}",),), {})
+    assert (await client.post("/init_weight_transfer", json={"init_info": group_init})).status == 200
+    staged_push = {"update_info": checkpoint, "staged": True, "weight_version": "staged"}
+    r = await client.post("/update_weights", json=staged_push)
+    error = (await r.json())["error"]
+    assert r.status == 409 and error["code"] == "staging_does_not_fit", error
+    assert "of GPU memory per worker" in error["message"] and "2 worker(s) have no room" in error["message"], error
+    for record in app[REGISTRY].records:
+        record.quantized_layers = ("model.layers.0.self_attn.qkv_proj",)  # as an int8 engine reports
+    r = await client.post("/update_weights", json=staged_push)
+    assert r.status == 200, await r.text()
+    free["host"] = staged.HOST_HEADROOM_BYTES
+    r = await client.post("/update_weights", json={**staged_push, "weight_version": "staged-2"})
+    error = (await r.json())["error"]
+    assert r.status == 409 and "pinned, for 2 worker(s) whose GPU has no room" in error["message"], error
+    free["gpu"] = staged.DEVICE_HEADROOM_BYTES + 4 * one_copy
+    for record in app[REGISTRY].records:
+        record.quantized_layers = ()
+    r = await client.post("/update_weights", json={**staged_push, "weight_version": "staged-3"})
     assert r.status == 200, await r.text()
 
 

@@ -407,3 +407,21 @@ async def test_a_stream_whose_caller_expects_100_continue_is_relayed(aiohttp_cli
     assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
     events = [e for e in (await r.read()).split(b"\n\n") if e]
     assert len(events) == 4 and events[-1] == b"data: [DONE]", events
+
+
+async def test_a_weight_checker_reset_holds_every_engine_out_until_a_push_of_the_whole_checkpoint(
+    aiohttp_client, demo_model, tmp_path, group_init
+):
+    """vLLM's weight checker ``reset`` zeroes every engine's weights: each is held out (stale,
+    saying why) and serves nothing; a push of the whole checkpoint brings both back."""
+    _app, client = await fake_fleet(aiohttp_client, demo_model, tmp_path, hold_requests_s=0)
+    r = await client.post("/weight_checker", json={"action": "reset"})
+    body = await r.json()
+    assert r.status == 200 and body["status"] == "reset" and body["held_out"] == [0, 1], body
+    engines = (await (await client.get("/engines")).json())["engines"]
+    assert [e["state"] for e in engines] == ["stale", "stale"] and all("zeroed" in e["stale_reason"] for e in engines)
+    assert (await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})).status == 503
+    assert (await client.post("/init_weight_transfer", json={"init_info": group_init})).status == 200
+    r = await client.post("/update_weights", json={"update_info": whole_checkpoint(demo_model), "weight_version": "v"})
+    assert r.status == 200, await r.text()
+    assert await states(client) == ["ready", "ready"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -161,3 +162,32 @@ def test_an_engine_hung_at_the_update_is_restarted_and_one_killed_comes_back(ipc
     assert pushed.returncode == 0, pushed.stdout + pushed.stderr[-3000:]
     assert_engines_match(ipc_server, ipc_server.model, demo_model, weights, version)
     assert not ipc_server.shm_files()
+
+
+def test_a_packed_update_one_handle_for_all_its_tensors_lands(ipc_server, demo_model, pushes):
+    """vLLM's packed form, as its IPC trainer engine sends each chunk: one buffer's handle and each
+    tensor's size in it. Each worker opens the buffer once and copies every tensor out of it; the
+    weights land. (Sent from this process, with the stand-in's handle, as that trainer would.)"""
+    from skyinfer.transfer.ipc import HOST_MEMORY_UUID, encode_handle, export_handles
+    from skyinfer.transfer.packing import dtype_name, pack
+
+    weights, _path, version = pushes.next()
+    init = httpx.post(f"{ipc_server.url}/init_weight_transfer", json={"init_info": {"packed": True}}, timeout=120)
+    assert init.status_code == 200, init.text
+    names = sorted(weights)
+    segment = f"{init.json()['segment_prefix']}{uuid.uuid4().hex}"
+    (handle,) = export_handles([pack([weights[name] for name in names])], segment)
+    update_info = {
+        "names": names,
+        "dtype_names": [dtype_name(weights[name].dtype) for name in names],
+        "shapes": [list(weights[name].shape) for name in names],
+        "ipc_handles": {HOST_MEMORY_UUID: encode_handle(handle)},
+        "tensor_sizes": [weights[name].numel() * weights[name].element_size() for name in names],
+    }
+    try:
+        body = {"update_info": update_info, "weight_version": version}
+        r = httpx.post(f"{ipc_server.url}/update_weights", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+    finally:
+        Path(f"/dev/shm/{segment}").unlink(missing_ok=True)
+    assert_engines_match(ipc_server, ipc_server.model, demo_model, weights, version)

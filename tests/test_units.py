@@ -717,3 +717,23 @@ def test_a_forked_helper_script_runs_as_its_own_python_would(tmp_path):
         held.wait(0.2)
     held.kill()
     assert held.wait(30) == -9
+
+
+def test_a_gpu_worker_stages_a_quantized_push_on_its_gpu_or_in_pinned_host_memory_or_refuses(monkeypatch):
+    """Where a worker keeps a quantized model's staged push, from its GPU's free memory and the
+    host's (each a device figure, stood in here): its GPU while it has room beside the headroom,
+    else pinned host memory, else refused naming both; a CPU worker keeps it in its memory."""
+    import torch
+
+    from skyinfer.engine import staging
+
+    gpu = torch.device("cuda", 1)
+    free = {"gpu": staging.DEVICE_HEADROOM_BYTES + 100, "host": staging.HOST_HEADROOM_BYTES + 1000}
+    monkeypatch.setattr(staging, "_gpu_free_bytes", lambda device: free["gpu"])
+    monkeypatch.setattr(staging, "host_memory_available", lambda: free["host"])
+    assert staging.staging_place(torch.device("cpu"), 10**12) == (torch.device("cpu"), False)
+    assert staging.staging_place(gpu, 50) == (gpu, False)
+    assert staging.staging_place(gpu, 150) == (torch.device("cpu"), True)
+    free["host"] = staging.HOST_HEADROOM_BYTES + 100
+    with pytest.raises(RuntimeError, match=r"no room for a staging copy .* the GPU has .* the host .* without staged"):
+        staging.staging_place(gpu, 150)

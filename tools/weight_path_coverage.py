@@ -143,16 +143,38 @@ def run_suite(out: Path, pytest_args: list[str]) -> int:
         saver.unlink()
 
 
+def _declares_only(body: list[ast.stmt]) -> bool:
+    """A body with nothing to run: ``...``, ``pass`` or ``raise NotImplementedError`` (a protocol's
+    or a base class's declaration)."""
+    for statement in body:
+        if isinstance(statement, ast.Pass) or (
+            isinstance(statement, ast.Expr)
+            and isinstance(statement.value, ast.Constant)
+            and statement.value.value is ...
+        ):
+            continue
+        raised = statement.exc if isinstance(statement, ast.Raise) else None
+        if isinstance(raised, ast.Call):
+            raised = raised.func
+        if not (isinstance(raised, ast.Name) and raised.id == "NotImplementedError"):
+            return False
+    return True
+
+
 def functions(path: Path) -> list[tuple[str, int, set[int]]]:
-    """Each function of a module (methods and nested ones too): its qualified name, first line, and
-    the lines of its own statements (not its docstring's, not a nested function's)."""
+    """Each function of a module that has something to run (methods and nested ones too; not a
+    protocol's or base class's declaration): its qualified name, first line, and the lines of its
+    own statements (not its docstring's, not a nested function's)."""
     found = []
 
     def visit(node: ast.AST, prefix: str) -> None:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 name = f"{prefix}{child.name}"
-                body = child.body[1:] if ast.get_docstring(child) is not None and len(child.body) > 1 else child.body
+                body = child.body[1:] if ast.get_docstring(child) is not None else child.body
+                if _declares_only(body):
+                    visit(child, f"{name}.")
+                    continue
                 lines = set()
                 for statement in body:
                     for sub in ast.walk(statement):
@@ -187,7 +209,11 @@ def report(out: Path) -> dict:
         _, statements, _, missing, _ = cov.analysis2(str(path))
         ran = set(statements) - set(missing)
         relative = str(path.relative_to(ROOT))
-        result["files"][relative] = {"statements": len(statements), "executed": len(ran)}
+        result["files"][relative] = {
+            "statements": len(statements),
+            "executed": len(ran),
+            "not_executed": cov._analyze(str(path)).missing_formatted(),
+        }
         total_statements += len(statements)
         total_run += len(ran)
         lines_run = set(executed.lines(str(path)) or ())
@@ -199,10 +225,12 @@ def report(out: Path) -> dict:
 
 
 def print_report(result: dict) -> None:
-    print(f"{'file':48s} {'statements':>10s} {'executed':>9s} {'%':>6s}")
+    print(f"{'file':48s} {'statements':>10s} {'executed':>9s} {'%':>6s}  lines not executed")
     for name, figures in result["files"].items():
         share = 100 * figures["executed"] / max(figures["statements"], 1)
-        print(f"{name:48s} {figures['statements']:10d} {figures['executed']:9d} {share:6.1f}")
+        print(
+            f"{name:48s} {figures['statements']:10d} {figures['executed']:9d} {share:6.1f}  {figures['not_executed']}"
+        )
     share = 100 * result["executed"] / max(result["statements"], 1)
     print(f"{'the weight path':48s} {result['statements']:10d} {result['executed']:9d} {share:6.1f}")
     print(f"\nfunctions no process of the suite executed ({len(result['not_executed'])}):")

@@ -14,30 +14,44 @@ import torch
 from ..memory import DEVICE_HEADROOM_BYTES, HOST_HEADROOM_BYTES, host_memory_available
 from .targets import CopyTarget, ShadowTarget, WeightTarget
 
-__all__ = ["StagedPush"]
+__all__ = ["StagedPush", "staging_place"]
 
 log = logging.getLogger("skyinfer.engine.staging")
 
 
-def _gpu_has_room(update_nbytes: int) -> bool:
-    free, _total = torch.cuda.mem_get_info()
-    return free - update_nbytes > DEVICE_HEADROOM_BYTES
+# The device primitives on a GPU: its free memory, the thread's device, the stream's end.
 
 
-def _staging_place(update_nbytes: int) -> tuple[torch.device, bool]:
-    """Where a GPU worker keeps a quantized model's push of ``update_nbytes`` (the whole push,
-    decided at its first chunk): its GPU if it has room, else pinned host memory if the host has;
-    else refused."""
-    if not torch.cuda.is_available():
+def _gpu_free_bytes(device: torch.device) -> int:
+    return torch.cuda.mem_get_info(device)[0]
+
+
+def _bind_thread(device: torch.device) -> None:
+    torch.cuda.set_device(device)  # a new thread's is GPU 0: the staging side's work is this worker's
+
+
+def _wait_for(device: torch.device) -> None:
+    torch.cuda.current_stream(device).synchronize()
+
+
+def _gpu_has_room(device: torch.device, nbytes: int) -> bool:
+    return _gpu_free_bytes(device) - nbytes > DEVICE_HEADROOM_BYTES
+
+
+def staging_place(device: torch.device, update_nbytes: int) -> tuple[torch.device, bool]:
+    """Where a worker on ``device`` keeps a quantized model's push of ``update_nbytes`` (the whole
+    push, decided at its first chunk): a CPU worker in its memory; a GPU worker on its GPU if it has
+    room, else in pinned host memory if the host has; else refused."""
+    if device.type != "cuda":
         return torch.device("cpu"), False
-    if _gpu_has_room(update_nbytes):
-        return torch.device("cuda", torch.cuda.current_device()), False
+    if _gpu_has_room(device, update_nbytes):
+        return device, False
     available = host_memory_available()
     if available - update_nbytes <= HOST_HEADROOM_BYTES:
         raise RuntimeError(
             f"no room for a staging copy of {update_nbytes / 2**30:.2f} GiB: the GPU has"
-            f" {torch.cuda.mem_get_info()[0] / 2**30:.2f} GiB free,"
-            f" the host {available / 2**30:.2f} GiB available: push without staged"
+            f" {_gpu_free_bytes(device) / 2**30:.2f} GiB free, the host {available / 2**30:.2f} GiB available:"
+            " push without staged"
         )
     return torch.device("cpu"), True
 
@@ -72,14 +86,14 @@ class StagedPush:
         elif shadow_of is not None:
             # A GPU's shadow takes the memory of every parameter at once.
             shadow_nbytes = sum(p.numel() * p.element_size() for p in shadow_of.parameters())
-            if self._device.type == "cuda" and not _gpu_has_room(shadow_nbytes):
+            if self._device.type == "cuda" and not _gpu_has_room(self._device, shadow_nbytes):
                 raise RuntimeError(
                     f"no room on the GPU for a staged copy of {shadow_nbytes / 2**30:.2f} GiB (the model in its"
                     " own layout, processed on the GPU as vLLM processes it at start-up): push without staged"
                 )
             self.place, self.target = self._device.type, ShadowTarget(shadow_of, vllm_config, in_place)
         else:
-            device, pinned = _staging_place(update_nbytes)
+            device, pinned = staging_place(self._device, update_nbytes)
             self.place = f"{device.type}{' pinned' if pinned else ''}"
             self.target = CopyTarget(device, pinned)
         # Parsed here, so that malformed metadata is refused by the call, not lost on the thread.
@@ -97,7 +111,7 @@ class StagedPush:
     def _receive(self) -> None:
         started = time.monotonic()
         if self._device.type == "cuda":
-            torch.cuda.set_device(self._device)  # a new thread's is GPU 0: the staging side's work is this worker's
+            _bind_thread(self._device)
         threads = torch.get_num_threads()
         # Its own OpenMP team would take every core beside the engine's threads (on 2 cores under
         # load, steps took up to 4.5x their length while a push was staged with 2 threads).
@@ -106,7 +120,7 @@ class StagedPush:
             self._receiver.receive_weights(self._info)
             self.target.received()
             if self._device.type == "cuda":
-                torch.cuda.current_stream(self._device).synchronize()
+                _wait_for(self._device)
         except BaseException as exc:
             self.error = exc
             log.warning("staging a push failed: %s: %s", type(exc).__name__, exc)

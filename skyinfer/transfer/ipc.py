@@ -123,12 +123,37 @@ def decode_handle(handle: IpcHandle) -> tuple:
 
 # -- the device primitive: a tensor's handle, made and opened ---------------------------------
 
+# On a GPU, CUDA IPC, as torch exports and opens it.
+
+
+def _cuda_uuid(device: torch.device) -> str:
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def _export_cuda(tensors: list[torch.Tensor]) -> list[tuple]:
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    return [reduce_tensor(t)[1] for t in tensors]
+
+
+def _open_cuda(args: Sequence, device: torch.device) -> torch.Tensor:
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    opened = list(args)
+    opened[6] = device.index  # the handle names the exporter's device index; this worker's is its own
+    return rebuild_cuda_tensor(*opened)
+
+
+def _release_cuda_exports() -> None:
+    torch.cuda.ipc_collect()
+
+
+# By device, on either side.
+
 
 def device_uuid(device: torch.device) -> str:
     """The key of a device's handles: the GPU's UUID, as torch prints it; host memory's stand-in on CPU."""
-    if device.type == "cuda":
-        return str(torch.cuda.get_device_properties(device).uuid)
-    return HOST_MEMORY_UUID
+    return _cuda_uuid(device) if device.type == "cuda" else HOST_MEMORY_UUID
 
 
 def export_handles(tensors: list[torch.Tensor], segment: str | None = None) -> list[tuple]:
@@ -136,9 +161,7 @@ def export_handles(tensors: list[torch.Tensor], segment: str | None = None) -> l
     tensors; for CPU ones, the same fields for a new shared-memory ``segment`` that holds them all
     (its name as the storage handle, each tensor at an aligned offset; the caller removes it)."""
     if segment is None:
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        return [reduce_tensor(t)[1] for t in tensors]
+        return _export_cuda(tensors)
     offsets, size = layout([("", t) for t in tensors])
     write_segment(segment, tensors, offsets, size)
     name = segment.encode()
@@ -153,11 +176,7 @@ def open_handle(args: Sequence, device: torch.device) -> torch.Tensor:
     """The tensor another process exported (``export_handles``), mapped here without a copy: on a
     GPU through CUDA IPC, onto ``device``; on a CPU from the shared-memory segment it names."""
     if device.type == "cuda":
-        from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-        opened = list(args)
-        opened[6] = device.index  # the handle names the exporter's device index; this worker's is its own
-        return rebuild_cuda_tensor(*opened)
+        return _open_cuda(args, device)
     _cls, size, stride, offset, _storage_cls, dtype, _device, segment, nbytes, *_ = args
     buffer = map_segment(checked_segment_name(segment.decode()), nbytes)
     return buffer[: nbytes - nbytes % dtype.itemsize].view(dtype).as_strided(size, stride, offset)
@@ -342,7 +361,7 @@ class IPCTrainer(Trainer):
 
     def _release_exported(self) -> None:
         if torch.cuda.is_available():
-            torch.cuda.ipc_collect()
+            _release_cuda_exports()
         if self._segment is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(segment_path(self._segment))
@@ -359,13 +378,12 @@ class IpcReceiver(LayerwiseReceiver):
     init_info_cls = IpcInitInfo
     update_info_cls = IpcUpdateInfo
 
-    packed = False
     # A packed buffer opened once for every chunk that names it (an exporter that reuses its buffer
     # ships the same handle each chunk): opened and released once per export, as vLLM's importer does.
     _packed_buffer: tuple[tuple, torch.Tensor] | None = None
 
     def init_transfer_engine(self, init_info: IpcInitInfo) -> None:
-        self.packed = init_info.packed
+        pass  # no rendezvous: each update says whether it is packed (one handle, or one per tensor)
 
     def receive_weights(self, update_info: IpcUpdateInfo) -> None:
         handles = self._handles(update_info)

@@ -48,24 +48,36 @@ class GlooCommunicator:
         self._group = None
 
 
+# The device primitive on a GPU: NCCL's communicator, as vLLM builds it for its own receivers.
+
+
+def _nccl_communicator(group, device: torch.device) -> Communicator:
+    from ..vllm_api import PyNcclCommunicator, unpinned_nccl_env
+
+    with unpinned_nccl_env():
+        return PyNcclCommunicator(group, device=device)
+
+
+def _nccl_communicator_from_unique_id(unique_id: bytes, rank: int, world_size: int, device) -> Communicator:
+    from ..vllm_api import PyNcclCommunicator, unpinned_nccl_env
+
+    with unpinned_nccl_env():
+        return PyNcclCommunicator.from_unique_id_bytes(unique_id, rank=rank, world_size=world_size, device=device)
+
+
 class NcclReceiver(GroupReceiver):
     """vLLM's NCCL rendezvous and wire, into skyinfer's receiver."""
 
     def _open(self, info: GroupInitInfo, rank: int) -> Communicator:
-        from ..vllm_api import PyNcclCommunicator, StatelessProcessGroup, unpinned_nccl_env
+        from ..vllm_api import StatelessProcessGroup
 
         on_gpu = self.device.type == "cuda"
         if info.nccl_unique_id_b64 is not None:
             if not on_gpu:
                 raise ValueError("nccl_unique_id_b64 needs NCCL itself: on CPU, join by master_address and master_port")
-            with unpinned_nccl_env():
-                return PyNcclCommunicator.from_unique_id_bytes(
-                    base64.b64decode(info.nccl_unique_id_b64), rank=rank, world_size=info.world_size, device=self.device
-                )
+            unique_id = base64.b64decode(info.nccl_unique_id_b64)
+            return _nccl_communicator_from_unique_id(unique_id, rank, info.world_size, self.device)
         group = StatelessProcessGroup.create(
             info.master_address, info.master_port, rank, info.world_size, store_timeout=int(info.timeout_s)
         )
-        if not on_gpu:
-            return GlooCommunicator(group, self.device)
-        with unpinned_nccl_env():
-            return PyNcclCommunicator(group, device=self.device)
+        return _nccl_communicator(group, self.device) if on_gpu else GlooCommunicator(group, self.device)
