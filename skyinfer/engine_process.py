@@ -17,7 +17,7 @@ from .config import COLOCATED_GPU_MEMORY_UTILIZATION, ENGINE_COMMAND, ServeConfi
 from .devices import platform_engine_args
 from .engine.output import read_tail
 from .engine_calls import unix_client
-from .engine_templates import EngineTemplates, ForkedProcess, how_it_exited
+from .engine_templates import EngineTemplates, ForkedProcess, how_it_exited, kill_group
 from .engine_wire import EXTENSION_PATH, STACKS_SIGNAL, STAGED_SWAP_ENV
 from .shm_leftovers import mapped_segments, remove_segments
 from .state import EngineRecord
@@ -243,23 +243,21 @@ class EngineProcess:
         doing), and give it ``wait_s`` to before it is killed."""
         if self.proc is not None and self.proc.returncode is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(self.proc.pid, STACKS_SIGNAL)
+                self.proc.send_signal(STACKS_SIGNAL)
             await asyncio.sleep(wait_s)
 
     def kill(self) -> None:
         """SIGKILL the engine's whole process group at once (a hung engine ignores SIGTERM)."""
         if self.proc is not None and self.proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
+            kill_group(self.proc)
 
     async def stop(self, timeout_s: float) -> None:
         """SIGTERM the engine (it shuts vLLM down cleanly), then SIGKILL its whole group."""
         if self.proc is None:
             return
-        pgid = self.proc.pid
         if self.proc.returncode is None:
             # Those made since it came up too (its group is still its own: its leader is not reaped).
-            self.shm_segments |= mapped_segments(pgid)
+            self.shm_segments |= mapped_segments(self.proc.pid)
             with contextlib.suppress(ProcessLookupError):
                 self.proc.send_signal(signal.SIGTERM)
             try:
@@ -267,8 +265,7 @@ class EngineProcess:
             except asyncio.TimeoutError:
                 log.warning("engine %d: no exit %.0fs after SIGTERM; killing", self.record.engine_id, timeout_s)
         # Whatever the engine left behind in its group (EngineCore, workers) goes too.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, signal.SIGKILL)
+        kill_group(self.proc)
         await self.proc.wait()
         # Nothing of its group runs again: what vLLM's processes did not unlink goes now.
         segments, self.shm_segments = self.shm_segments, set()

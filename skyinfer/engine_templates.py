@@ -10,31 +10,40 @@ side and says why).
   group, its lifeline, its output relay); the supervisor sees it through ``ForkedProcess``, which
   answers what it asks of an asyncio process. Its exit code comes from the template, its parent;
   its end from a pidfd, which does not need the template: a template that died leaves its engines
-  serving, and their ends still seen (their codes then unknown: ``UNKNOWN_EXIT``).
+  serving, and their ends still seen (their codes then unknown: ``UNKNOWN_EXIT``). Signals go
+  through that pidfd too (its process group's as well, from Linux 6.9; before, by the group's
+  number), not by the pid, which the template reaps (and the system may give another process)
+  before the front learns the code.
+* A forked process goes on only once the front has its pid (its go-ahead, ``engine/template.py``):
+  a fork order the front gave up on (a template that answered late) starts no engine beside the
+  one the front then starts cold.
 * The templates of a machine's servers (``--engine-template-socket``: a host that starts one per
-  engine environment) are connected to instead; where they cannot be reached, the front starts
-  its own. The front never kills a shared one; its engines are the front's as any other.
+  engine environment) are connected to instead, if the host is of the front's own user (the front
+  sends it its engines' environment, keys and tokens among it); where they cannot be reached, the
+  front starts its own. The front never kills a shared one; its engines are the front's as any other.
 * A template that cannot fork (it died, never came up, or does not answer within the front's
-  probe timeout: hung) is dropped: that start is cold, and the
-  next one of its environment starts a new template. Templates are never the reason an engine
-  does not start.
+  probe timeout: hung) is dropped: that start is cold, and the next one of its environment starts
+  a new template. A shared one whose host says it is done importing has the probe timeout to say
+  it is ready, too. Templates are never the reason an engine does not start.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import os
 import signal
 import socket
 import sys
+import weakref
 from collections.abc import Mapping, Sequence
 
-from .engine.template import MAX_FDS, MAX_MESSAGE, environment_key
+from .engine.template import MAX_FDS, MAX_MESSAGE, environment_key, peer_uid
 
-__all__ = ["UNKNOWN_EXIT", "EngineTemplates", "ForkedProcess", "how_it_exited"]
+__all__ = ["UNKNOWN_EXIT", "EngineTemplates", "ForkedProcess", "how_it_exited", "kill_group"]
 
 log = logging.getLogger("skyinfer.supervisor")
 
@@ -51,6 +60,10 @@ def how_it_exited(code: int | None) -> str:
 
 # How long a forked process's end waits for its template's word on its code.
 _CODE_WAIT_S = 2.0
+# pidfd_send_signal's flag (Linux 6.9): to the process group of the pidfd's process, the group
+# whose id is the pid the pidfd holds, even once that process is gone; never one that took the
+# same number since.
+_PIDFD_SIGNAL_PROCESS_GROUP = 1 << 2
 
 
 class ForkedProcess:
@@ -59,6 +72,10 @@ class ForkedProcess:
 
     def __init__(self, pid: int):
         self.pid = pid
+        # Opened while the process waits for its go-ahead (it has not ended, unless something
+        # killed it meanwhile): the process itself, whoever gets its pid once its template reaped it.
+        self._pidfd = os.pidfd_open(pid)
+        weakref.finalize(self, os.close, self._pidfd)
         self.returncode: int | None = None
         self._code: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._ended = asyncio.Event()
@@ -71,18 +88,12 @@ class ForkedProcess:
 
     async def _watch_end(self) -> None:
         loop = asyncio.get_running_loop()
+        gone = loop.create_future()
+        loop.add_reader(self._pidfd, lambda: gone.done() or gone.set_result(None))
         try:
-            pidfd = os.pidfd_open(self.pid)
-        except ProcessLookupError:
-            pidfd = None  # gone already
-        if pidfd is not None:
-            gone = loop.create_future()
-            loop.add_reader(pidfd, lambda: gone.done() or gone.set_result(None))
-            try:
-                await gone
-            finally:
-                loop.remove_reader(pidfd)
-                os.close(pidfd)
+            await gone
+        finally:
+            loop.remove_reader(self._pidfd)
         try:
             self.returncode = await asyncio.wait_for(asyncio.shield(self._code), _CODE_WAIT_S)
         except asyncio.TimeoutError:
@@ -95,8 +106,30 @@ class ForkedProcess:
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
+        """ProcessLookupError once it ended (its code may not have come yet)."""
         if self.returncode is None:
-            os.kill(self.pid, sig)
+            signal.pidfd_send_signal(self._pidfd, sig)
+
+    def kill_group(self) -> None:
+        """SIGKILL it, and its process group: what is left of it after it ended too."""
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)  # it may not lead its group yet
+        try:
+            signal.pidfd_send_signal(self._pidfd, signal.SIGKILL, None, _PIDFD_SIGNAL_PROCESS_GROUP)
+        except OSError as error:
+            if error.errno != errno.EINVAL:
+                raise
+            os.killpg(self.pid, signal.SIGKILL)  # a kernel before 6.9: by its number
+
+
+def kill_group(proc: asyncio.subprocess.Process | ForkedProcess) -> None:
+    """SIGKILL the process group that ``proc`` leads (an engine's or a spare's: vLLM's processes
+    with it), if any of it is left."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        if isinstance(proc, ForkedProcess):
+            proc.kill_group()
+        else:
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 class _Template:
@@ -114,7 +147,18 @@ class _Template:
         # Exits reported before the fork's answer was read: the pid is the order's.
         self._early_exits: dict[int, int] = {}
         self.closed = False
+        # A shared one's host answers at once, and its template too unless the host says that it is
+        # still importing: until then, its ready is due within the probe timeout (else it is hung).
+        self._hang_check = (
+            None
+            if proc is not None
+            else asyncio.get_running_loop().call_later(answer_timeout_s, self._no_answer, answer_timeout_s)
+        )
         asyncio.get_running_loop().add_reader(channel.fileno(), self._read)
+
+    def _no_answer(self, timeout_s: float) -> None:
+        if not self.ready.done():
+            self.ready.set_exception(ConnectionError(f"did not answer within {timeout_s:g}s"))
 
     def _read(self) -> None:
         try:
@@ -127,7 +171,9 @@ class _Template:
             self.close()
             return
         message = json.loads(data)
-        if message.get("ready"):
+        if message.get("importing") and self._hang_check is not None:
+            self._hang_check.cancel()  # its imports take what a start may take
+        elif message.get("ready"):
             self.ready.done() or self.ready.set_result(message.get("env"))
         elif "order" in message:
             future = self._orders.pop(message["order"], None)
@@ -140,7 +186,9 @@ class _Template:
             else:
                 self._early_exits[message["pid"]] = message["code"]
 
-    async def fork(self, argv: Sequence[str], env: Mapping[str, str], fds: Sequence[int], stdin: int | None) -> int:
+    async def fork(
+        self, argv: Sequence[str], env: Mapping[str, str], fds: Sequence[int], stdin: int | None
+    ) -> ForkedProcess:
         order = self._next_order
         self._next_order += 1
         # Where it runs and on which cores, the front's (a shared template's may differ).
@@ -153,15 +201,26 @@ class _Template:
             "cwd": os.getcwd(),
             "cpus": sorted(os.sched_getaffinity(0)),
         }
-        passed = [*fds, *(() if stdin is None else (stdin,))]
+        # The child's go-ahead, written once its pid is here; closed unwritten if it is not.
+        go_read, go_write = os.pipe()
+        passed = [go_read, *fds, *(() if stdin is None else (stdin,))]
         assert len(passed) <= MAX_FDS
         answer = self._orders[order] = asyncio.get_running_loop().create_future()
-        # A small message into an empty socket buffer: it does not block.
-        socket.send_fds(self.channel, [json.dumps(message).encode()], passed)
-        # A fork takes milliseconds: a template that does not answer is hung, and dropped.
-        return await asyncio.wait_for(answer, self.answer_timeout_s)
+        try:
+            try:
+                # A small message into an empty socket buffer: it does not block.
+                socket.send_fds(self.channel, [json.dumps(message).encode()], passed)
+            finally:
+                os.close(go_read)
+            # A fork takes milliseconds: a template that does not answer is hung, and dropped.
+            pid = await asyncio.wait_for(answer, self.answer_timeout_s)
+            forked = self._adopt(pid)
+            os.write(go_write, b"1")  # one byte into an empty pipe: it does not block
+        finally:
+            os.close(go_write)
+        return forked
 
-    def adopt(self, pid: int) -> ForkedProcess:
+    def _adopt(self, pid: int) -> ForkedProcess:
         forked = ForkedProcess(pid)
         if pid in self._early_exits:
             forked.exited_with(self._early_exits.pop(pid))
@@ -173,6 +232,8 @@ class _Template:
         if self.closed:
             return
         self.closed = True
+        if self._hang_check is not None:
+            self._hang_check.cancel()
         # Their codes can no longer come: what ends from now on ends with an unknown one.
         for forked in self._forked.values():
             forked.exited_with(UNKNOWN_EXIT)
@@ -217,12 +278,11 @@ class EngineTemplates:
         try:
             template = await self._template(key, env, lifeline_fd)
             # Its output the front's, as a cold engine's (a shared template's is not).
-            pid = await template.fork(argv, env, (*fds, 1, 2), stdin)
+            return await template.fork(argv, env, (*fds, 1, 2), stdin)
         except (OSError, ConnectionError, asyncio.TimeoutError) as error:
             log.warning("engine template: cannot fork (%s); this engine starts cold", error)
             self._drop(key)
             return None
-        return template.adopt(pid)
 
     async def _template(self, key: tuple, env: Mapping[str, str], lifeline_fd: int) -> _Template:
         template = self._templates.get(key)
@@ -257,6 +317,10 @@ class EngineTemplates:
             await asyncio.wait_for(
                 asyncio.get_running_loop().sock_connect(channel, self.shared_socket), self.answer_timeout_s
             )
+            # What it is sent (the engines' environment: keys, tokens) and its children's output
+            # are for the front's user alone, as a host answers that user's fronts alone.
+            if (uid := peer_uid(channel)) != os.getuid():
+                raise ConnectionError(f"is another user's (uid {uid}): it is not sent these engines' environment")
             await asyncio.get_running_loop().sock_sendall(channel, json.dumps({"env": dict(env)}).encode())
         except BaseException:
             channel.close()

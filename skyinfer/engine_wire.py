@@ -46,7 +46,8 @@ ENGINE_DIED_HEADER = "X-Skyinfer-Engine-Died"
 # A request whose engine died after it generated tokens goes on on another engine
 # (engine/continuation.py): the answer of the engine that died carries what it generated,
 # a stream as its last chunk (an SSE comment starting so), any other answer as this field of its
-# body (and the header says so); the front sends the request on with the same field added.
+# body (and the header says so); the front sends the request on with the same field added, and the
+# same header, which the front never passes on from a caller: an engine takes a record only from it.
 CONTINUE_MARKER = b": skyinfer-continue "
 CONTINUE_FIELD = "skyinfer_continue"
 CONTINUE_HEADER = "X-Skyinfer-Continue"

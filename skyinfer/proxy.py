@@ -2,11 +2,12 @@
 
 Bodies pass through untouched unless they carry a ``session_id`` field, which
 is moved to the ``X-Session-ID`` header (the engine validates bodies strictly
-and reads the session from that header). What routing needs of a body (its
-``model``, its prompt's start) is read off its bytes: a body is parsed only
-when it carries a session field, or names its model in a way the bytes alone
-do not settle. A stream's chunks go to the client as the engine frames them
-(``stream_relay``); every other answer is read whole, then passed on.
+and reads the session from that header), or a ``skyinfer_continue`` field, the
+front's own, which is dropped. What routing needs of a body (its ``model``, its
+prompt's start) is read off its bytes: a body is parsed only when it carries
+one of those fields, or names its model in a way the bytes alone do not settle.
+A stream's chunks go to the client as the engine frames them (``stream_relay``);
+every other answer is read whole, then passed on.
 """
 
 from __future__ import annotations
@@ -84,24 +85,30 @@ DATA_PLANE_POST = (
 )
 DATA_PLANE_GET = ("/v1/models", "/version", "/tokenizer_info")
 
-# Hop-by-hop headers, credentials meant for the front only, and Expect (the front answered it).
+# Hop-by-hop headers, credentials meant for the front only, Expect (the front answered it), and the
+# header by which an engine knows a continuation record as the front's own.
 _NOT_FORWARDED = frozenset(
     h.lower()
     for h in (
         "Host", "Content-Length", "Connection", "Keep-Alive", "Transfer-Encoding", "TE", "Upgrade",
         "Authorization", "Accept-Encoding", "Proxy-Authorization", "Proxy-Connection", "Expect",
+        CONTINUE_HEADER,
     )
 )  # fmt: skip
+_QUOTED_CONTINUE_FIELD = f'"{CONTINUE_FIELD}"'.encode()
 
 
-def _session_from_body(body: bytes) -> tuple[bytes, str | None]:
-    """Move a top-level ``session_id`` out of a JSON body; parse only when it may be there."""
-    if b'"session_id"' not in body:
+def _front_fields(body: bytes) -> tuple[bytes, str | None]:
+    """Move a top-level ``session_id`` out of a JSON body, and drop a ``skyinfer_continue`` (only the
+    front may send an engine a record to go on from; an engine also takes one only with the front's
+    header, as a name spelled with JSON escapes gets past this check); parse only when one may be there."""
+    if b'"session_id"' not in body and _QUOTED_CONTINUE_FIELD not in body:
         return body, None
     payload = parse_json_object(body)
-    if "session_id" not in payload:
+    if "session_id" not in payload and CONTINUE_FIELD not in payload:
         return body, None
-    session_id = payload.pop("session_id")
+    payload.pop(CONTINUE_FIELD, None)
+    session_id = payload.pop("session_id", None)
     return orjson.dumps(payload), None if session_id is None else str(session_id)
 
 
@@ -147,14 +154,14 @@ class _GoingOn:
         self.record = record
         self.not_continued: str | None = orjson.loads(record).get(NOT_CONTINUED_FIELD)  # what a splice would lose
 
-    def body(self, body: bytes) -> bytes:
-        """The request's body with the record added, for the engine that goes on with it."""
+    def request(self, body: bytes, headers: dict) -> tuple[bytes, dict]:
+        """The request's body with the record added, and its headers with the one that says the
+        record is the front's, for the engine that goes on with it."""
         payload = parse_json_object(body)
         record = orjson.loads(self.record)
         record["from_engine"] = self.engine_id
-        record["weight_version"] = self.weight_version
         payload[CONTINUE_FIELD] = record
-        return orjson.dumps(payload)
+        return orjson.dumps(payload), {**headers, CONTINUE_HEADER: "1"}
 
 
 def _json_object(body: bytes) -> dict | None:
@@ -265,7 +272,7 @@ async def forward(request: web.Request) -> web.StreamResponse:
     (``X-Session-ID``, or a ``session_id`` field), else the one holding the prompt's group, else
     the least loaded; ``X-Skyinfer-Engine`` and ``X-Weight-Version`` say which and with what."""
     body = await request.read()
-    body, body_session = _session_from_body(body)
+    body, body_session = _front_fields(body)
     session_id = request.headers.get(SESSION_HEADER) or body_session
     if session_id:
         session_id = checked_session_id(
@@ -347,11 +354,11 @@ async def _send(
             async with leases.lease(ask, exclude) as grant:
                 engine = grant.engine
                 extra_headers = {**retried, **_version_header(engine, grant.adapter)}
-                sent = body
+                sent, sent_headers = body, headers
                 if going_on is not None and engine.weight_version == going_on.weight_version:
-                    sent = going_on.body(body)
+                    sent, sent_headers = going_on.request(body, headers)
                     extra_headers[CONTINUED_FROM_HEADER] = str(going_on.engine_id)
-                return await _relay(request, engine, sent, headers, extra_headers)
+                return await _relay(request, engine, sent, sent_headers, extra_headers)
         except NoEngineAvailable as exc:
             held = f" (held {leases.hold_requests_s:g}s)" if leases.hold_requests_s else ""
             return error_response(503, f"{exc}{held}", headers={"Retry-After": str(NONE_SERVING_RETRY_AFTER_S)})
@@ -572,7 +579,7 @@ async def _go_on_streaming(
                     response, None, f"{message}; engine {engine.engine_id} serves other weights"
                 )
             answer = await request.app[ENGINE_CONNECTIONS].send(
-                engine.socket_path, request.method, request.raw_path, going_on.body(body), headers
+                engine.socket_path, request.method, request.raw_path, *going_on.request(body, headers)
             )
             try:
                 head = await answer.head()

@@ -21,8 +21,10 @@ outlives it (one of two did, by 5 s) is force-killed all the same.
 So the supervisor notes which of these segments an engine's processes map (``/proc/<pid>/maps`` of
 every process in the engine's process group, which its stop kills as one) while they run, once the
 engine is up and again as it stops, and after its stop (a graceful one, or the kill before a
-restart) unlinks those of them still there. Only segments those processes mapped, of vLLM's own
-prefixes, are ever removed: skyinfer's transfer segments (``skyinfer-*``) have owners of their own.
+restart) unlinks those of them still there. A spare's (``spares.py``), SIGKILLed with its group
+whenever it goes, are noted once it stands by and as it is killed, and unlinked then. Only segments
+those processes mapped, of vLLM's own prefixes, are ever removed: skyinfer's transfer segments
+(``skyinfer-*``) have owners of their own.
 """
 
 from __future__ import annotations

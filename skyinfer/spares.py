@@ -20,6 +20,10 @@ its process group); a cold process is started only when the slot has no live spa
   slot restarts cold, and gets a new spare once its engine is up again.
 * What it costs: an importing spare holds its imports' memory (about 0.6 GiB on CPU) and takes
   a few seconds of a core to start; a loaded one a whole engine's (``docs/benchmarks.rst``).
+* What a spare that goes leaves: nothing. A spare is SIGKILLed with its process group, vLLM's
+  processes and their resource tracker among them, which would have unlinked vLLM's segments in
+  ``/dev/shm``: those its processes map, noted once it stands by and again as it is killed, are
+  removed once it is (``shm_leftovers.py``), as an engine's when it stops.
 """
 
 from __future__ import annotations
@@ -29,13 +33,13 @@ import contextlib
 import json
 import logging
 import os
-import signal
 from typing import TYPE_CHECKING
 
 from .engine.output import read_tail
 from .engine.standby import SPARE_LOG_SUFFIX
-from .engine_templates import how_it_exited
+from .engine_templates import how_it_exited, kill_group
 from .registry import EngineRegistry
+from .shm_leftovers import mapped_segments, remove_segments
 from .state import Lifecycle
 
 if TYPE_CHECKING:
@@ -70,6 +74,8 @@ class Spare:
         self.waiting = False
         # It was sent its start order: it is the engine's process now, no longer a spare.
         self.taken = False
+        # vLLM's segments in /dev/shm that its processes map: removed once they are killed.
+        self.shm_segments: set[str] = set()
 
     @property
     def alive(self) -> bool:
@@ -103,11 +109,23 @@ class Spare:
         if fd is not None:
             os.close(fd)
 
+    def note_segments(self) -> None:
+        """Note the segments its processes map now (its group's: ``pid`` leads it while it runs)."""
+        if self.alive:
+            self.shm_segments |= mapped_segments(self.proc.pid)
+
     def kill(self) -> None:
-        """Kill it (it holds no engine: nothing to shut down), with anything it started."""
+        """Kill it (it holds no engine: nothing to shut down), with anything it started, and
+        remove the segments of vLLM's that its processes mapped."""
         self._close_order()
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.note_segments()
+        kill_group(self.proc)
+        # SIGKILLed, its processes run no more code that would use them.
+        segments, self.shm_segments = self.shm_segments, set()
+        if removed := remove_segments(segments):
+            log.info(
+                "engine %d: removed %d segment(s) its spare's processes left in /dev/shm", self.engine_id, len(removed)
+            )
 
     async def dismiss(self) -> None:
         self.kill()
@@ -231,6 +249,8 @@ class Spares:
             await spare.dismiss()
             return
         spare.waiting = True
+        # Those of a loaded one's engine, built by now (an importing one maps none).
+        spare.note_segments()
         self._show(engine_id, "waiting")
         log.info(
             "engine %d: warm spare pid %d stands by (%s in %.1fs)",

@@ -116,6 +116,9 @@ class SharedEngineTemplate:
     def __init__(self) -> None:
         self.directory = Path(tempfile.mkdtemp(prefix="skyinfer-suite-template-"))  # the user's alone
         self.socket = str(self.directory / "template.sock")
+        # The variables the interpreter reads at its start as the engines' (devices.py sets this one):
+        # the host serves the fronts whose engines' are its own.
+        self.env = {**_child_environment(), "PYTHONUNBUFFERED": "1"}
         lifeline, self._lifeline = os.pipe()
         self._log = open(self.directory / "template.log", "wb")  # noqa: SIM115 (stop() closes it)
         self.proc = subprocess.Popen(
@@ -124,8 +127,7 @@ class SharedEngineTemplate:
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            # The variables the interpreter reads at its start as the engines' (devices.py sets this one).
-            env={**_child_environment(), "PYTHONUNBUFFERED": "1"},
+            env=self.env,
             start_new_session=True,
         )
         os.close(lifeline)

@@ -21,11 +21,12 @@ import pytest
 from fakes import calls, fake_fleet, script, serve_fakes
 
 import skyinfer.app
+from skyinfer import proxy
 from skyinfer.config import ServeConfig
 from skyinfer.devices import split_cores
 from skyinfer.registry import REGISTRY
 
-from pushes import sessions_per_engine
+from pushes import modified_weights, run_trainer, save, sessions_per_engine
 from support import ServerProcess, engine_of, module_servers, scrape, sse_lines, total, vllm_process
 
 MAX_TOKENS = 300
@@ -92,6 +93,13 @@ class Outcome:
         self.choices: dict[int, list[int]] = {}
         self.top_logprobs: list[dict] = []
         self.text = ""
+        self.status = 0
+        # Per choice, completions' text offsets; the prompt token ids each chunk carried (its choice's
+        # index, or None: the chunk's own), in the order they came; the choices that finished.
+        self.text_offsets: dict[int, list[int]] = {}
+        self.prompt_token_ids: list[tuple[int | None, list[int]]] = []
+        self.finished: set[int] = set()
+        self.weight_versions: list[dict] = []
 
     def take(self, body: dict) -> None:
         if "error" in body:
@@ -101,7 +109,13 @@ class Outcome:
             self.continued.append(body["skyinfer_continued"])
         if body.get("usage"):
             self.usage = body["usage"]
+        if body.get("prompt_token_ids") is not None:
+            self.prompt_token_ids.append((None, body["prompt_token_ids"]))
         for choice in body.get("choices") or []:
+            index = choice.get("index", 0)
+            if choice.get("prompt_token_ids") is not None:
+                self.prompt_token_ids.append((index, choice["prompt_token_ids"]))
+            self.weight_versions += choice.get("weight_versions") or []
             self.token_ids += choice.get("token_ids") or []
             self.choices.setdefault(choice.get("index", 0), []).extend(choice.get("token_ids") or [])
             self.text += choice.get("text") or (choice.get("delta") or choice.get("message") or {}).get("content") or ""
@@ -109,10 +123,12 @@ class Outcome:
             if "token_logprobs" in logprobs:
                 self.logprobs += logprobs["token_logprobs"]
                 self.top_logprobs += logprobs.get("top_logprobs") or []
+                self.text_offsets.setdefault(index, []).extend(logprobs["text_offset"])
             else:
                 self.logprobs += [entry["logprob"] for entry in logprobs.get("content") or []]
             if choice.get("finish_reason"):
                 self.finish_reasons.append(choice["finish_reason"])
+                self.finished.add(index)
 
 
 # Requests whose every feature carries over a splice (engine/continuation.py, why_not_continued):
@@ -178,15 +194,16 @@ def chat_request(model: str, name: str, stream: bool) -> tuple[str, dict]:
 
 
 async def send(
-    http, path: str, body: dict, session: str, started=None, outcome: Outcome | None = None, status: int = 200
+    http, path: str, body: dict, session: str, started=None, outcome: Outcome | None = None, status: int | None = 200
 ) -> Outcome:
-    """What the caller got; ``outcome``: filled as the answer comes (a stream's events)."""
+    """What the caller got; ``outcome``: filled as the answer comes (a stream's events); ``status``:
+    the one a request that is not streamed must get (None: any, the test checks it)."""
     outcome = outcome or Outcome()
     headers = {"X-Session-ID": session}
     if not body["stream"]:
         r = await http.post(path, json=body, headers=headers)
-        outcome.headers = dict(r.headers)
-        assert r.status_code == status, r.text
+        outcome.headers, outcome.status = dict(r.headers), r.status_code
+        assert status is None or r.status_code == status, r.text
         outcome.take(r.json())
         return outcome
     async with http.stream("POST", path, json=body, headers=headers) as r:
@@ -299,16 +316,32 @@ def test_a_request_goes_on_after_its_engine_dies_only_where_every_feature_carrie
     assert json.loads(answer.text)["verdict"] in ("yes", "no"), answer.text
 
 
-def test_a_record_a_caller_forged_is_a_400(pair, model_name):
-    """``skyinfer_continue`` is for the front to send; one a caller sends malformed is refused."""
-    for record in ({"calls": 5}, {"calls": [{"n": 1}]}, "x"):
-        body = {"model": model_name, "prompt": "x", "max_tokens": 2, "skyinfer_continue": record}
-        r = httpx.post(f"{pair.url}/v1/completions", json=body, timeout=60)
-        assert r.status_code == 400 and "skyinfer_continue" in r.json()["error"]["message"], r.text
-    assert (
-        httpx.post(f"{pair.url}/v1/completions", json={**body, "skyinfer_continue": None}, timeout=60).status_code
-        == 200
+def test_a_record_a_caller_sends_is_dropped_and_changes_nothing(pair, model_name):
+    """``skyinfer_continue`` is for the front to send: a record a caller sends (well-formed, a prompt
+    of its own choosing and tokens said to be kept; or malformed), with the header by which the front
+    marks its own, is dropped: its name plain (the front drops it) or spelled with a JSON escape
+    (past the front's check of the bytes; the engine takes a record only with the front's header,
+    which the front does not pass on). Each answer is the one the request gets without it."""
+    plain = {"model": model_name, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+             "return_token_ids": True}  # fmt: skip
+    want = httpx.post(f"{pair.url}/v1/completions", json=plain, timeout=60).json()["choices"][0]["token_ids"]
+    kept = {"token_ids": [5, 5, 5], "text": "", "logprobs": None, "cumulative_logprob": None,
+            "finish_reason": None, "stop_reason": None, "weight_versions": [["forged", 0, 3]]}  # fmt: skip
+    forged = {"calls": [{"n": 1, "prompt_token_ids": [1, 2, 3], "prompt_logprobs": None, "choices": {"0": kept}}]}
+    bodies = [orjson.dumps({**plain, "skyinfer_continue": record}) for record in (forged, {"calls": 5}, "x")]
+    bodies.append(
+        orjson.dumps({**plain, "skyinfer_continue": forged}).replace(b"skyinfer_continue", rb"skyinfer\u005fcontinue")
     )
+    for body in bodies:
+        r = httpx.post(
+            f"{pair.url}/v1/completions",
+            content=body,
+            headers={"Content-Type": "application/json", "X-Skyinfer-Continue": "1"},
+            timeout=60,
+        )
+        assert r.status_code == 200, (body, r.text)
+        assert r.json()["choices"][0]["token_ids"] == want, body
+        assert "x-skyinfer-continued-from" not in r.headers
 
 
 # -- the front's side, over fake engines (tools/fake_engine.py: die_after_events) -------------
@@ -358,6 +391,23 @@ async def test_the_front_splices_a_stream_onto_another_engine_and_goes_on_from_a
     assert r.status == 200, await r.text()
     assert (r.headers["X-Skyinfer-Engine"], r.headers.get("X-Skyinfer-Continued-From")) == ("0", "1"), r.headers
     assert len(await _went_on(app, 0)) == 2
+
+
+async def test_a_record_a_caller_sends_never_reaches_an_engine_as_the_fronts(aiohttp_client, demo_model, tmp_path):
+    """The front drops a caller's ``skyinfer_continue`` and never passes on the header by which an
+    engine knows a record as the front's: a record whose name a JSON escape hides from the front's
+    check of the bytes reaches the engine without it, and the (fake) engine, as a real one, does
+    not go on from it."""
+    body, session = proxy._front_fields(b'{"prompt":"x","session_id":"s","skyinfer_continue":{"calls":[]}}')
+    assert (orjson.loads(body), session) == ({"prompt": "x"}, "s")
+    app, client = await fake_fleet(aiohttp_client, demo_model, tmp_path)
+    hidden = rb'{"prompt":"x","max_tokens":4,"skyinfer\u005fcontinue":{"calls":[],"fake_tokens":2}}'
+    for body in (hidden, hidden.replace(rb"\u005f", b"_")):
+        r = await client.post(
+            "/v1/completions", data=body, headers={"Content-Type": "application/json", "X-Skyinfer-Continue": "1"}
+        )
+        assert r.status == 200, await r.text()
+    assert (await _went_on(app, 0), await _went_on(app, 1)) == ([], [])
 
 
 async def test_a_stream_no_engine_can_go_on_with_ends_with_an_error_event(aiohttp_client, demo_model, tmp_path):
@@ -497,3 +547,249 @@ def test_a_request_in_flight_at_two_real_engine_deaths_ends_and_the_others_compl
     assert not other.errors and len(other.token_ids) == tokens, (other.errors, len(other.token_ids))
     assert len(other.continued) == 1 and other.continued[0]["from_engine"] == 0, other.continued
     assert total(scrape(pair), SECOND_DEATHS, f"{SECOND_DEATHS}_total") - ended_before == 2
+
+
+# -- what vLLM's serving layer does with a request across a splice ------------------------------
+
+OTHER_PROMPT = "Policy gradients weigh each sampled answer"
+ECHOED = "The answer is"
+BEAM_TOKENS = 400
+TOKEN_ROUTE = "/inference/v1/generate"
+
+
+def serving_requests(model: str, prompt_ids: list[int], stop_token: int) -> dict[str, tuple[str, dict]]:
+    """Greedy requests whose serving layer, not their sampling, settles how they go on, by name:
+    streams that echo their prompt (completions) or last message (chat); a completion stream of
+    two choices with logprobs and the prompt's token ids; the token route's stream with the prompt's
+    token ids; a completion stream of two prompts, the first of which ends early (at
+    ``stop_token``, which the second never samples); beam search (not streamed, as vLLM has it)."""
+    common = {"model": model, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True}
+    usage = {"stream_options": {"include_usage": True}}
+    chat_echo = {
+        "messages": [{"role": "user", "content": PROMPT}, {"role": "assistant", "content": ECHOED}],
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+    }
+    sampling = {"max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    return {
+        "completion echo": ("/v1/completions", {**common, "prompt": PROMPT, "echo": True}),
+        "chat echo": ("/v1/chat/completions", {**common, **chat_echo, "echo": True}),
+        "n with offsets": (
+            "/v1/completions",
+            {
+                **common,
+                **usage,
+                "prompt": PROMPT,
+                "n": 2,
+                "temperature": 1.0,
+                "top_k": 1,
+                "logprobs": 2,
+                "return_token_ids": True,
+            },
+        ),
+        "token route prompt ids": (
+            TOKEN_ROUTE,
+            {
+                "model": model,
+                "token_ids": prompt_ids,
+                "sampling_params": sampling,
+                "stream": True,
+                "return_token_ids": True,
+                **usage,
+            },
+        ),
+        "two prompts": (
+            "/v1/completions",
+            {
+                **common,
+                **usage,
+                "prompt": [PROMPT, OTHER_PROMPT],
+                "stop_token_ids": [stop_token],
+                "return_token_ids": True,
+            },
+        ),
+        "beam search": (
+            "/v1/completions",
+            {**common, "prompt": PROMPT, "use_beam_search": True, "n": 2, "max_tokens": BEAM_TOKENS, "stream": False},
+        ),
+    }
+
+
+@pytest.fixture(scope="module")
+def killed_mid_serving(pair, model_name) -> tuple[dict, dict]:
+    """Every request of ``serving_requests`` on engine 1, whose EngineCore is SIGKILLed once every
+    stream has events and the first prompt of two has ended; the same requests uncrashed on engine 0
+    beforehand. What each caller got, both ways."""
+    sessions = sessions_once_both_engines_serve(pair, model_name)
+    prompt_ids = httpx.post(f"{pair.url}/tokenize", json={"model": model_name, "prompt": PROMPT}, timeout=30).json()[
+        "tokens"
+    ]
+    plain = {"model": model_name, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+             "return_token_ids": True}  # fmt: skip
+    first, second = (
+        httpx.post(f"{pair.url}/v1/completions", json={**plain, "prompt": prompt}, timeout=120).json()["choices"][0][
+            "token_ids"
+        ]
+        for prompt in (PROMPT, OTHER_PROMPT)
+    )
+    stop_token = next(token for token in first[5:] if token not in second)
+    requests = serving_requests(model_name, prompt_ids, stop_token)
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=pair.url, timeout=300) as http:
+            reference = dict(zip(requests, await asyncio.gather(
+                *(send(http, path, body, sessions[0], status=None) for path, body in requests.values())
+            )))  # fmt: skip
+            started = asyncio.Semaphore(0)
+            got = {name: Outcome() for name in requests}
+            tasks = [asyncio.create_task(send(http, path, body, sessions[1], started, got[name], status=None))
+                     for name, (path, body) in requests.items()]  # fmt: skip
+            for _ in range(sum(1 for _, body in requests.values() if body["stream"])):
+                await asyncio.wait_for(started.acquire(), 60)
+            deadline = time.monotonic() + 60
+            while 0 not in got["two prompts"].finished:
+                assert time.monotonic() < deadline, got["two prompts"].finish_reasons
+                await asyncio.sleep(0.05)
+            vllm_process(pair.engines()[1]["pid"], "EngineCore").send_signal(signal.SIGKILL)
+            await asyncio.gather(*tasks)
+            return reference, got
+
+    return asyncio.run(scenario())
+
+
+def test_a_stream_that_echoes_ends_at_its_engines_death_saying_why(killed_mid_serving):
+    """A completion stream that echoes its prompt, and a chat stream that echoes its last message, on
+    engine 1 when its EngineCore is SIGKILLed: the next engine would echo again mid-answer, so each
+    ends with the front's error naming echo, after a prefix of the uninterrupted answer."""
+    reference, got = killed_mid_serving
+    for name in ("completion echo", "chat echo"):
+        want, have = reference[name], got[name]
+        assert not want.errors and want.text.startswith(PROMPT if name == "completion echo" else ECHOED), name
+        assert len(have.errors) == 1 and "cannot go on on another engine" in have.errors[0]["message"], have.errors
+        assert "echo in a stream" in have.errors[0]["message"], have.errors
+        assert have.text and want.text.startswith(have.text) and len(have.text) < len(want.text), (name, have.text)
+
+
+def test_a_stream_goes_on_with_its_prompt_ids_once_and_its_text_offsets_going_on(killed_mid_serving):
+    """A completion stream of two choices with logprobs and the prompt's token ids, and the token
+    route's stream with the prompt's token ids, go on on engine 0: the caller gets the prompt's
+    token ids once (per choice; once in all on the token route), each choice's text offsets go on
+    from its kept text, and usage counts every token, as in the uninterrupted stream."""
+    reference, got = killed_mid_serving
+    for name in ("n with offsets", "token route prompt ids"):
+        want, have = reference[name], got[name]
+        assert not have.errors and len(have.continued) == 1 and have.continued[0]["tokens_kept"] > 0, name
+        assert have.choices == want.choices and len(want.choices[0]) == MAX_TOKENS, name
+        assert want.prompt_token_ids and sorted(have.prompt_token_ids) == sorted(want.prompt_token_ids), name
+        assert have.text_offsets == want.text_offsets, name
+        assert have.usage == want.usage, (name, have.usage, want.usage)
+    assert len(reference["n with offsets"].text_offsets[1]) == MAX_TOKENS
+
+
+def test_a_stream_whose_first_prompt_ended_goes_on_counting_that_prompt(killed_mid_serving):
+    """A completion stream of two prompts whose first had ended (every choice of it) when the
+    EngineCore died goes on with the second, and its usage still counts the first prompt's tokens."""
+    reference, got = killed_mid_serving
+    want, have = reference["two prompts"], got["two prompts"]
+    assert not have.errors and len(have.continued) == 1, have.errors
+    assert len(want.choices[0]) < MAX_TOKENS == len(want.choices[1]) and have.choices == want.choices
+    assert have.usage == want.usage, (have.usage, want.usage)
+
+
+def test_beam_search_whose_engine_dies_starts_over_on_another_engine(killed_mid_serving):
+    """Beam search calls vLLM's generate once per beam per step, which a record cannot resume: on
+    engine 1 when its EngineCore is SIGKILLed, it starts over on engine 0, with the uninterrupted
+    answer."""
+    reference, got = killed_mid_serving
+    want, have = reference["beam search"], got["beam search"]
+    assert want.status == 200 and want.text, want.errors
+    assert have.status == 200, have.errors
+    assert have.headers.get("x-skyinfer-retried-from") == "1", have.headers
+    assert "x-skyinfer-continued-from" not in have.headers, have.headers
+    assert have.text == want.text
+
+
+def test_a_chat_stream_parsed_by_harmony_is_not_continued():
+    """vLLM parses a gpt-oss model's chat stream with Harmony as it goes, with no reasoning parser
+    named: such a stream is not continued; the same request not streamed, or another model's, is."""
+    from types import SimpleNamespace
+
+    from skyinfer.engine import continuation
+    from skyinfer.vllm_api import ChatCompletionRequest
+
+    def state(model_type: str) -> SimpleNamespace:
+        return SimpleNamespace(
+            args=SimpleNamespace(structured_outputs_config=SimpleNamespace(reasoning_parser=None)),
+            vllm_config=SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace(model_type=model_type))),
+        )
+
+    def why(model_type: str, stream: bool) -> str | None:
+        track = continuation.RequestTrack()
+        request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], stream=stream)
+        continuation.note_request(track, request, state(model_type))
+        return track.not_continued
+
+    assert "parsed by Harmony" in why("gpt_oss", True)
+    assert why("gpt_oss", False) is None
+    assert why("llama", True) is None
+
+
+PUSHED_TOKENS = 1000
+
+
+def test_a_request_killed_after_a_keep_mode_push_keeps_which_weights_sampled_each_token(
+    pair, model_name, demo_model, tmp_path
+):
+    """A greedy token-route request (streamed, and not) runs on engine 1 across a push of other
+    weights that keeps it (a keep pause, the push, resume), then engine 1's EngineCore is SIGKILLed
+    and it goes on on engine 0. Its weight spans are those the tokens were sampled with: the old
+    version up to the first token whose logprob differs from the old weights' uninterrupted answer
+    (the first the pushed weights sampled), the pushed one from there; not every kept token labelled
+    with the version engine 1 served when it died."""
+    sessions = sessions_once_both_engines_serve(pair, model_name)
+    prompt_ids = httpx.post(f"{pair.url}/tokenize", json={"model": model_name, "prompt": PROMPT}, timeout=30).json()[
+        "tokens"
+    ]
+    weights = save(modified_weights(demo_model, seed=3), tmp_path / "pushed.safetensors")
+
+    def body(stream: bool) -> dict:
+        sampling = {"max_tokens": PUSHED_TOKENS, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+        return {"model": model_name, "token_ids": prompt_ids, "sampling_params": sampling, "stream": stream}
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=pair.url, timeout=600) as http:
+            reference = await send(http, TOKEN_ROUTE, body(False), sessions[0])
+            started, streamed = asyncio.Semaphore(0), Outcome()
+            tasks = [
+                asyncio.create_task(send(http, TOKEN_ROUTE, body(True), sessions[1], started, streamed)),
+                asyncio.create_task(send(http, TOKEN_ROUTE, body(False), sessions[1])),
+            ]
+            await asyncio.wait_for(started.acquire(), 60)
+            assert (await http.post("/pause", params={"mode": "keep"})).status_code == 200
+            trainer = await asyncio.to_thread(run_trainer, pair, weights, "pushed")
+            assert trainer.returncode == 0, trainer.stdout + trainer.stderr
+            assert (await http.post("/resume")).status_code == 200
+            resumed_at, deadline = streamed.events, time.monotonic() + 60
+            while streamed.events < resumed_at + 8:
+                assert time.monotonic() < deadline and not streamed.finished, streamed.events
+                await asyncio.sleep(0.05)
+            vllm_process(pair.engines()[1]["pid"], "EngineCore").send_signal(signal.SIGKILL)
+            _, whole = await asyncio.gather(*tasks)
+            return reference, streamed, whole
+
+    reference, streamed, whole = asyncio.run(scenario())
+    (old,) = [span["version"] for span in reference.weight_versions]
+    assert old != "pushed" and len(reference.token_ids) == PUSHED_TOKENS
+    for have in (streamed, whole):
+        assert not have.errors and len(have.token_ids) == PUSHED_TOKENS, have.errors
+        boundary = next(
+            k
+            for k, (token, logprob) in enumerate(zip(have.token_ids, have.logprobs))
+            if token != reference.token_ids[k] or abs(logprob - reference.logprobs[k]) > 0.01
+        )
+        assert have.weight_versions == [
+            {"version": old, "start": 0, "end": boundary},
+            {"version": "pushed", "start": boundary, "end": PUSHED_TOKENS},
+        ], (boundary, have.weight_versions)
+    # Engine 1 sampled with both weights before it died.
+    assert len(streamed.continued) == 1 and 0 < boundary < streamed.continued[0]["tokens_kept"], streamed.continued

@@ -20,7 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pushes import assert_engines_match, fleet_checksums, modified_weights, run_trainer, save, start_trainer
-from support import ServerProcess, module_servers, sse_lines, two_float32_engines, vllm_process
+from support import ServerProcess, engine_socket, module_servers, sse_lines, two_float32_engines, vllm_process
 
 # Tokens each request in flight generates: enough to be running across the push.
 TOKENS = 1200
@@ -368,3 +368,29 @@ def test_a_staged_push_leaves_the_weights_a_live_push_of_the_same_weights_leaves
     assert staged.keys() == live.keys() and [k for k in live if staged[k] != live[k]] == [] and live != before
     fleet.update(version="staged-22", weights=new)
     assert_engines_match(staged_server, staged_server.model, demo_model, new, "staged-22")
+
+
+def prefix_cache_hits(engine: httpx.Client) -> float:
+    """vLLM's prefix-cache hits (tokens) so far, from one engine's own metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = text_string_to_metric_families(engine.get("/metrics").text)
+    return sum(s.value for f in families for s in f.samples if s.name == "vllm:prefix_cache_hits_total")
+
+
+def test_a_swap_that_fails_leaves_the_engines_version_and_cached_prefixes_as_they_were(staged_server, fleet):
+    """The version and the KV reset go to the EngineCore only after every worker swapped: a swap
+    that fails (here: engine 1 asked, behind the front's back, to swap a push it never staged) takes
+    nothing else with it. Sent beside the swap, they landed after its failure: the old weights
+    labelled with the new version, their cached prefixes dropped."""
+    prompt = {"model": staged_server.model, "prompt": "A prefix the engine caches. " * 60, "max_tokens": 1}
+    transport = httpx.HTTPTransport(uds=engine_socket(staged_server, 1))
+    with httpx.Client(transport=transport, base_url="http://engine", timeout=60) as engine_1:
+        assert engine_1.post("/v1/completions", json=prompt).status_code == 200  # its blocks cached
+        hits_before = prefix_cache_hits(engine_1)
+        r = engine_1.post("/swap_staged", json={"weight_version": "never-swapped", "kv": "recompute"})
+        assert r.status_code == 500 and "no staged push" in r.text, r.text
+        assert engine_1.get("/info").json()["weight_version"] == fleet["version"]
+        assert engine_1.get("/conditions").json() == {"paused": False, "sleeping": False}
+        assert engine_1.post("/v1/completions", json=prompt).status_code == 200
+        assert prefix_cache_hits(engine_1) > hits_before  # found what it cached before the swap

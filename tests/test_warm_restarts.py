@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import logging
 import os
 import shlex
 import signal
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,20 +31,24 @@ from fakes import FAKE_ENGINE, fake_fleet, kill, until
 from skyinfer.config import ServeConfig
 from skyinfer.devices import WORKER_PROCESSES_ENV
 from skyinfer.engine.template import MAX_MESSAGE
-from skyinfer.engine_templates import EngineTemplates
+from skyinfer.engine_templates import UNKNOWN_EXIT, EngineTemplates, ForkedProcess
 from skyinfer.registry import REGISTRY
+from skyinfer.spares import Spare
 from skyinfer.supervisor import SUPERVISOR
 
 from support import (
     NO_SPARES,
+    WORKER_PROCESSES,
     ChildProcess,
     ServerProcess,
     SharedEngineTemplate,
     engine_socket,
     engine_tree,
     free_port,
+    left_in_shm,
     module_servers,
     running,
+    shm_segments,
     vllm_process,
 )
 
@@ -309,9 +315,6 @@ async def test_a_shared_template_of_other_engines_or_hung_is_not_asked_again(tmp
         await asyncio.get_running_loop().sock_recv(channel, MAX_MESSAGE)
         await asyncio.get_running_loop().sock_sendall(channel, json.dumps({"ready": True, "env": theirs}).encode())
 
-    async def no_own_template(env, lifeline_fd):
-        raise OSError("no template of its own in this test")
-
     caplog.set_level(logging.INFO, logger="skyinfer")
     env = {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"}
     lifeline_read, lifeline_write = os.pipe()
@@ -321,7 +324,7 @@ async def test_a_shared_template_of_other_engines_or_hung_is_not_asked_again(tmp
             ({"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "1"}, "fork order unanswered"),
         ):
             templates = EngineTemplates(start_timeout_s=10, answer_timeout_s=0.5, shared_socket=path)
-            monkeypatch.setattr(templates, "_start", no_own_template)
+            monkeypatch.setattr(templates, "_start", _no_own_template)
             started = time.monotonic()
             answering = asyncio.create_task(answer(theirs))
             caplog.clear()
@@ -339,6 +342,188 @@ async def test_a_shared_template_of_other_engines_or_hung_is_not_asked_again(tmp
             channel.close()
         os.close(lifeline_read)
         os.close(lifeline_write)
+
+
+# The front's default (--engine-probe-timeout): how long a fork order, or a template done importing, may go unanswered.
+PROBE_TIMEOUT_S = 5
+
+
+async def _no_own_template(env, lifeline_fd):
+    raise OSError("no template of its own in this test")
+
+
+@pytest.fixture(scope="module")
+def template_host():
+    """A host of shared engine templates of its own (the suite's kind): its one template, of
+    ``template_host.env``, is stopped here."""
+    host = SharedEngineTemplate()
+    yield host
+    host.stop()
+
+
+@pytest.fixture
+def lifeline():
+    """The read end of a lifeline pipe, for what a test forks from a template."""
+    read, write = os.pipe()
+    yield read
+    os.close(read)
+    os.close(write)
+
+
+def running_process(p: psutil.Process) -> bool:
+    return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+
+
+async def host_template(host: SharedEngineTemplate, front: EngineTemplates, lifeline: int) -> psutil.Process:
+    """The host's template, once ``front`` forked from it a process that exits at once."""
+    forked = await front.fork(["--help"], host.env, lifeline, [lifeline], None)
+    assert forked is not None and await forked.wait() == 0
+    (template,) = psutil.Process(host.proc.pid).children()
+    return template
+
+
+async def test_a_fork_order_a_hung_shared_template_serves_late_starts_nothing(template_host, lifeline, tmp_path):
+    """A shared template SIGSTOPped: the front gives up on a fork order after the probe timeout
+    (that engine starts cold). Continued, the template serves the order late: its child, whose pid
+    the front did not take, gets no go-ahead and ends before it runs the engine program (here a
+    spare's, which would say on its report pipe that it stands by)."""
+    front = EngineTemplates(SPARE_TIMEOUT_S, PROBE_TIMEOUT_S, template_host.socket)
+    template = await host_template(template_host, front, lifeline)
+    report_read, report_write = os.pipe()
+    try:
+        template.suspend()
+        try:
+            argv = ["--socket", str(tmp_path / "engine.sock"), "--lifeline-fd", str(lifeline)]
+            argv += ["--standby", "--report-fd", str(report_write)]
+            assert await front.fork(argv, template_host.env, lifeline, [lifeline, report_write], None) is None
+        finally:
+            template.resume()
+        os.close(report_write)
+        # End of file once the template, alive, took the order's descriptors and forked (which
+        # closes its copies), and that child ended.
+        said = await asyncio.get_running_loop().run_in_executor(None, os.read, report_read, MAX_MESSAGE)
+        assert said == b"" and running_process(template), said
+    finally:
+        os.close(report_read)
+
+
+async def test_a_hung_shared_template_costs_a_new_server_the_probe_timeout(
+    template_host, lifeline, monkeypatch, caplog
+):
+    """The shared template, done importing, SIGSTOPped: a server that connects since is told by the
+    host that its template is not importing, and drops it when it does not answer within the probe
+    timeout, not the engine start timeout; it starts its own (refused here: cold)."""
+    first = EngineTemplates(SPARE_TIMEOUT_S, PROBE_TIMEOUT_S, template_host.socket)
+    template = await host_template(template_host, first, lifeline)
+    caplog.set_level(logging.INFO, logger="skyinfer")
+    # An engine start timeout the test would outlast, were it waited for.
+    front = EngineTemplates(start_timeout_s=60, answer_timeout_s=PROBE_TIMEOUT_S, shared_socket=template_host.socket)
+    monkeypatch.setattr(front, "_start", _no_own_template)
+    template.suspend()
+    try:
+        assert await front.fork(["--help"], template_host.env, lifeline, [lifeline], None) is None
+    finally:
+        template.resume()
+    reason = f"the shared one at {template_host.socket} did not answer within 5s; this server starts its own"
+    assert reason in caplog.text, caplog.text
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a listener of another user: root starts it")
+async def test_a_template_socket_of_another_user_is_not_sent_the_engines_environment(
+    tmp_path, lifeline, monkeypatch, caplog
+):
+    """``--engine-template-socket`` where another user's process listens (``SO_PEERCRED``: who
+    called listen()): the front sends it nothing (its engines' environment holds its keys and
+    tokens), and starts its own template (refused here: cold)."""
+    path = str(tmp_path / "template.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listening_read, listening = os.pipe()
+    heard, heard_write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.setuid(65534)
+            listener.listen()
+            os.write(listening, b"l")
+            channel, _ = listener.accept()
+            os.write(heard_write, b"[" + channel.recv(MAX_MESSAGE) + b"]")
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(listening)
+    os.close(heard_write)
+    try:
+        assert os.read(listening_read, 1) == b"l"
+        caplog.set_level(logging.INFO, logger="skyinfer")
+        front = EngineTemplates(start_timeout_s=10, answer_timeout_s=PROBE_TIMEOUT_S, shared_socket=path)
+        monkeypatch.setattr(front, "_start", _no_own_template)
+        assert await front.fork(["--help"], {"HF_TOKEN": "secret"}, lifeline, [lifeline], None) is None
+        assert os.read(heard, MAX_MESSAGE) == b"[]"  # the connection closed, nothing sent
+        assert "is another user's (uid 65534)" in caplog.text, caplog.text
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        listener.close()
+        for fd in (listening_read, heard):
+            os.close(fd)
+
+
+def _spare(forked: ForkedProcess) -> Spare:
+    """A spare (an importing one's, that never stood by) of that process."""
+    order_read, order_write = os.pipe()
+    os.close(order_read)
+    return Spare(0, forked, order_write, {}, loaded=False)
+
+
+def _session_leader_with_pid(pid: int) -> subprocess.Popen:
+    """A new process, leading a session of its own, given ``pid`` (free: its process reaped and its
+    group gone) through ``ns_last_pid``; again while another fork takes it first."""
+    for _ in range(50):
+        with open("/proc/sys/kernel/ns_last_pid", "w") as last:
+            last.write(str(pid - 1))
+        proc = subprocess.Popen(["sleep", "600"], start_new_session=True)
+        if proc.pid == pid:
+            return proc
+        proc.kill()
+        proc.wait()
+    pytest.fail(f"pid {pid} went to other processes")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a pid given again on purpose: ns_last_pid is root's to write")
+async def test_a_forked_process_is_signalled_through_its_pidfd_never_by_its_pid():
+    """A template reaps what it forked at once; the front learns its code later. Signals go through
+    the pidfd the front opened: to a process group after its leader is reaped (what it left), and,
+    once the pid is another session leader's, to neither that one nor its group: not a signal,
+    not a spare's kill. (The test's own children, reaped here, stand for the template's.)"""
+    leader = subprocess.Popen(
+        ["sh", "-c", "sleep 600 & echo $!; exec sleep 600"], start_new_session=True, stdout=subprocess.PIPE
+    )
+    left = psutil.Process(int(leader.stdout.readline()))
+    forked = ForkedProcess(leader.pid)
+    forked.send_signal(signal.SIGTERM)
+    assert leader.wait() == -signal.SIGTERM and forked.returncode is None
+    _spare(forked).kill()
+    await until(lambda: asyncio.sleep(0, not running_process(left)))
+    assert await forked.wait() == UNKNOWN_EXIT
+
+    gone = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    forked = ForkedProcess(gone.pid)
+    gone.kill()
+    gone.wait()
+    stranger = _session_leader_with_pid(gone.pid)
+    try:
+        with pytest.raises(ProcessLookupError):
+            forked.send_signal(signal.SIGKILL)
+        _spare(forked).kill()
+        stranger.terminate()
+        assert stranger.wait() == -signal.SIGTERM  # not SIGKILLed before
+    finally:
+        stranger.kill()
+        stranger.wait()
+    assert await forked.wait() == UNKNOWN_EXIT
 
 
 def test_without_spares_a_restart_starts_cold(servers):
@@ -416,6 +601,24 @@ def test_stopping_the_service_stops_its_spares(servers):
     assert warm.stop() == 0
     _, alive = psutil.wait_procs(tree, timeout=10)
     assert not alive, [(p.pid, _cmdline(p)) for p in alive]
+
+
+def test_a_server_with_a_loaded_spare_leaves_none_of_its_segments_in_dev_shm(demo_model, tmp_path):
+    """A server whose engine keeps vLLM's worker process (their message queues: segments in
+    /dev/shm), with a loaded spare: stopped, it leaves none of the segments that the processes of
+    its engine or of its spare mapped. (The spare is SIGKILLed with its process group, the
+    resource tracker that would have removed them among it.) The module's servers run their worker
+    inside the EngineCore: no segments."""
+    # Its own engine template: its spare a process of the front's tree (spares_of).
+    extra = ("--loaded-spares", "auto", "--engine-templates", "auto", "--health-interval", "1", "--health-timeout", "4")
+    srv = ServerProcess(demo_model, 1, tmp_path / "segments.log", extra_args=extra, cpus={1}, env=WORKER_PROCESSES)
+    with running(srv):
+        spare = waiting_spare(srv)
+        engine_pid = srv.engines()[0]["pid"]
+        segments = {"engine": shm_segments(engine_tree(engine_pid)), "spare": shm_segments(engine_tree(spare.pid))}
+        assert all(segments.values()), segments
+        assert srv.stop() == 0
+    assert {whose: left_in_shm(names) for whose, names in segments.items()} == {"engine": [], "spare": []}
 
 
 # -- the supervisor's side, over fake engines ----------------------------------------------------

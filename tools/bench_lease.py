@@ -39,7 +39,7 @@ async def _lease(leases: LocalLeases, n: int) -> None:
 
 async def _reads(_leases: LocalLeases, n: int) -> None:
     for _ in range(n):
-        body, session = proxy._session_from_body(BODY)
+        body, session = proxy._front_fields(BODY)
         group = proxy.prompt_group(body, 1024, "/v1/completions")
         Ask(session_id=session, group=group, model=proxy.requested_model(body))
 

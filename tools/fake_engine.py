@@ -19,7 +19,7 @@ Its behaviour comes from the environment, or from ``POST /fake/script`` at any t
 * ``die_after_events``: a completion or chat request ends as one whose EngineCore died after that
   many events: a stream with skyinfer's continuation record, any other answer with the 503 that
   carries it (engine/continuation.py). ``GET /fake/went_on`` lists the records of the requests it
-  went on with.
+  went on with (taken, as a real engine takes them, only with the front's ``X-Skyinfer-Continue``).
 
 A staged push's chunks are kept as names (``/stage_weights``), swapped in or dropped.
 ``GET /fake/calls`` says how many times each route was called; ``GET /fake/bodies`` the last JSON
@@ -156,7 +156,7 @@ async def _openai(request: web.Request) -> web.StreamResponse:
     tokens = int(body.get("max_tokens") or 16)
     chat = request.path == "/v1/chat/completions"
     going_on = body.pop(CONTINUE_FIELD, None)
-    if going_on is not None:
+    if going_on is not None and CONTINUE_HEADER in request.headers:  # as a real engine, from the front only
         engine.went_on.append(going_on)
         tokens -= going_on.get("fake_tokens", 0)
     dies_after = request.app[SCRIPT].get("die_after_events")

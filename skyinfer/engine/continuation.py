@@ -6,14 +6,23 @@ from __future__ import annotations
 
 import contextvars
 import copy
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterator
 from typing import Any
 
 import attrs
 import orjson
 
 from ..engine_wire import CONTINUE_FIELD, CONTINUE_MARKER, NOT_CONTINUED_FIELD
-from ..vllm_api import CompletionOutput, Logprob, RequestOutput, RequestOutputKind, SamplingParams
+from ..vllm_api import (
+    ChatCompletionRequest,
+    CompletionOutput,
+    CompletionRequest,
+    Logprob,
+    RequestOutput,
+    RequestOutputKind,
+    SamplingParams,
+    WeightVersionSpan,
+)
 
 __all__ = [
     "RequestTrack",
@@ -21,9 +30,11 @@ __all__ = [
     "continued_frame",
     "finished_choices",
     "marker",
+    "note_request",
     "track_outputs",
     "why_chat_stream_not_continued",
     "why_not_continued",
+    "why_request_not_continued",
 ]
 
 # What the running request keeps (set per HTTP request by the serving routes; vLLM's calls of
@@ -55,8 +66,9 @@ class ChoiceTrack:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    # Which weights sampled which tokens: vLLM gives the spans with a choice's last output.
-    weight_versions: list | None = None
+    # Which weights sampled which tokens: vLLM gives the spans with a choice's last output; a record
+    # gives those of the tokens kept.
+    weight_versions: list[WeightVersionSpan] | None = None
 
     def add(self, output) -> None:
         self.token_ids.extend(output.token_ids)
@@ -68,6 +80,22 @@ class ChoiceTrack:
         self.stop_reason = output.stop_reason
         if output.weight_versions is not None:
             self.weight_versions = output.weight_versions
+
+    def spans(self, starts: list[tuple[str, int]] | None) -> list[WeightVersionSpan] | None:
+        """Which weights sampled each token so far: the spans given, else those of ``starts`` (the
+        (version, first token) pairs vLLM's output processor noted as the tokens came), up to the
+        tokens kept here. None where they do not cover exactly those tokens."""
+        spans = self.weight_versions
+        if spans is None:
+            begun = [(version, start) for version, start in starts or () if start < len(self.token_ids)]
+            ends = [start for _, start in begun[1:]] + [len(self.token_ids)]
+            spans = [WeightVersionSpan(version, start, end) for (version, start), end in zip(begun, ends)]
+        covered = 0
+        for span in spans:
+            if span.start != covered:
+                return None
+            covered = span.end
+        return spans if covered == len(self.token_ids) else None
 
     def as_output(self, index: int):
         return CompletionOutput(
@@ -81,7 +109,8 @@ class ChoiceTrack:
             weight_versions=self.weight_versions,
         )
 
-    def as_json(self) -> dict:
+    def as_json(self, starts: list[tuple[str, int]] | None) -> dict:
+        spans = self.spans(starts)
         return {
             "token_ids": self.token_ids,
             "text": "".join(self.texts),
@@ -89,10 +118,12 @@ class ChoiceTrack:
             "cumulative_logprob": self.cumulative_logprob,
             "finish_reason": self.finish_reason,
             "stop_reason": self.stop_reason,
+            "weight_versions": None if spans is None else [[s.version, s.start, s.end] for s in spans],
         }
 
     @classmethod
     def from_json(cls, data: dict) -> ChoiceTrack:
+        spans = data["weight_versions"]
         return cls(
             list(data["token_ids"]),
             [data["text"]],
@@ -100,6 +131,7 @@ class ChoiceTrack:
             data["cumulative_logprob"],
             data["finish_reason"],
             data["stop_reason"],
+            None if spans is None else [WeightVersionSpan(version, start, end) for version, start, end in spans],
         )
 
 
@@ -111,6 +143,9 @@ class CallTrack:
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: list | None = None
     choices: dict[int, ChoiceTrack] = attrs.Factory(dict)
+    # Per choice, the list of (version, first token) vLLM's output processor appends to as the
+    # choice's tokens come (``_version_starts``), while it runs.
+    version_starts: dict[int, list[tuple[str, int]]] = attrs.Factory(dict)
 
     def observe(self, out) -> None:
         if self.prompt_token_ids is None and out.prompt_token_ids is not None:
@@ -136,7 +171,7 @@ class CallTrack:
             "n": self.n,
             "prompt_token_ids": self.prompt_token_ids,
             "prompt_logprobs": _logprobs_json(self.prompt_logprobs),
-            "choices": {str(i): c.as_json() for i, c in self.choices.items()},
+            "choices": {str(i): c.as_json(self.version_starts.get(i)) for i, c in self.choices.items()},
         }
 
     @classmethod
@@ -161,6 +196,10 @@ class RequestTrack:
     first_frame: str | None = None
     # Why this request cannot go on from its tokens so far (``why_not_continued``), if it cannot.
     not_continued: str | None = None
+    # Of a stream that goes on here: the choices (numbered as the stream numbers them) whose first
+    # chunk the caller had, and where a choice's ``text_offset`` goes on (completions with logprobs).
+    begun: frozenset[int] = frozenset()
+    text_offsets: dict[int, int] = attrs.Factory(dict)
 
     def resumed_call(self, index: int) -> CallTrack | None:
         if self.resumed is None or index >= len(self.resumed["calls"]):
@@ -175,24 +214,66 @@ class RequestTrack:
         elif self.first_frame is not None:
             first = orjson.loads(self.first_frame[len("data: ") :])
             head = {"id": first.get("id"), "created": first.get("created")}
-        if self.not_continued is not None:
-            head[NOT_CONTINUED_FIELD] = self.not_continued
-        return orjson.dumps({**head, "calls": [call.as_json() for call in self.calls]})
+        calls = [call.as_json() for call in self.calls]
+        lost = [self.not_continued] if self.not_continued is not None else []
+        if any(choice["weight_versions"] is None for call in calls for choice in call["choices"].values()):
+            lost.append("which weights sampled its tokens so far is not known here")
+        if lost:
+            head[NOT_CONTINUED_FIELD] = "; ".join(lost)
+        return orjson.dumps({**head, "calls": calls})
 
 
-def begin(payload: dict) -> RequestTrack:
-    """Start keeping what this request generates; ``payload`` loses the record it goes on from
-    (checked whole here: a malformed one, which only a caller could send, is a ValueError, a 400)."""
+def begin(payload: dict, from_front: bool) -> RequestTrack:
+    """Start keeping what this request generates; ``payload`` loses the record it goes on from.
+    The record is taken only from the front (``from_front``: the request carries its header, which
+    the front never passes on from a caller); a caller's is dropped, as the front drops one whose
+    name it finds in a body's bytes (a name spelled with JSON escapes gets past that check).
+    Checked whole here: a malformed one is a ValueError, a 400."""
     resumed = payload.pop(CONTINUE_FIELD, None)
-    if resumed is not None:
+    track = RequestTrack(resumed=resumed if from_front else None)
+    if track.resumed is not None:
         try:
-            for call in resumed["calls"]:
-                CallTrack.from_json(call)
+            kept = list(_kept_choices(track))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"{CONTINUE_FIELD} is skyinfer's own, and this one is malformed: {exc!r}") from None
-    track = RequestTrack(resumed=resumed)
+        track.begun = frozenset(index for index, choice in kept if choice.token_ids)
     _TRACK.set(track)
     return track
+
+
+def note_request(track: RequestTrack, request: Any, state: Any) -> None:
+    """What the request's own fields (vLLM's parsed request; ``state``: vLLM's serving state) mean
+    for going on: why it cannot, if it cannot; and, for a completion stream with logprobs that goes
+    on here, where each kept choice's ``text_offset`` goes on (the next engine's stream counts from
+    0): after its kept tokens' strings, as vLLM's completion stream counts them."""
+    track.not_continued = why_request_not_continued(
+        request,
+        state.args.structured_outputs_config.reasoning_parser,
+        state.vllm_config.model_config.hf_config.model_type,
+    )
+    if track.resumed is None or not isinstance(request, CompletionRequest):
+        return
+    if request.stream and request.logprobs is not None:
+        serving = state.openai_serving_completion
+        for index, choice in _kept_choices(track):
+            if choice.token_ids:
+                counted = serving._create_completion_logprobs(
+                    token_ids=choice.token_ids,
+                    top_logprobs=choice.logprobs,
+                    num_output_top_logprobs=request.logprobs,
+                    tokenizer=serving.renderer.tokenizer,
+                    return_as_token_id=request.return_tokens_as_token_ids,
+                )
+                track.text_offsets[index] = counted.text_offset[-1] + len(counted.tokens[-1])
+
+
+def _version_starts(engine_client: Any, request_id: str) -> dict[int, list[tuple[str, int]]]:
+    """Per choice of a running request, vLLM's own list of (version, first token) of the weights
+    that sampled its tokens, which its output processor appends to as they come (vLLM gives the
+    spans only with a choice's last output; the record of an engine that dies needs them before)."""
+    processor = engine_client.output_processor
+    states = (processor.request_states.get(i) for i in processor.external_req_ids.get(request_id, ()))
+    return {state.request_index: state.weight_version_starts for state in states if state is not None}
 
 
 def track_outputs(engine_client: Any) -> None:
@@ -225,17 +306,18 @@ def track_outputs(engine_client: Any) -> None:
                 resumed.prompt_logprobs,
                 resumed.choices,
             )
-            version = track.resumed.get("weight_version")
-            outputs = _go_on(generate, prompt, sampling_params, request_id, kwargs, resumed, version)
+            outputs = _go_on(generate, prompt, sampling_params, request_id, kwargs, resumed)
         last = None
         async for out in outputs:
             call.observe(out)
+            if resumed is None and not call.version_starts:
+                call.version_starts = _version_starts(engine_client, request_id)
             if final_only:
                 last = out
             else:
                 yield out
         if final_only:
-            yield call.gathered(last if last is not None else _empty_output(request_id))
+            yield call.gathered(last)
 
     engine_client.generate = tracked
 
@@ -271,13 +353,31 @@ def why_not_continued(params: SamplingParams) -> str | None:
     return "; ".join(lost) or None
 
 
-def why_chat_stream_not_continued(request, reasoning_parser: str | None) -> str | None:
+def why_request_not_continued(request: Any, reasoning_parser: str | None, model_type: str) -> str | None:
+    """Why a request (vLLM's parsed request) cannot go on on another engine, for what vLLM's serving
+    layer does with it: beam search calls ``generate`` once per beam per step, calls a record cannot
+    be matched to; a stream's ``echo`` would be echoed again by the next engine; and a chat stream
+    may be parsed as it goes (``why_chat_stream_not_continued``)."""
+    lost = []
+    if getattr(request, "use_beam_search", False):
+        lost.append("beam search (a generate call per beam per step, which cannot be resumed)")
+    if getattr(request, "stream", False) and getattr(request, "echo", False):
+        lost.append("echo in a stream (the next engine would echo the prompt again mid-answer)")
+    if isinstance(request, ChatCompletionRequest):
+        lost.append(why_chat_stream_not_continued(request, reasoning_parser, model_type))
+    return "; ".join(reason for reason in lost if reason) or None
+
+
+def why_chat_stream_not_continued(request, reasoning_parser: str | None, model_type: str | None = None) -> str | None:
     """Why a chat request (vLLM's ``ChatCompletionRequest``) cannot go on on another engine: vLLM
-    parses a stream's reasoning and tool calls as it goes, from the answer's first token, and the
-    next engine's parser would start over mid-message. An answer that is not streamed is parsed
-    whole at its end, the tokens kept included: it goes on."""
+    parses a stream's reasoning and tool calls as it goes, from the answer's first token (a gpt-oss
+    model's, ``model_type``, always: Harmony), and the next engine's parser would start over
+    mid-message. An answer that is not streamed is parsed whole at its end, the tokens kept
+    included: it goes on."""
     if not request.stream:
         return None
+    if model_type == "gpt_oss":
+        return "a gpt-oss chat stream (parsed by Harmony as it goes: the parser would start over mid-message)"
     if reasoning_parser:
         return f"a chat stream parsed for reasoning ({reasoning_parser}: the parser would start over mid-message)"
     if request.tools and request.tool_choice != "none":
@@ -285,17 +385,11 @@ def why_chat_stream_not_continued(request, reasoning_parser: str | None) -> str 
     return None
 
 
-def _empty_output(request_id: str):
-    return RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=None, prompt_logprobs=None,
-                         outputs=[], finished=True)  # fmt: skip
-
-
-async def _go_on(
-    generate, prompt, sampling_params, request_id: str, kwargs: dict, resumed: CallTrack, version: str | None
-):
+async def _go_on(generate, prompt, sampling_params, request_id: str, kwargs: dict, resumed: CallTrack):
     """Each unfinished choice of ``resumed`` run from its prompt and tokens so far, its outputs as
-    the choice's own (the prompt's logprobs were given already; the weight spans count the tokens
-    kept, sampled by ``version``: the front goes on only on an engine with the same weights)."""
+    the choice's own (the prompt's logprobs were given already; the weight spans go on from the
+    kept tokens'). With every choice finished, one output with no tokens: the prompt's, which the
+    stream's usage counts."""
     from ..vllm_api import merge_async_iterators
 
     runs, indexes = [], []
@@ -314,11 +408,15 @@ async def _go_on(
         extended["prompt_token_ids"] = list(resumed.prompt_token_ids) + list(done)
         runs.append(generate(extended, params, f"{request_id}-continued-{index}", **kwargs))
         indexes.append(index)
+    if not runs:
+        yield RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=resumed.prompt_token_ids,
+                            prompt_logprobs=None, outputs=[], finished=True)  # fmt: skip
+        return
     async for run, out in merge_async_iterators(*runs):
         for output in out.outputs:
             output.index = indexes[run]
             kept = resumed.choices.get(output.index)
-            output.weight_versions = _after(output.weight_versions, len(kept.token_ids) if kept else 0, version)
+            output.weight_versions = _joined([] if kept is None else kept.weight_versions, output.weight_versions)
         out.prompt_token_ids = resumed.prompt_token_ids
         out.prompt_logprobs = None
         yield out
@@ -326,8 +424,9 @@ async def _go_on(
 
 def continued_frame(frame: str, track: RequestTrack, first: bool) -> str | None:
     """An event of a stream that goes on here, as the caller's stream has it: its id and creation
-    time, usage counting the tokens generated before, and (``first``: the first event sent) where
-    it went on. None: an event the caller had already (a chat stream's opening role)."""
+    time, usage counting the tokens generated before, no prompt token ids again for a choice the
+    caller had them for, text offsets after the kept text's, and (``first``: the first event sent)
+    where it went on. None: an event the caller had already (a chat stream's opening role)."""
     if not frame.startswith("data: {"):
         return frame
     event = orjson.loads(frame[len("data: ") :])
@@ -337,6 +436,17 @@ def continued_frame(frame: str, track: RequestTrack, first: bool) -> str | None:
     for key in ("id", "created"):
         if track.resumed.get(key) is not None:
             event[key] = track.resumed[key]
+    if track.begun:
+        # The token route's, on its first chunk (with the prompt's multimodal placeholders).
+        event.pop("prompt_token_ids", None)
+        event.pop("mm_placeholders", None)
+    for choice in choices:
+        index = choice.get("index", 0)
+        if index in track.begun and choice.get("prompt_token_ids") is not None:
+            choice["prompt_token_ids"] = None  # a completion choice's, on its first chunk
+        logprobs = choice.get("logprobs")
+        if index in track.text_offsets and isinstance(logprobs, dict) and logprobs.get("text_offset"):
+            logprobs["text_offset"] = [offset + track.text_offsets[index] for offset in logprobs["text_offset"]]
     usage = event.get("usage")
     if usage:
         before = kept_tokens(track)
@@ -351,37 +461,41 @@ def _opening(delta: dict | None) -> bool:
     return isinstance(delta, dict) and "role" in delta and not delta.get("content")
 
 
-def _after(spans: list | None, kept: int, version: str | None) -> list | None:
-    """Weight spans over a choice's tokens here, counted after the ``kept`` ones sampled by ``version``."""
-    from ..vllm_api import WeightVersionSpan
-
-    if spans is None:
+def _joined(kept: list[WeightVersionSpan] | None, spans: list | None) -> list[WeightVersionSpan] | None:
+    """The weight spans over a choice's tokens: ``kept`` (of the tokens kept from the engine that
+    died), then ``spans`` (vLLM's, over the tokens generated here, counted after them), one span
+    where the weights are the same across the splice, as an uninterrupted request has it."""
+    if kept is None or spans is None:
         return None
-    moved = [WeightVersionSpan(span.version, span.start + kept, span.end + kept) for span in spans]
-    if kept and version is not None:
-        if moved and moved[0].version == version:
-            moved[0] = WeightVersionSpan(version, 0, moved[0].end)
+    joined = list(kept)
+    offset = kept[-1].end if kept else 0
+    for span in spans:
+        if joined and joined[-1].version == span.version:
+            joined[-1] = WeightVersionSpan(span.version, joined[-1].start, span.end + offset)
         else:
-            moved.insert(0, WeightVersionSpan(version, 0, kept))
-    return moved
+            joined.append(WeightVersionSpan(span.version, span.start + offset, span.end + offset))
+    return joined
+
+
+def _kept_choices(track: RequestTrack) -> Iterator[tuple[int, ChoiceTrack]]:
+    """The choices of the record this request goes on from, numbered across prompts as a stream
+    numbers them."""
+    for number, call in enumerate(track.resumed["calls"]):
+        for index, choice in CallTrack.from_json(call).choices.items():
+            yield index + number * call["n"], choice
 
 
 def finished_choices(track: RequestTrack) -> frozenset[int]:
-    """The choices (numbered across prompts, as the stream numbers them) that ended before the
-    request went on here: none for a request of its own."""
+    """The choices (numbered as the stream numbers them) that ended before the request went on
+    here: none for a request of its own."""
     if track.resumed is None:
         return frozenset()
-    return frozenset(
-        index + number * call["n"]
-        for number, call in enumerate(track.resumed["calls"])
-        for index, choice in ((int(i), c) for i, c in call["choices"].items())
-        if choice["finish_reason"] is not None
-    )
+    return frozenset(index for index, choice in _kept_choices(track) if choice.finish_reason is not None)
 
 
 def kept_tokens(track: RequestTrack) -> int:
     """The tokens the request had generated before it went on here."""
-    return sum(CallTrack.from_json(call).tokens for call in track.resumed["calls"])
+    return sum(len(choice.token_ids) for _, choice in _kept_choices(track))
 
 
 def continued_note(track: RequestTrack) -> dict:

@@ -102,14 +102,11 @@ def _serving_route(
         track = None  # a body that is not JSON starts nothing to keep
         try:
             payload = parse_json_object(await request.read())
-            track = continuation.begin(payload)
+            track = continuation.begin(payload, from_front=CONTINUE_HEADER in request.headers)
             if conflict := constraints_conflict(payload):
                 return error_response(400, conflict, "allowed_token_ids")
             parsed = adapter.validate_python(payload)
-            if chunk_object == CHAT_CHUNK:
-                track.not_continued = continuation.why_chat_stream_not_continued(
-                    parsed, request.app[SERVING_STATE].args.structured_outputs_config.reasoning_parser
-                )
+            continuation.note_request(track, parsed, request.app[SERVING_STATE])
             result = await call(request.app[SERVING_STATE])(parsed, VllmRequestView(request))
             if chunk_object is not None and isinstance(result, AsyncGenerator):
                 result = with_finish_reasons(

@@ -6,14 +6,18 @@ A cold engine process spends most of its start importing Python's, torch's and v
 --channel-fd N --lifeline-fd L``, with the engines' environment. It imports as a spare does
 (``import_engine``), says ``{"ready": true, "env": {...}}`` on its channel, and then serves *fork
 orders*: one message each on the channel (a ``SOCK_SEQPACKET`` socket), ``{"order": n, "argv":
-[...], "env": {...}, "fds": [...], "stdin": bool, "cwd": "...", "cpus": [...]}`` with the file
-descriptors the new process must hold attached (``SCM_RIGHTS``), in the order ``fds`` names their
-numbers (the front's stdout and stderr among them), the stdin's last when ``stdin`` is true.
+[...], "env": {...}, "fds": [...], "stdin": bool, "cwd": "...", "cpus": [...]}`` with file
+descriptors attached (``SCM_RIGHTS``): first the read end of the front's *go-ahead* pipe, then
+those the new process must hold, in the order ``fds`` names their numbers (the front's stdout and
+stderr among them), the stdin's last when ``stdin`` is true.
 
-For each order it forks a child that starts a session of its own (its pid is its process group,
-as a cold engine's), puts the passed descriptors at their numbers, takes the order's environment,
-working directory and cores (the front's), and becomes ``python -m skyinfer.engine`` with the
-order's arguments: everything an engine or a spare does from there is what it does when spawned.
+For each order it forks a child, which waits for the front's go-ahead: one byte on that pipe, which
+the front writes once it has the child's pid (end of file instead: the front gave up on the order,
+or is gone, and the child exits before it does anything). It then starts a session of its own (its
+pid is its process group, as a cold engine's), puts the passed descriptors at their numbers, takes
+the order's environment, working directory and cores (the front's), and becomes ``python -m
+skyinfer.engine`` with the order's arguments: everything an engine or a spare does from there is
+what it does when spawned.
 The template answers ``{"order": n, "pid": p}``, reaps its children and reports each exit,
 ``{"pid": p, "code": c}`` (a negative code is the signal that ended it, as asyncio's). It exits
 when the front's lifeline ends or its channel closes; its children live on (their lifelines are
@@ -22,11 +26,14 @@ their own).
 Templates shared by the servers of one machine (``--engine-template-socket``; the test suite's
 servers share them): ``python -m skyinfer.engine.template --listen PATH --lifeline-fd L`` starts a
 *host*, which imports nothing. Each front connects (only a process of the host's own user is
-answered) and says ``{"env": {...}}``, its engines' environment; the host hands the connection (a
-``SOCK_SEQPACKET`` one: the front's channel, as above) to the template of that environment, all but
+answered; the front checks the same of the host) and says ``{"env": {...}}``, its engines'
+environment; the host answers ``{"importing": bool}`` and hands the connection (a ``SOCK_SEQPACKET``
+one: the front's channel, as above) to the template of that environment, all but
 ``VARIES_PER_ENGINE``, forking one (its child, which takes that environment and imports) the first
-time. A front whose ``PYTHON*`` variables (read when an interpreter starts) are not the host's is
-not served. The template answers the front ``{"ready": true, "env": {...}}`` and serves its orders;
+time. ``importing`` is true until the template has said on its socket to the host that its imports
+are done: a front waits that long for its answer, else the probe timeout. A front whose
+``PYTHON*`` variables (read when an interpreter starts) are not the host's is not served. The
+template answers the front ``{"ready": true, "env": {...}}`` and serves its orders;
 exits are reported on the channel of the front that ordered the fork, and a front that goes
 leaves the others served. Host and templates exit when the host's lifeline (its starter's) ends.
 
@@ -50,6 +57,7 @@ import socket
 import struct
 import sys
 import traceback
+from dataclasses import dataclass
 
 from .output import keep_title, name_process
 
@@ -89,6 +97,13 @@ def main(argv: list[str] | None = None) -> None:
 def environment_key(env) -> tuple:
     """What of an engine's environment its template must share: all but ``VARIES_PER_ENGINE``."""
     return tuple(sorted((name, value) for name, value in env.items() if name not in VARIES_PER_ENGINE))
+
+
+def peer_uid(channel: socket.socket) -> int:
+    """The user of the process at the other end of a Unix socket (for a connected client, of the
+    process that listened)."""
+    _, uid, _ = struct.unpack("3i", channel.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return uid
 
 
 def _wake_on_children() -> tuple[int, int]:
@@ -136,6 +151,8 @@ class _Template:
         import_engine()
         for channel in self.channels:
             _send(channel, {"ready": True, "env": self.env})
+        if handoff is not None:
+            _send(handoff, {"imported": True})  # the host tells the fronts that connect from now on
 
     def _add(self, channel: socket.socket) -> None:
         self.channels.append(channel)
@@ -200,6 +217,22 @@ class _Template:
                 _send(channel, {"pid": pid, "code": code})
 
 
+@dataclass
+class _Hosted:
+    """A template the host started: its pid, the socket that hands it channels (where it says
+    that its imports are done), and whether it said so."""
+
+    pid: int
+    handoff: socket.socket
+    imported: bool = False
+
+    def importing(self) -> bool:
+        if not self.imported:
+            with contextlib.suppress(OSError):  # BlockingIOError: not yet
+                self.imported = bool(self.handoff.recv(MAX_MESSAGE, socket.MSG_DONTWAIT))
+        return not self.imported
+
+
 class _Host:
     """The templates of one machine's servers, one per engine environment, and the socket they
     connect to; it imports nothing itself."""
@@ -207,8 +240,8 @@ class _Host:
     def __init__(self, listener: socket.socket, lifeline_fd: int):
         self.listener = listener
         self.lifeline_fd = lifeline_fd
-        # Engine environment -> its template's pid and the socket that hands it channels.
-        self.templates: dict[tuple, tuple[int, socket.socket]] = {}
+        # Engine environment -> its template.
+        self.templates: dict[tuple, _Hosted] = {}
 
     def serve(self) -> None:
         keep_title()  # before a template replaces its environment: for its children's titles
@@ -222,9 +255,9 @@ class _Host:
                 if key.data == "child":
                     _drain(wake[0])
                     ended = {pid for pid, _ in _reaped()}
-                    for env_key, (pid, handoff) in list(self.templates.items()):
-                        if pid in ended:
-                            handoff.close()
+                    for env_key, hosted in list(self.templates.items()):
+                        if hosted.pid in ended:
+                            hosted.handoff.close()
                             del self.templates[env_key]
                 elif key.data == "lifeline":
                     if not os.read(self.lifeline_fd, 1):
@@ -235,8 +268,7 @@ class _Host:
     def _connected(self, selector, wake: tuple[int, int]) -> None:
         channel, _ = self.listener.accept()
         with channel:
-            uid = struct.unpack("3i", channel.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-            if uid[1] != os.getuid():
+            if peer_uid(channel) != os.getuid():
                 return  # another user's process: a fork order is any engine command line
             channel.settimeout(_HELLO_TIMEOUT_S)
             try:
@@ -248,10 +280,13 @@ class _Host:
             env_key = environment_key(env)
             if env_key not in self.templates:
                 self.templates[env_key] = self._start(env, selector, wake, channel)
+            hosted = self.templates[env_key]
+            # Before its template's answer: how long the front is to wait for it.
+            _send(channel, {"importing": hosted.importing()})
             with contextlib.suppress(OSError):  # a template that just died: the front sees the channel close
-                socket.send_fds(self.templates[env_key][1], [b"c"], [channel.fileno()])
+                socket.send_fds(hosted.handoff, [b"c"], [channel.fileno()])
 
-    def _start(self, env: dict, selector, wake: tuple[int, int], channel: socket.socket) -> tuple[int, socket.socket]:
+    def _start(self, env: dict, selector, wake: tuple[int, int], channel: socket.socket) -> _Hosted:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         pid = os.fork()
         if pid == 0:
@@ -260,7 +295,7 @@ class _Host:
                 selector.close()
                 # The host's own, and the front's connection: the template gets it handed over, so
                 # that it closes when the template ends (an engine forked later holds no copy).
-                for item in (self.listener, ours, channel, *(handoff for _, handoff in self.templates.values())):
+                for item in (self.listener, ours, channel, *(hosted.handoff for hosted in self.templates.values())):
                     item.close()
                 signal.set_wakeup_fd(-1)
                 for fd in wake:
@@ -274,7 +309,7 @@ class _Host:
             finally:
                 os._exit(code)
         theirs.close()
-        return pid, ours
+        return _Hosted(pid, ours)
 
 
 def _read_at_start(env) -> dict[str, str]:
@@ -288,22 +323,23 @@ def _send(channel: socket.socket, message: dict) -> None:
 
 
 def _fork(channel: socket.socket, order: dict, fds: list[int], selector, keep: tuple) -> int:
-    # The child goes on only once the front has its pid: a template that dies in between takes
-    # the child with it (end of file on this pipe), so no engine runs that the front does not know.
-    go_read, go_write = os.pipe()
+    # The first descriptor is the front's go-ahead pipe: the child goes on only once the front has
+    # its pid. End of file instead (the front gave up on the order, or is gone; or this template
+    # died before it answered, and the front's order failed) ends it at once: no engine runs that
+    # the front does not supervise, however late this template serves the order.
+    go, passed = fds[0], fds[1:]
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
-            os.close(go_write)
-            if not os.read(go_read, 1):
+            if not os.read(go, 1):
                 os._exit(0)
-            os.close(go_read)
+            os.close(go)
             selector.close()
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             os.setsid()
-            _take_descriptors(order, fds, keep)
+            _take_descriptors(order, passed, keep)
             os.chdir(order["cwd"])
             os.sched_setaffinity(0, order["cpus"])
             # What ps shows: the engine's own command line (quoted as a shell would), not the
@@ -322,12 +358,9 @@ def _fork(channel: socket.socket, order: dict, fds: list[int], selector, keep: t
             traceback.print_exc()
         finally:
             os._exit(code)
-    os.close(go_read)
     for fd in fds:
         os.close(fd)
     _send(channel, {"order": order["order"], "pid": pid})
-    os.write(go_write, b"1")
-    os.close(go_write)
     return pid
 
 

@@ -172,13 +172,15 @@ async def stage_weights(request: web.Request) -> web.Response:
 async def swap_staged(request: web.Request) -> web.Response:
     """A staged push's second half: every worker installs its staged copy in the live weights (a
     shadow copied in place or pointed at; a quantized model's through vLLM's layerwise reload,
-    opened and closed in the same worker call), then the new version and
-    the KV rule (finish_weight_update's), all inside a keep-pause: the engine stops for the swap
-    alone. The three are separate EngineCore calls, in no set order (logged: the new version came
-    first in 6 swaps of 6), and a step can run between two of them: once in CI, a token the old
-    weights made came out labelled with the new version. With vLLM's async scheduling (GPUs) a step
-    is in flight besides whenever they arrive. The pause lets that step end and sends its tokens
-    under the old version, and no step runs until all three are done.
+    opened and closed in the same worker call), then the new version and the KV rule
+    (finish_weight_update's), all inside a keep-pause: the engine stops for the swap alone. These
+    are separate EngineCore calls, and a step can run between two of them: once in CI, a token the
+    old weights made came out labelled with the new version. With vLLM's async scheduling (GPUs) a
+    step is in flight besides whenever they arrive. The pause lets that step end and sends its
+    tokens under the old version, and no step runs until all are done.
+    The version and the KV rule are sent only once every worker has swapped: an EngineCore call
+    sent cannot be taken back, so sent beside a swap that fails they would land after the abort
+    (the old weights under the new label, their cached prefixes dropped).
     If a worker fails, the engine's weights may be part new: every request held here is dropped
     (the front holds the engine out, stale). An engine its caller paused stays paused."""
     engine = request.app[ENGINE_CLIENT]
@@ -187,10 +189,9 @@ async def swap_staged(request: web.Request) -> web.Response:
     if paused_here:
         await engine.pause_generation(mode="keep", clear_cache=False)
     try:
-        swapped, _, _ = await asyncio.gather(
-            on_every_worker(engine, SWAP_STAGED_RPC),
-            engine.update_weight_version(body["weight_version"]),
-            _after_new_weights(request, engine, body.get("kv")),
+        swapped = await on_every_worker(engine, SWAP_STAGED_RPC)
+        await asyncio.gather(
+            engine.update_weight_version(body["weight_version"]), _after_new_weights(request, engine, body.get("kv"))
         )
     except Exception:
         await abort(engine)
