@@ -361,6 +361,12 @@ ENGINE_ENVIRONMENT = {
         ' other processes and the front share their cores (docs: benchmarks, "OpenMP threads that'
         ' sleep"); ``ACTIVE`` keeps them spinning, for cores nothing else runs on',
     ),
+    "SKYINFER_COVERAGE_ON_SIGTERM": EnvVar(
+        "SKYINFER_COVERAGE_ON_SIGTERM",
+        "set by ``tools/weight_path_coverage.py`` for the suite it measures; nothing else reads it",
+        "a measured process's SIGTERM handler first saves coverage's data and has its Python"
+        " descendants save theirs (a ``.pth`` hook the tool puts in the environment for the run)",
+    ),
     "SKYINFER_STAGED_SWAP": EnvVar(
         "SKYINFER_STAGED_SWAP",
         "set to ``in-place`` for each engine by ``skyinfer serve --staged-swap in-place``",
