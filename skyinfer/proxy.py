@@ -17,7 +17,6 @@ import contextlib
 import hashlib
 import logging
 import re
-import zlib
 from collections.abc import Mapping
 
 import aiohttp
@@ -25,6 +24,7 @@ import orjson
 from aiohttp import web
 
 from . import stream_relay
+from .body_bytes import RESPONSES_PATH, json_object, prompt_group, requested_model
 from .engine_wire import CONTINUE_FIELD, CONTINUE_HEADER, ENGINE_DIED_HEADER, NOT_CONTINUED_FIELD, SESSION_HEADER
 from .errors import error_body, error_response, parse_json_object
 from .leasing import Ask, Engine, Leases, NotConnected
@@ -39,7 +39,6 @@ ENGINE_CONNECTIONS = web.AppKey("engine_connections", stream_relay.EngineConnect
 LEASES = web.AppKey("leases", Leases)
 GROUP_PREFIX_CHARS = web.AppKey("group_prefix_chars", int)
 
-RESPONSES_PATH = "/v1/responses"
 ENGINE_HEADER = "X-Skyinfer-Engine"
 WEIGHT_VERSION_HEADER = "X-Weight-Version"
 # On an answer from a second engine: the id of the engine that died under the request first.
@@ -154,98 +153,17 @@ class _GoingOn:
         self.record = record
         self.not_continued: str | None = orjson.loads(record).get(NOT_CONTINUED_FIELD)  # what a splice would lose
 
-    def request(self, body: bytes, headers: dict) -> tuple[bytes, dict]:
-        """The request's body with the record added, and its headers with the one that says the
-        record is the front's, for the engine that goes on with it."""
+    @staticmethod
+    def headers(headers: dict) -> dict:
+        return {**headers, CONTINUE_HEADER: "1"}  # the record is the front's: an engine takes none without it
+
+    def body(self, body: bytes) -> bytes:
+        """The request's body with the record added, for the engine that goes on with it."""
         payload = parse_json_object(body)
         record = orjson.loads(self.record)
         record["from_engine"] = self.engine_id
         payload[CONTINUE_FIELD] = record
-        return orjson.dumps(payload), {**headers, CONTINUE_HEADER: "1"}
-
-
-def _json_object(body: bytes) -> dict | None:
-    """The body as a JSON object, or None (its engine answers a body that is not one)."""
-    try:
-        payload = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return None
-    return payload if isinstance(payload, dict) else None
-
-
-# What may come right before a member's name (a quote after anything else is the escaped one of a
-# name ending alike), what between its name and its value, and a string value with no escapes.
-_BEFORE_NAME = frozenset(b"{, \t\r\n")
-_NAME_SEPARATOR = re.compile(rb"\s*:\s*")
-_PLAIN_STRING = re.compile(rb'"([^"\\]*)"')
-
-
-def _first_member_value(body: bytes, quoted_name: bytes) -> int:
-    """Where the value of the first member named ``quoted_name`` starts, at any depth; -1: none."""
-    at = body.find(quoted_name)
-    while at > 0:
-        if body[at - 1] in _BEFORE_NAME and (separator := _NAME_SEPARATOR.match(body, at + len(quoted_name))):
-            return separator.end()
-        at = body.find(quoted_name, at + 1)
-    return -1
-
-
-def requested_model(body: bytes) -> str | None:
-    """The body's ``model``, read off its bytes: the first member of that name, where its value is a
-    plain string (a request's own ``model`` comes before any nested one); else the body is parsed."""
-    start = _first_member_value(body, b'"model"')
-    if start < 0:
-        return None
-    if plain := _PLAIN_STRING.match(body, start):
-        try:
-            return plain[1].decode()
-        except UnicodeDecodeError:
-            return None  # the engine refuses the body
-    model = (_json_object(body) or {}).get("model")
-    return model if isinstance(model, str) else None
-
-
-# Where a request's prompt is: by route (chat, completions, the token route, Responses), and on any
-# other route in the first of these members it has.
-_PROMPT_MEMBERS = (b'"messages"', b'"prompt"', b'"token_ids"', b'"input"')
-_PROMPT_MEMBER_OF = {
-    "/v1/chat/completions": (b'"messages"',),
-    "/v1/completions": (b'"prompt"',),
-    "/inference/v1/generate": (b'"token_ids"',),
-    RESPONSES_PATH: (b'"input"',),
-}
-# What nests in a JSON value: strings (one still open at the end of the text taken to its end), and brackets.
-_NESTING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"?|[\[\]{}]')
-
-
-def prompt_group(body: bytes, prefix_chars: int, path: str = "") -> int | None:
-    """A hash of the first ``prefix_chars`` bytes of the prompt's JSON text as the body carries it
-    (less where the prompt ends sooner); None where there is none. CRC-32, not ``hash()``: front
-    workers must agree on it, and each process salts ``hash()`` its own way."""
-    for name in _PROMPT_MEMBER_OF.get(path, _PROMPT_MEMBERS):
-        if (start := _first_member_value(body, name)) >= 0:
-            break
-    else:
-        return None
-    prompt = body[start : start + prefix_chars]
-    if prompt[:1] not in (b'"', b"[", b"{"):
-        return None  # null, or not JSON: no prompt to group by
-    return zlib.crc32(prompt[: _value_end(prompt)])
-
-
-def _value_end(text: bytes) -> int:
-    """Where the JSON string, array or object ``text`` starts with ends; ``len(text)`` if not in it."""
-    depth = 0
-    for token in _NESTING.finditer(text):
-        first = token[0][0]
-        if first in b"[{":
-            depth += 1
-            continue
-        if first in b"]}":
-            depth -= 1
-        if depth <= 0:
-            return token.end()
-    return len(text)
+        return orjson.dumps(payload)
 
 
 def add_data_plane_routes(app: web.Application) -> None:
@@ -326,7 +244,7 @@ def _previous_response(body: bytes) -> str | None:
     """The stored response a Responses request continues (its engine alone can answer it)."""
     if b'"previous_response_id"' not in body:
         return None
-    previous = (_json_object(body) or {}).get("previous_response_id")
+    previous = (json_object(body) or {}).get("previous_response_id")
     return previous if isinstance(previous, str) else None
 
 
@@ -356,7 +274,7 @@ async def _send(
                 extra_headers = {**retried, **_version_header(engine, grant.adapter)}
                 sent, sent_headers = body, headers
                 if going_on is not None and engine.weight_version == going_on.weight_version:
-                    sent, sent_headers = going_on.request(body, headers)
+                    sent, sent_headers = going_on.body(body), going_on.headers(headers)
                     extra_headers[CONTINUED_FROM_HEADER] = str(going_on.engine_id)
                 return await _relay(request, engine, sent, sent_headers, extra_headers)
         except NoEngineAvailable as exc:
@@ -397,7 +315,7 @@ def _answer(
     if ENGINE_DIED_HEADER in upstream_headers:
         # The engine's record of what it generated is the front's alone: the caller's answer is the error.
         record = None
-        if CONTINUE_HEADER in upstream_headers and (died := _json_object(payload)) is not None:
+        if CONTINUE_HEADER in upstream_headers and (died := json_object(payload)) is not None:
             record = died.pop(CONTINUE_FIELD, None)
             payload = orjson.dumps(died)
         answer = _buffered(status, upstream_headers, payload, {**_own_headers(engine), **extra_headers})
@@ -579,7 +497,7 @@ async def _go_on_streaming(
                     response, None, f"{message}; engine {engine.engine_id} serves other weights"
                 )
             answer = await request.app[ENGINE_CONNECTIONS].send(
-                engine.socket_path, request.method, request.raw_path, *going_on.request(body, headers)
+                engine.socket_path, request.method, request.raw_path, going_on.body(body), going_on.headers(headers)
             )
             try:
                 head = await answer.head()
