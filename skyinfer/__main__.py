@@ -115,8 +115,8 @@ def _status(args) -> int:
     refuses): the same with ``--json``, which prints the view, or the error, as JSON."""
     import json
 
+    from .admin.metrics import read_hit_rates
     from .client import Client, SkyinferError
-    from .metrics import read_hit_rates
 
     with Client(args.url, admin_key=args.admin_key, retries=0, timeout_s=30) as client:
         try:
@@ -192,8 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         config = _config_from_args(args, extra)
     except ValueError as exc:  # attrs validators and the bind rule
         parser.error(str(exc))
+    from .front.service import run_service
     from .ranks import LayoutError
-    from .service import run_service
 
     # uvloop's transports cut the front's per-chunk cost of relaying streams.
     try:

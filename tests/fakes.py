@@ -13,10 +13,10 @@ from pathlib import Path
 import attrs
 from aiohttp import web
 
-from skyinfer.app import create_app
 from skyinfer.config import ServeConfig
-from skyinfer.registry import REGISTRY
-from skyinfer.supervisor import SUPERVISOR
+from skyinfer.fleet.registry import REGISTRY
+from skyinfer.fleet.supervisor import SUPERVISOR
+from skyinfer.front.app import create_app
 from skyinfer.weights.checkpoint import safetensors_shapes
 
 FAKE_ENGINE = str(Path(__file__).resolve().parent.parent / "tools" / "fake_engine.py")

@@ -25,9 +25,9 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from skyinfer.app import create_app
 from skyinfer.config import ServeConfig
 from skyinfer.devices import WORKER_PROCESSES_ENV
+from skyinfer.front.app import create_app
 
 START_TIMEOUT_S = 300
 # A trainer in a process of its own (torch and skyinfer.trainer only).

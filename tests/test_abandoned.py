@@ -18,7 +18,7 @@ import pytest
 from fakes import calls, fake_fleet, kill, script, states, until, whole_checkpoint
 
 from skyinfer.devices import EngineDevices
-from skyinfer.registry import REGISTRY
+from skyinfer.fleet.registry import REGISTRY
 from skyinfer.weights import staged
 from skyinfer.weights.checkpoint import safetensors_shapes
 

@@ -22,8 +22,8 @@ import httpx
 from fakes import calls, fake_fleet, kill, script, until
 
 from skyinfer.devices import EngineDevices
-from skyinfer.registry import REGISTRY, EngineRegistry
-from skyinfer.state import EngineRecord, Lifecycle, Residency
+from skyinfer.fleet.registry import REGISTRY, EngineRegistry
+from skyinfer.fleet.state import EngineRecord, Lifecycle, Residency
 from skyinfer.weights.catchup import CATCH_UP, CatchUp
 from skyinfer.weights.checkpoint import safetensors_shapes
 

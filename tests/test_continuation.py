@@ -20,11 +20,11 @@ import orjson
 import pytest
 from fakes import calls, fake_fleet, script, serve_fakes
 
-import skyinfer.app
-from skyinfer import proxy
+import skyinfer.front.app
 from skyinfer.config import ServeConfig
 from skyinfer.devices import split_cores
-from skyinfer.registry import REGISTRY
+from skyinfer.fleet.registry import REGISTRY
+from skyinfer.serving import proxy
 
 from pushes import modified_weights, run_trainer, save, sessions_per_engine
 from support import ServerProcess, engine_of, module_servers, scrape, sse_lines, total, vllm_process
@@ -448,7 +448,7 @@ async def test_a_request_in_flight_at_two_engine_deaths_is_not_sent_to_a_third(
     OpenAI shape. Neither reaches a third engine; both are counted, and logged with their body's hash."""
     # Four fake engines on this machine's two cores: two to a core, as no real engine may be.
     two_engines = split_cores(sorted(os.sched_getaffinity(0))[:2], (1, 1), 1)
-    monkeypatch.setattr(skyinfer.app, "plan_engine_devices", lambda *_args: two_engines * 2)
+    monkeypatch.setattr(skyinfer.front.app, "plan_engine_devices", lambda *_args: two_engines * 2)
     config = ServeConfig(model=str(demo_model), engines=4, device="cpu", socket_dir=str(tmp_path), hold_requests_s=0)
     app, client = await serve_fakes(aiohttp_client, config)
     for engine in range(4):

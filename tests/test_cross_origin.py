@@ -11,10 +11,10 @@ import pytest
 from aiohttp import web
 from fakes import fake_fleet, states
 
+from skyinfer.admin.metrics import RequestMetrics
 from skyinfer.client import AsyncClient
+from skyinfer.fleet.registry import REGISTRY
 from skyinfer.front_workers.worker import WorkerSettings, create_worker_app
-from skyinfer.metrics import RequestMetrics
-from skyinfer.registry import REGISTRY
 
 EVIL = "http://evil.example"
 KEY = "cross-origin-admin-key"

@@ -22,10 +22,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from skyinfer import devices
 from skyinfer.__main__ import _serve_parser
-from skyinfer.app import create_app
 from skyinfer.client import AsyncClient, Client, MultiNodeClient, SkyinferError
 from skyinfer.config import ServeConfig, cli_fields
 from skyinfer.devices import parse_visible_devices, split_gpus
+from skyinfer.front.app import create_app
 from skyinfer.trainer import GlooTrainer, IPCTrainer, SharedMemoryTrainer
 
 from support import app_routes

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from fakes import fake_fleet, kill, script, states, until, whole_checkpoint
 
-import skyinfer.supervisor
-from skyinfer.registry import REGISTRY
+import skyinfer.fleet.supervisor
+from skyinfer.fleet.registry import REGISTRY
 
 from lora_support import make_adapter
 
@@ -263,7 +263,7 @@ async def test_an_engine_that_served_a_while_restarts_at_once_and_one_that_dies_
     than the threshold (shortened here to 1 s), restarts at once; killed again right after it is
     up, it waits out the backoff (the second crash in a row: twice ``--restart-backoff``)."""
     caplog.set_level(logging.INFO, logger="skyinfer")
-    monkeypatch.setattr(skyinfer.supervisor, "SERVED_BEFORE_AN_IMMEDIATE_RESTART_S", 1.0)
+    monkeypatch.setattr(skyinfer.fleet.supervisor, "SERVED_BEFORE_AN_IMMEDIATE_RESTART_S", 1.0)
     app, _ = await fake_fleet(aiohttp_client, demo_model, tmp_path, restart_backoff_s=0.5, warm_spares=0)
     record = app[REGISTRY].records[0]
     await asyncio.sleep(1.5)

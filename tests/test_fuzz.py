@@ -27,7 +27,7 @@ import httpx
 import pytest
 
 from skyinfer.demo_model import MODEL_CONFIG
-from skyinfer.proxy import DATA_PLANE_POST
+from skyinfer.serving.proxy import DATA_PLANE_POST
 
 from support import (
     COLLECTIVE_RPC_ALLOWED,

@@ -14,12 +14,12 @@ from fakes import script, serve_fakes, states, until
 
 from skyinfer import devices
 from skyinfer.__main__ import _config_from_args, _serve_parser
-from skyinfer.app import create_app
 from skyinfer.config import ServeConfig
-from skyinfer.cpu_support import Cpu, int8_layers_on_amx
 from skyinfer.devices import parse_visible_devices, split_cores, split_gpus
+from skyinfer.fleet.registry import REGISTRY
+from skyinfer.front.app import create_app
+from skyinfer.front.cpu_support import Cpu, int8_layers_on_amx
 from skyinfer.ranks import EngineSize, LayoutError
-from skyinfer.registry import REGISTRY
 from skyinfer.transfer.quantize import W8A8_INT8_CONFIG
 from skyinfer.weights.checkpoint import CheckpointSpec, safetensors_shapes
 

@@ -9,8 +9,8 @@ import json
 import orjson
 import pytest
 
-from skyinfer import stream_relay
-from skyinfer.proxy import prompt_group, requested_model
+from skyinfer.serving import stream_relay
+from skyinfer.serving.proxy import prompt_group, requested_model
 
 
 @pytest.mark.parametrize(

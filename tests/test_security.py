@@ -16,11 +16,11 @@ from aiohttp import web
 from fakes import fake_fleet
 
 from skyinfer.__main__ import _config_from_args, _serve_parser
+from skyinfer.admin.metrics import RequestMetrics
 from skyinfer.config import ServeConfig, is_loopback
+from skyinfer.fleet.registry import REGISTRY
 from skyinfer.front_workers.worker import WorkerSettings, create_worker_app
-from skyinfer.metrics import RequestMetrics
-from skyinfer.proxy import DATA_PLANE_POST
-from skyinfer.registry import REGISTRY
+from skyinfer.serving.proxy import DATA_PLANE_POST
 
 from support import ADMIN_KEY, API_KEY, app_routes, bearer, concrete
 from test_errors import assert_openai_error

@@ -1,4 +1,4 @@
-"""The stream relay's HTTP/1.1 framing (skyinfer/stream_relay.py) against an engine socket that
+"""The stream relay's HTTP/1.1 framing (skyinfer/serving/stream_relay.py) against an engine socket that
 answers in arbitrary fragments: one byte at a time, chunks split mid size line, a hang-up mid-chunk.
 (The relay with real engines, streams cut by killed engines and callers that go away included, is
 exercised by the data-plane, disconnect and supervision modules.) Over fake engines: how a stream whose
@@ -13,7 +13,7 @@ import pytest
 from fakes import FAKE_ENGINE, fake_fleet, until
 from prometheus_client.parser import text_string_to_metric_families
 
-from skyinfer import stream_relay
+from skyinfer.serving import stream_relay
 
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
 EVENTS = [b'data: {"n": %d}\n\n' % i for i in range(5)] + [b"data: [DONE]\n\n"]

@@ -18,7 +18,15 @@ from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferInitI
 
 from skyinfer.config import ServeConfig
 from skyinfer.errors import ApiError
-from skyinfer.state import APPLY, PAUSE_FOR_PUSH, EngineRecord, Lifecycle, Residency, control_targets, push_verdict
+from skyinfer.fleet.state import (
+    APPLY,
+    PAUSE_FOR_PUSH,
+    EngineRecord,
+    Lifecycle,
+    Residency,
+    control_targets,
+    push_verdict,
+)
 from skyinfer.transfer import GLOO, IPC, NCCL, SHM
 from skyinfer.transfer.ipc import decode_handle, encode_handle
 from skyinfer.transfer.protocol import GroupInitInfo, IpcHandle, IpcUpdateInfo, SharedMemoryUpdateInfo
@@ -411,7 +419,7 @@ async def test_the_front_refuses_ipc_bodies_over_http_before_any_engine(aiohttp_
     OpenAI-shaped 400s; with the opt-in, the pickled body gets past the checks only with the admin key."""
     from vllm.distributed.weight_transfer.clients import _json_safe_update_info
 
-    from skyinfer.app import create_app
+    from skyinfer.front.app import create_app
     from skyinfer.weights.sync import WEIGHT_SYNC
 
     def front(allow_pickled_ipc: bool):

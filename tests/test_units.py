@@ -14,13 +14,13 @@ import sys
 import orjson
 import pytest
 
-from skyinfer.app import build_registry
 from skyinfer.config import ServeConfig
 from skyinfer.demo_model import VOCAB_SIZE, build_demo_model
 from skyinfer.devices import plan_engine_devices, split_cores, split_gpus
-from skyinfer.proxy import prompt_group
+from skyinfer.fleet.routing import Candidate, SessionRouter
+from skyinfer.front.app import build_registry
 from skyinfer.ranks import LayoutError
-from skyinfer.routing import Candidate, SessionRouter
+from skyinfer.serving.proxy import prompt_group
 
 
 def candidates(*loads: int) -> list[Candidate]:
@@ -299,10 +299,10 @@ def test_client_satisfies_vllm_weight_sync_protocol():
 async def test_engine_connections_queue_in_arrival_order_and_refuse_past_the_cap():
     import prometheus_client
 
+    from skyinfer.admin.metrics import ServiceMetrics
     from skyinfer.devices import EngineDevices
-    from skyinfer.metrics import ServiceMetrics
-    from skyinfer.registry import EngineRegistry
-    from skyinfer.state import EngineBusy, EngineRecord
+    from skyinfer.fleet.registry import EngineRegistry
+    from skyinfer.fleet.state import EngineBusy, EngineRecord
 
     record = EngineRecord(0, EngineDevices("cpu", ((0,),), {}), "/nonexistent.sock", connection_limit=2, queue_limit=2)
     registry = EngineRegistry([record])
@@ -342,8 +342,8 @@ async def test_engine_connections_queue_in_arrival_order_and_refuse_past_the_cap
 async def test_an_unforeseen_exception_in_a_handler_is_an_openai_500(aiohttp_client, caplog, demo_model, tmp_path):
     from aiohttp import web
 
-    from skyinfer.app import create_app
     from skyinfer.config import ServeConfig
+    from skyinfer.front.app import create_app
 
     async def broken(_request):
         return {}["no such key"]
@@ -387,8 +387,8 @@ async def test_a_request_no_engine_can_serve_is_held_then_refused_with_retry_aft
     --hold-requests-s for one, then gets a 503 in the OpenAI shape saying why, with Retry-After."""
     import time
 
-    from skyinfer.app import create_app
     from skyinfer.config import ServeConfig
+    from skyinfer.front.app import create_app
 
     front = create_app(ServeConfig(model=str(demo_model), device="cpu", socket_dir=str(tmp_path), hold_requests_s=0.6))
     front.cleanup_ctx.clear()  # no engine processes: every engine stays "starting"
@@ -474,7 +474,7 @@ def test_every_vllm_name_resolves_in_the_installed_vllm():
 
 
 def test_adapter_checks_name_the_first_problem():
-    from skyinfer.adapters import AdapterError, check_adapter
+    from skyinfer.weights.adapters import AdapterError, check_adapter
     from skyinfer.weights.checkpoint import CheckpointSpec
 
     base = CheckpointSpec({"model.layers.0.self_attn.q_proj.weight": (256, 128)}, {})
@@ -507,7 +507,7 @@ def test_adapter_checks_name_the_first_problem():
 
 
 def test_stored_responses_remember_the_newest_per_engine():
-    from skyinfer.routing import StoredResponses
+    from skyinfer.fleet.routing import StoredResponses
 
     stored = StoredResponses(max_entries=2)
     stored.record("resp_a", 0)
@@ -652,7 +652,7 @@ async def test_a_staged_swap_runs_inside_a_keep_pause(aiohttp_client, caller_pau
 def test_the_front_imports_no_torch():
     """The front reads checkpoints' names and configs and relays bytes: torch (most of a front's
     start-up CPU and about 190 MiB of its memory, measured) is for the engines and trainers."""
-    code = "import sys, skyinfer.app, skyinfer.service, skyinfer.front_workers.worker; print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'vllm', 'transformers')))"
+    code = "import sys, skyinfer.front.app, skyinfer.front.service, skyinfer.front_workers.worker; print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'vllm', 'transformers')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
 

@@ -12,7 +12,7 @@ import asyncio
 import httpx
 import pytest
 
-from skyinfer.vllm_routes import NOT_SERVED
+from skyinfer.admin.vllm_routes import NOT_SERVED
 
 from support import COLLECTIVE_RPC_ALLOWED, app_routes, engine_of, engine_socket
 

@@ -31,10 +31,10 @@ from fakes import FAKE_ENGINE, fake_fleet, kill, until
 from skyinfer.config import ServeConfig
 from skyinfer.devices import WORKER_PROCESSES_ENV
 from skyinfer.engine.template import MAX_MESSAGE
-from skyinfer.engine_templates import UNKNOWN_EXIT, EngineTemplates, ForkedProcess
-from skyinfer.registry import REGISTRY
-from skyinfer.spares import Spare
-from skyinfer.supervisor import SUPERVISOR
+from skyinfer.fleet.engine_templates import UNKNOWN_EXIT, EngineTemplates, ForkedProcess
+from skyinfer.fleet.registry import REGISTRY
+from skyinfer.fleet.spares import Spare
+from skyinfer.fleet.supervisor import SUPERVISOR
 
 from support import (
     NO_SPARES,
@@ -748,7 +748,7 @@ async def test_the_app_stopping_kills_its_spares(aiohttp_client, demo_model, tmp
 _FAKE_FRONT = """
 import asyncio, sys
 from skyinfer.config import ServeConfig
-from skyinfer.service import run_service
+from skyinfer.front.service import run_service
 config = ServeConfig(model=sys.argv[1], port=int(sys.argv[2]), engines=2, device="cpu",
                      engine_command=(sys.executable, sys.argv[3]))
 sys.exit(asyncio.run(run_service(config)))

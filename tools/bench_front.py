@@ -145,7 +145,7 @@ def floor_main(argv: list[str]) -> None:
     import uvloop
     from aiohttp import web
 
-    from skyinfer import stream_relay
+    from skyinfer.serving import stream_relay
 
     async def tcp_send(address, method, path, body, headers, kept=None):
         # skyinfer's engines listen on Unix sockets; these fake engines, shared with vllm-router, on TCP.
@@ -196,7 +196,7 @@ def front_main(argv: list[str]) -> None:
     import uvloop
 
     from skyinfer.config import ServeConfig
-    from skyinfer.service import run_service
+    from skyinfer.front.service import run_service
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = ServeConfig(

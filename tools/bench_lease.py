@@ -16,11 +16,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from skyinfer import proxy
 from skyinfer.devices import plan_engine_devices
-from skyinfer.leasing import Ask, LocalLeases
-from skyinfer.registry import EngineRegistry
-from skyinfer.state import EngineRecord, Lifecycle
+from skyinfer.fleet.registry import EngineRegistry
+from skyinfer.fleet.state import EngineRecord, Lifecycle
+from skyinfer.serving import proxy
+from skyinfer.serving.leasing import Ask, LocalLeases
 
 # bench_front.py's plain request.
 BODY = b'{"model": "bench-front-model", "prompt": "' + b"tell me something about the weather in a few words " * 4

@@ -29,11 +29,11 @@ from prometheus_client.metrics import MetricWrapperBase
 from sphinx.util import logging
 from sphinx.util.nodes import nested_parse_with_titles
 
-from skyinfer.app import create_app
+from skyinfer.admin.metrics import _PREFIX_HITS, _PREFIX_QUERIES, CLIENT_CLOSED, METRICS, prefix_cache_hit_rates
 from skyinfer.config import CLI, ServeConfig, cli_fields
 from skyinfer.devices import split_cores, split_gpus
-from skyinfer.metrics import _PREFIX_HITS, _PREFIX_QUERIES, CLIENT_CLOSED, METRICS, prefix_cache_hit_rates
-from skyinfer.state import EngineState
+from skyinfer.fleet.state import EngineState
+from skyinfer.front.app import create_app
 from skyinfer.weights.phases import Phase
 
 log = logging.getLogger(__name__)
@@ -42,15 +42,15 @@ log = logging.getLogger(__name__)
 ABANDONED = "If its caller leaves: "
 # The modules that serve routes, in the order the reference shows them.
 SECTIONS = {
-    "skyinfer.proxy": "Data plane (one engine answers)",
-    "skyinfer.sessions": "Data plane (one engine answers)",
-    "skyinfer.vllm_routes": "vLLM's other routes, for the fleet",
-    "skyinfer.control": "Control plane (every engine)",
+    "skyinfer.serving.proxy": "Data plane (one engine answers)",
+    "skyinfer.serving.sessions": "Data plane (one engine answers)",
+    "skyinfer.admin.vllm_routes": "vLLM's other routes, for the fleet",
+    "skyinfer.admin.control": "Control plane (every engine)",
     "skyinfer.weights.routes": "Weight transfer",
-    "skyinfer.adapters": "LoRA adapters",
-    "skyinfer.health": "Operations",
-    "skyinfer.metrics": "Operations",
-    "skyinfer.supervisor": "Operations",
+    "skyinfer.weights.adapters": "LoRA adapters",
+    "skyinfer.admin.health": "Operations",
+    "skyinfer.admin.metrics": "Operations",
+    "skyinfer.fleet.supervisor": "Operations",
     "skyinfer.weights.catchup": "Operations",
 }
 
@@ -407,12 +407,12 @@ ENGINE_ENVIRONMENT = {
     ),
     "PYTHONUNBUFFERED": EnvVar(
         "PYTHONUNBUFFERED",
-        "set for each engine (``skyinfer/engine_process.py``)",
+        "set for each engine (``skyinfer/fleet/engine_process.py``)",
         "``1``: the engine's output reaches the front's stderr line by line",
     ),
     "VLLM_ALLOW_INSECURE_SERIALIZATION": EnvVar(
         "VLLM_ALLOW_INSECURE_SERIALIZATION",
-        "set for each engine with ``--allow-pickled-ipc`` (``skyinfer/engine_process.py``)",
+        "set for each engine with ``--allow-pickled-ipc`` (``skyinfer/fleet/engine_process.py``)",
         "``1``: vLLM's ``ipc`` backend unpickles ``ipc_handles_pickled`` (vLLM's own IPC trainer's updates);"
         " never set otherwise (:doc:`../guides/colocated`)",
     ),

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from ..memory import DEVICE_HEADROOM_BYTES, HOST_HEADROOM_BYTES, host_memory_available
+from ..devices import DEVICE_HEADROOM_BYTES, HOST_HEADROOM_BYTES, host_memory_available
 from .targets import CopyTarget, ShadowTarget, WeightTarget
 
 __all__ = ["StagedPush", "staging_place"]

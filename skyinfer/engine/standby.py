@@ -2,7 +2,7 @@
 
 A cold engine process pays for Python's, torch's and vLLM's imports before vLLM even starts
 loading the model (``docs/benchmarks.rst`` has the figures). So the front keeps one *spare* per engine
-(``skyinfer/spares.py``): the engine's own command line with ``--standby`` added, started once
+(``skyinfer/fleet/spares.py``): the engine's own command line with ``--standby`` added, started once
 the fleet is ready. The spare
 
 1. relays its output, each line prefixed ``[engine i] (spare)``, keeping the end in a tail file

@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from ..memory import give_back_freed_memory
+from ..devices import give_back_freed_memory
 from ..transfer.receiving import unquantized_moe_layers
 from ..vllm_api import default_weight_loader
 from .cpu_setup import pack_cpu_gemms

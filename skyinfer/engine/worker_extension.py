@@ -9,8 +9,8 @@ import os
 import torch
 from safetensors.torch import save_file
 
+from ..devices import give_back_freed_memory
 from ..engine_wire import ADAPTER_WEIGHTS_FILE, STAGED_SWAP_ENV, WORKER_SPIN_ENV
-from ..memory import give_back_freed_memory
 from ..ranks import worker_index
 from . import backends  # noqa: F401 - registers skyinfer's backends with vLLM's factory
 from .catchup_files import catch_up_file, export_tensors, import_tensors, served_tensors

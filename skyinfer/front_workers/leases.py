@@ -25,11 +25,11 @@ import aiohttp
 import attrs
 import orjson
 
-from ..engine_calls import unix_client
 from ..errors import ApiError
-from ..leasing import Ask, Grant, NotConnected, lease_engine
-from ..registry import EngineRegistry
-from ..state import EngineBusy, EngineRecord, NoEngineAvailable
+from ..fleet.engine_calls import unix_client
+from ..fleet.registry import EngineRegistry
+from ..fleet.state import EngineBusy, EngineRecord, NoEngineAvailable
+from ..serving.leasing import Ask, Grant, NotConnected, lease_engine
 
 log = logging.getLogger("skyinfer.front_workers")
 

@@ -24,12 +24,12 @@ import attrs
 import orjson
 from aiohttp import web
 
-from ..draining import IN_FLIGHT, InFlight, drain
-from ..engine_calls import unix_client
+from ..admin.metrics import RequestMetrics
+from ..admin.security import AccessPolicy
 from ..errors import OpenAIErrorsAppRunner, error_response, openai_errors_middleware
-from ..metrics import RequestMetrics
-from ..proxy import GROUP_PREFIX_CHARS, LEASES, add_data_plane_routes
-from ..security import AccessPolicy
+from ..fleet.engine_calls import unix_client
+from ..serving.draining import IN_FLIGHT, InFlight, drain
+from ..serving.proxy import GROUP_PREFIX_CHARS, LEASES, add_data_plane_routes
 from .leases import RemoteLeases
 
 log = logging.getLogger("skyinfer.front_workers")

@@ -39,10 +39,10 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from ..engine_calls import EngineReply, call_engine
 from ..errors import ApiError, json_response
-from ..registry import EngineRegistry
-from ..state import EngineRecord
+from ..fleet.engine_calls import EngineReply, call_engine
+from ..fleet.registry import EngineRegistry
+from ..fleet.state import EngineRecord
 from ..transfer.protocol import new_server_token, remove_segments, segment_prefix
 from .phases import Phase
 from .verify import differing

@@ -3,8 +3,8 @@ the fleet agreed on under its label, and relabelling the weights without a trans
 
 from __future__ import annotations
 
-from ..engine_calls import EngineReply
-from ..state import EngineRecord
+from ..fleet.engine_calls import EngineReply
+from ..fleet.state import EngineRecord
 from ..wire import Checksums, WeightCheckRequest
 from .fleet import Fleet, SyncError
 from .phases import Phase

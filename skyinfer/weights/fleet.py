@@ -10,10 +10,10 @@ from typing import Any
 
 import attrs
 
-from ..engine_calls import EngineReply, call_engine, failure
 from ..errors import TRANSFER_GROUP_GONE, ApiError
-from ..registry import EngineRegistry
-from ..state import APPLY, PAUSE_FOR_PUSH, EngineRecord, push_verdict
+from ..fleet.engine_calls import EngineReply, call_engine, failure
+from ..fleet.registry import EngineRegistry
+from ..fleet.state import APPLY, PAUSE_FOR_PUSH, EngineRecord, push_verdict
 from ..transfer.protocol import UpdateMetadata
 from .checkpoint import CheckpointSpec
 from .phases import Phase, UpdateMachine

@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from ..engine_calls import EngineReply, call_engine
-from ..state import EngineRecord
+from ..fleet.engine_calls import EngineReply, call_engine
+from ..fleet.state import EngineRecord
 from .fleet import Fleet, SyncError
 from .phases import Phase
 from .push import Push

@@ -1,5 +1,5 @@
 """A weight update's phases, as one machine: where the fleet is, which step may follow which,
-and which calls fit each phase. ``skyinfer/state.py`` does the same for engines.
+and which calls fit each phase. ``skyinfer/fleet/state.py`` does the same for engines.
 
 - ``IDLE``: no update. ``STARTED``: ``/start_weight_update`` seen, its metadata checked, no engine
   touched. ``STAGING``: a staged push is received into staging copies while the engines serve on,
@@ -28,7 +28,7 @@ import attrs
 from ..errors import UPDATE_ABANDONED, ApiError
 
 if TYPE_CHECKING:
-    from ..state import EngineRecord
+    from ..fleet.state import EngineRecord
 
 __all__ = ("OpenUpdate", "Phase", "UpdateMachine", "UpdateRefused")
 

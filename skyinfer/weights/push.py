@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from ..engine_calls import EngineReply, call_engine, failure, gather_until_failure
-from ..state import PAUSE_FOR_PUSH, EngineRecord, push_verdict
+from ..fleet.engine_calls import EngineReply, call_engine, failure, gather_until_failure
+from ..fleet.state import PAUSE_FOR_PUSH, EngineRecord, push_verdict
 from ..transfer.protocol import UpdateMetadata
 from ..wire import Checksums, KvRule, PauseParams
 from .checking import WeightChecks
@@ -23,8 +23,8 @@ from .phases import Phase
 from .staged import StagedPath
 
 if TYPE_CHECKING:
-    from ..control import ControlPlane
-    from ..supervisor import Supervisor
+    from ..admin.control import ControlPlane
+    from ..fleet.supervisor import Supervisor
 
 __all__ = ("ABORTED", "CHECKPOINT_VERSION", "Push")
 

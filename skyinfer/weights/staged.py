@@ -6,11 +6,10 @@ from __future__ import annotations
 import logging
 import time
 
-from ..devices import gpu_free_bytes
-from ..engine_calls import EngineReply, call_engine, gather_until_failure
+from ..devices import DEVICE_HEADROOM_BYTES, HOST_HEADROOM_BYTES, gpu_free_bytes, host_memory_available
 from ..errors import STAGING_DOES_NOT_FIT
-from ..memory import DEVICE_HEADROOM_BYTES, HOST_HEADROOM_BYTES, host_memory_available
-from ..state import EngineRecord
+from ..fleet.engine_calls import EngineReply, call_engine, gather_until_failure
+from ..fleet.state import EngineRecord
 from ..transfer.protocol import DTYPE_SIZES, UpdateMetadata
 from ..wire import KvRule
 from .fleet import Fleet, SyncError

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from ..metrics import ServiceMetrics
-from ..registry import EngineRegistry
-from ..state import EngineRecord
+from ..admin.metrics import ServiceMetrics
+from ..fleet.registry import EngineRegistry
+from ..fleet.state import EngineRecord
 from ..wire import Checksums
 from .checking import WeightChecks
 from .checkpoint import describe_quantization
@@ -27,8 +27,8 @@ from .push import Push
 from .transports import FrontTransport
 
 if TYPE_CHECKING:
-    from ..control import ControlPlane
-    from ..supervisor import Supervisor
+    from ..admin.control import ControlPlane
+    from ..fleet.supervisor import Supervisor
 
 __all__ = ("WEIGHT_SYNC", "SyncError", "WeightSync")
 

@@ -13,10 +13,10 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
-from .config import ServeConfig
+from ..config import ServeConfig
+from ..errors import ApiError, json_response
 from .engine_process import EngineProcess, EngineStartError
 from .engine_templates import EngineTemplates, how_it_exited
-from .errors import ApiError, json_response
 from .registry import EngineRegistry
 from .spares import Spares
 from .state import EngineRecord, Lifecycle, OrderingError

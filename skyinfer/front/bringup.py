@@ -24,15 +24,15 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from .registry import EngineRegistry
-from .state import EngineRecord, Lifecycle
-from .weights.catchup import restarted_reason
+from ..fleet.registry import EngineRegistry
+from ..fleet.state import EngineRecord, Lifecycle
+from ..weights.catchup import restarted_reason
 
 if TYPE_CHECKING:
-    from .adapters import AdapterFleet
-    from .control import ControlPlane
-    from .weights.catchup import CatchUp
-    from .weights.sync import WeightSync
+    from ..admin.control import ControlPlane
+    from ..weights.adapters import AdapterFleet
+    from ..weights.catchup import CatchUp
+    from ..weights.sync import WeightSync
 
 log = logging.getLogger("skyinfer.bringup")
 

@@ -15,12 +15,12 @@ import asyncio
 
 from aiohttp import web
 
+from ..errors import ApiError, admin_json_body, json_response
+from ..fleet.engine_calls import call_engine
+from ..fleet.registry import REGISTRY
+from ..serving.proxy import forward_to
 from .control import CONTROL, aggregate
-from .engine_calls import call_engine
-from .errors import ApiError, admin_json_body, json_response
 from .health import health
-from .proxy import forward_to
-from .registry import REGISTRY
 
 NOT_SERVED = {
     "/openapi.json": "the OpenAPI schema of vLLM's FastAPI app, not of skyinfer's routes",

@@ -25,7 +25,7 @@ from collections import deque
 
 from multidict import CIMultiDict
 
-from .engine_wire import CONTINUE_MARKER
+from ..engine_wire import CONTINUE_MARKER
 
 # Caller's transport buffer at which the engine's connection stops being read (a slow caller),
 # and at which reading goes on.

@@ -28,9 +28,9 @@ from collections.abc import Callable, Sequence
 import aiohttp
 import attrs
 
-from .devices import EngineDevices
-from .errors import ApiError
-from .ranks import EngineSize
+from ..devices import EngineDevices
+from ..errors import ApiError
+from ..ranks import EngineSize
 
 log = logging.getLogger("skyinfer.state")
 

@@ -8,34 +8,34 @@ import tempfile
 
 from aiohttp import web
 
-from . import abandoning
-from .adapters import ADAPTERS, AdapterFleet, add_adapter_routes
+from ..admin.control import CONTROL, ControlPlane, add_control_routes
+from ..admin.health import engines_view, health, ready
+from ..admin.metrics import METRICS, WORKER_METRICS, ServiceMetrics, metrics_view
+from ..admin.security import DATA_PLANE_PATHS, AccessPolicy
+from ..admin.vllm_routes import add_vllm_routes
+from ..config import ServeConfig
+from ..devices import detect_device_kind, given, plan_engine_devices
+from ..errors import openai_errors_middleware
+from ..fleet.registry import REGISTRY, EngineRegistry
+from ..fleet.routing import SessionRouter
+from ..fleet.state import EngineRecord
+from ..fleet.supervisor import SUPERVISOR, Supervisor, add_supervisor_routes
+from ..front_workers.leases import LeaseHub
+from ..front_workers.pool import FRONT_WORKERS, FrontWorkers
+from ..ranks import LayoutError
+from ..serving import abandoning
+from ..serving.draining import IN_FLIGHT, InFlight
+from ..serving.leasing import LocalLeases
+from ..serving.proxy import GROUP_PREFIX_CHARS, LEASES, add_data_plane_routes
+from ..serving.sessions import FINISH_SESSION_PATH, finish_session
+from ..transfer import transport_for
+from ..weights.adapters import ADAPTERS, AdapterFleet, add_adapter_routes
+from ..weights.catchup import CATCH_UP, CatchUp, add_catch_up_routes
+from ..weights.routes import add_weight_routes
+from ..weights.sync import WEIGHT_SYNC, WeightSync
+from ..weights.transports import FrontTransport
 from .bringup import Bringup
-from .config import ServeConfig
-from .control import CONTROL, ControlPlane, add_control_routes
 from .cpu_support import Cpu, refuse_what_this_cpu_cannot_run
-from .devices import detect_device_kind, given, plan_engine_devices
-from .draining import IN_FLIGHT, InFlight
-from .errors import openai_errors_middleware
-from .front_workers.leases import LeaseHub
-from .front_workers.pool import FRONT_WORKERS, FrontWorkers
-from .health import engines_view, health, ready
-from .leasing import LocalLeases
-from .metrics import METRICS, WORKER_METRICS, ServiceMetrics, metrics_view
-from .proxy import GROUP_PREFIX_CHARS, LEASES, add_data_plane_routes
-from .ranks import LayoutError
-from .registry import REGISTRY, EngineRegistry
-from .routing import SessionRouter
-from .security import DATA_PLANE_PATHS, AccessPolicy
-from .sessions import FINISH_SESSION_PATH, finish_session
-from .state import EngineRecord
-from .supervisor import SUPERVISOR, Supervisor, add_supervisor_routes
-from .transfer import transport_for
-from .vllm_routes import add_vllm_routes
-from .weights.catchup import CATCH_UP, CatchUp, add_catch_up_routes
-from .weights.routes import add_weight_routes
-from .weights.sync import WEIGHT_SYNC, WeightSync
-from .weights.transports import FrontTransport
 
 
 def build_registry(config: ServeConfig, kind: str, socket_dir: str) -> EngineRegistry:

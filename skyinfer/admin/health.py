@@ -15,9 +15,9 @@ from collections.abc import Callable
 import aiohttp
 from aiohttp import web
 
-from .errors import json_response
-from .registry import REGISTRY
-from .state import EngineRecord, EngineState
+from ..errors import json_response
+from ..fleet.registry import REGISTRY
+from ..fleet.state import EngineRecord, EngineState
 
 
 async def health(request: web.Request) -> web.Response:

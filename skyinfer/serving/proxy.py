@@ -23,13 +23,13 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from ..engine_wire import CONTINUE_FIELD, CONTINUE_HEADER, ENGINE_DIED_HEADER, NOT_CONTINUED_FIELD, SESSION_HEADER
+from ..errors import error_body, error_response, parse_json_object
+from ..fleet.state import EngineBusy, EngineRecord, NoEngineAvailable
+from ..wire import checked_session_id
 from . import stream_relay
 from .body_bytes import RESPONSES_PATH, json_object, prompt_group, requested_model
-from .engine_wire import CONTINUE_FIELD, CONTINUE_HEADER, ENGINE_DIED_HEADER, NOT_CONTINUED_FIELD, SESSION_HEADER
-from .errors import error_body, error_response, parse_json_object
 from .leasing import Ask, Engine, Leases, NotConnected
-from .state import EngineBusy, EngineRecord, NoEngineAvailable
-from .wire import checked_session_id
 
 log = logging.getLogger("skyinfer.proxy")
 

@@ -12,7 +12,7 @@ from collections.abc import Collection
 import attrs
 from aiohttp import web
 
-from .errors import ApiError
+from ..errors import ApiError
 from .routing import Candidate, SessionRouter, StoredResponses
 from .state import (
     DISCARDED_BY_SLEEP,

@@ -41,7 +41,7 @@ import sys
 import weakref
 from collections.abc import Mapping, Sequence
 
-from .engine.template import MAX_FDS, MAX_MESSAGE, environment_key, peer_uid
+from ..engine.template import MAX_FDS, MAX_MESSAGE, environment_key, peer_uid
 
 __all__ = ["UNKNOWN_EXIT", "EngineTemplates", "ForkedProcess", "how_it_exited", "kill_group"]
 

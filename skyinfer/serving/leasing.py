@@ -16,8 +16,8 @@ from typing import Protocol
 
 import attrs
 
-from .errors import ApiError
-from .registry import EngineRegistry
+from ..errors import ApiError
+from ..fleet.registry import EngineRegistry
 
 
 @attrs.frozen

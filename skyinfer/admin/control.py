@@ -16,11 +16,11 @@ from typing import Any
 
 from aiohttp import web
 
-from .engine_calls import EngineReply, call_engine, failure
-from .errors import admin_json_body, error_body, json_response
-from .registry import REGISTRY, EngineRegistry
-from .state import DISCARDED_BY_SLEEP, SLEEP_TAGS, EngineRecord, Residency, control_targets
-from .wire import AbortParams, PauseParams, QueryParams, ResetPrefixCacheParams, SleepParams, WakeUpParams, takes
+from ..errors import admin_json_body, error_body, json_response
+from ..fleet.engine_calls import EngineReply, call_engine, failure
+from ..fleet.registry import REGISTRY, EngineRegistry
+from ..fleet.state import DISCARDED_BY_SLEEP, SLEEP_TAGS, EngineRecord, Residency, control_targets
+from ..wire import AbortParams, PauseParams, QueryParams, ResetPrefixCacheParams, SleepParams, WakeUpParams, takes
 
 log = logging.getLogger("skyinfer.control")
 

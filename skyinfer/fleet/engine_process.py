@@ -13,15 +13,15 @@ from typing import Protocol
 
 import aiohttp
 
-from .config import COLOCATED_GPU_MEMORY_UTILIZATION, ENGINE_COMMAND, ServeConfig
-from .devices import platform_engine_args
-from .engine.output import read_tail
+from ..config import COLOCATED_GPU_MEMORY_UTILIZATION, ENGINE_COMMAND, ServeConfig
+from ..devices import platform_engine_args
+from ..engine.output import read_tail
+from ..engine_wire import EXTENSION_PATH, STACKS_SIGNAL, STAGED_SWAP_ENV
+from ..transfer import transport_for
 from .engine_calls import unix_client
 from .engine_templates import EngineTemplates, ForkedProcess, how_it_exited, kill_group
-from .engine_wire import EXTENSION_PATH, STACKS_SIGNAL, STAGED_SWAP_ENV
 from .shm_leftovers import mapped_segments, remove_segments
 from .state import EngineRecord
-from .transfer import transport_for
 
 __all__ = ["EngineProcess", "EngineStartError", "WarmSpare"]
 

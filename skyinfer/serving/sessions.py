@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from .errors import json_response, parse_json_object
-from .registry import REGISTRY
-from .wire import FinishSessionParams, WireError, takes
+from ..errors import json_response, parse_json_object
+from ..fleet.registry import REGISTRY
+from ..wire import FinishSessionParams, WireError, takes
 
 # A data-plane route: the rollout client that opened the session ends it.
 FINISH_SESSION_PATH = "/finish_session"

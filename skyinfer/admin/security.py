@@ -21,9 +21,9 @@ from urllib.parse import urlsplit
 
 from aiohttp import web
 
-from .errors import error_response
-from .proxy import DATA_PLANE_GET, DATA_PLANE_POST
-from .sessions import FINISH_SESSION_PATH
+from ..errors import error_response
+from ..serving.proxy import DATA_PLANE_GET, DATA_PLANE_POST
+from ..serving.sessions import FINISH_SESSION_PATH
 from .vllm_routes import PUBLIC, STORED_RESPONSE_PATHS
 
 PUBLIC_PATHS = frozenset({"/health", "/ready", "/metrics", *PUBLIC})

@@ -35,8 +35,8 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
-from .engine.output import read_tail
-from .engine.standby import SPARE_LOG_SUFFIX
+from ..engine.output import read_tail
+from ..engine.standby import SPARE_LOG_SUFFIX
 from .engine_templates import how_it_exited, kill_group
 from .registry import EngineRegistry
 from .shm_leftovers import mapped_segments, remove_segments

@@ -28,15 +28,15 @@ from pathlib import Path
 
 from aiohttp import web
 
-from .engine_calls import EngineReply, call_engine, failure
-from .engine_wire import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
-from .errors import ApiError, admin_json_body, json_response
-from .registry import Adapter, EngineRegistry
-from .state import EngineRecord
-from .transfer.protocol import UpdateMetadata
-from .weights.checkpoint import CheckpointSpec, safetensors_shapes
-from .weights.sync import SyncError, WeightSync
-from .wire import LoadAdapterRequest, PushAdapterRequest, UnloadAdapterRequest, takes
+from ..engine_wire import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
+from ..errors import ApiError, admin_json_body, json_response
+from ..fleet.engine_calls import EngineReply, call_engine, failure
+from ..fleet.registry import Adapter, EngineRegistry
+from ..fleet.state import EngineRecord
+from ..transfer.protocol import UpdateMetadata
+from ..wire import LoadAdapterRequest, PushAdapterRequest, UnloadAdapterRequest, takes
+from .checkpoint import CheckpointSpec, safetensors_shapes
+from .sync import SyncError, WeightSync
 
 log = logging.getLogger("skyinfer.adapters")
 

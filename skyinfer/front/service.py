@@ -9,13 +9,13 @@ import signal
 
 from aiohttp import web
 
+from ..config import ServeConfig
+from ..errors import OpenAIErrorsAppRunner
+from ..fleet.engine_process import EngineStartError
+from ..fleet.supervisor import SUPERVISOR
+from ..front_workers.pool import FRONT_WORKERS, listening_socket
+from ..serving.draining import IN_FLIGHT, drain
 from .app import create_app
-from .config import ServeConfig
-from .draining import IN_FLIGHT, drain
-from .engine_process import EngineStartError
-from .errors import OpenAIErrorsAppRunner
-from .front_workers.pool import FRONT_WORKERS, listening_socket
-from .supervisor import SUPERVISOR
 
 log = logging.getLogger("skyinfer")
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import attrs
 
-from .config import ServeConfig
-from .devices import given, given_value
-from .ranks import LayoutError
-from .weights.checkpoint import CheckpointSpec
+from ..config import ServeConfig
+from ..devices import given, given_value
+from ..ranks import LayoutError
+from ..weights.checkpoint import CheckpointSpec
 
 __all__ = ["Cpu", "int8_layers_on_amx", "refuse_what_this_cpu_cannot_run"]
 

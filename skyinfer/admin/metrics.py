@@ -21,9 +21,9 @@ from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from .proxy import ENGINE_HEADER, RELAYED_STREAM
-from .registry import REGISTRY, EngineRegistry
-from .state import EngineState
+from ..fleet.registry import REGISTRY, EngineRegistry
+from ..fleet.state import EngineState
+from ..serving.proxy import ENGINE_HEADER, RELAYED_STREAM
 
 log = logging.getLogger("skyinfer.metrics")
 
