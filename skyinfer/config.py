@@ -184,7 +184,8 @@ class ServeConfig:
     weight_transfer_timeout_s: float = _option(
         120.0, "seconds a trainer gets to join, and each transfer step gets to finish", metavar="SECONDS"
     )
-    # A crashed engine that served 10 s or more is restarted at once; one that died sooner (or whose
+    # A crashed engine that served 10 s or more is restarted at once (unless max_restarts retires
+    # it); one that died sooner (or whose
     # restart failed) after restart_backoff_s, doubling per consecutive crash up to
     # restart_backoff_max_s (supervisor.py); staying up restart_window_s makes the next crash count
     # as the first.
@@ -245,7 +246,8 @@ class ServeConfig:
     engine_probe_timeout_s: float = 5.0
     # Liveness probe of every running engine: health_failures probes in a row
     # that fail or take over health_timeout_s make the engine dead (killed,
-    # restarted). On 2 busy CPU cores a probe can take a second or two.
+    # restarted); one that times out while a call of the front's to the engine
+    # runs is not counted. On 2 busy CPU cores a probe can take a second or two.
     health_interval_s: float = _option(5.0, "seconds between liveness probes of each engine", metavar="SECONDS")
     health_timeout_s: float = _option(
         10.0, "a probe slower than this fails; enough failures in a row restart the engine", metavar="SECONDS"
@@ -375,6 +377,12 @@ class ServeConfig:
             raise ValueError(
                 "--data-parallel-size among the engine arguments: give it to skyinfer (-dp N, before the engine"
                 " arguments), which counts each engine's workers for devices and weight-transfer ranks"
+            )
+        if given("--config", self.engine_args):
+            raise ValueError(
+                "--config among the engine arguments: skyinfer reads the engine arguments to plan devices and"
+                " ranks and to refuse the ones it sets itself, which a config file would hide from it; give them"
+                " on the command line"
             )
         if given("--weight-transfer-config", self.engine_args):
             raise ValueError(

@@ -256,14 +256,28 @@ def plan_engine_devices(
     raise LayoutError(f"unknown device kind {kind!r}; expected 'cuda' or 'cpu'")
 
 
+def as_vllm_reads(arg: str) -> str:
+    """An engine argument as vLLM's parser (``FlexibleArgumentParser``) reads its name: underscores in
+    a ``--`` flag's name (up to its first ``.`` or ``=``) are dashes, so ``--weight_transfer_config``
+    is ``--weight-transfer-config``."""
+    if not arg.startswith("--"):
+        return arg
+    name, sep, rest = arg[2:].partition("=")
+    head, dot, field = name.partition(".")
+    return f"--{head.replace('_', '-')}{dot}{field}{sep}{rest}"
+
+
 def given(flag: str, args: tuple[str, ...]) -> bool:
-    """Whether ``args`` set ``flag`` (as ``--flag value`` or ``--flag=value``)."""
-    return any(a == flag or a.startswith(flag + "=") for a in args)
+    """Whether ``args`` set ``flag`` as vLLM reads them: ``--flag value``, ``--flag=value``, a field of
+    it (``--flag.field value``, for vLLM's JSON options), underscores for dashes."""
+    return any(a == flag or a.startswith((flag + "=", flag + ".")) for a in map(as_vllm_reads, args))
 
 
 def given_value(flags: tuple[str, ...], args: tuple[str, ...]) -> str | None:
-    """The last value ``args`` give any of ``flags`` (``--flag value`` or ``--flag=value``), as vLLM's parser keeps it."""
+    """The last value ``args`` give any of ``flags`` (``--flag value`` or ``--flag=value``, underscores
+    for dashes), as vLLM's parser keeps it."""
     found = None
+    args = tuple(map(as_vllm_reads, args))
     for i, arg in enumerate(args):
         for flag in flags:
             if arg == flag and i + 1 < len(args):

@@ -234,7 +234,8 @@ class UpdateRequest(WireModel):
     staged: bool = False
     kv: KvRule = "recompute"
     # Only check what the call would be refused for (nothing moves, no engine is asked): a group
-    # trainer asks first, so that it never broadcasts into a push the server refuses.
+    # trainer asks first, so that it does not broadcast into a push the server refuses (short of
+    # a change of the fleet between the two calls).
     check_only: bool = False
 
 
@@ -301,5 +302,5 @@ class PushAdapterRequest(WireModel):
     update_info: dict
     version: VersionLabel | None = None
     # Only check the adapter and the group (nothing moves): a trainer asks first, so that it
-    # never broadcasts into a push the server refuses.
+    # does not broadcast into a push the server refuses (short of a change between the two calls).
     check_only: bool = False

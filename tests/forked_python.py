@@ -5,6 +5,13 @@ multiprocessing's ``forkserver``, for scripts with pipes.
 
     ForkedPopen([script, *args], stdout=subprocess.PIPE, text=True)  # a subprocess.Popen
     run_python([script, *args], capture_output=True, text=True, timeout=60)  # as subprocess.run
+    run_python([script, *args], preload=VLLM_PRELOAD)  # from a second server that imported vLLM too
+
+A script that imports vLLM's trainer pieces (vLLM's own NCCL trainer engine, its weight-sync
+client) is forked from a server of its own that imported them once: vLLM's import is 16-21
+CPU-seconds a process on these machines, paid once per pytest instead of once per trainer. The
+scripts that need no vLLM keep the lighter server (forking from a server with vLLM imported costs
+them nothing more, but its start would be on their first test's path).
 
 Each script runs in a process of its own, as ``python script args...`` would: its own pid (killed
 as any process), the caller's environment and working directory, its pipes, ``__name__ ==
@@ -35,11 +42,24 @@ import threading
 STATUS = struct.Struct("i")
 # What every helper script imports: what the server imports once, before it forks them.
 PRELOAD = ("torch", "torch.distributed", "requests", "safetensors.torch", "skyinfer.client", "skyinfer.trainer")
+# What the scripts that drive vLLM's own trainer classes import besides (tests/nccl_trainer.py,
+# tests/vllm_trainer.py): a ``preload`` of ForkedPopen and run_python.
+VLLM_PRELOAD = (
+    "vllm.distributed.utils",
+    "vllm.distributed.device_communicators.pynccl",
+    "vllm.distributed.weight_transfer.nccl_engine",
+    "vllm.distributed.weight_transfer.clients",
+)
 
 
 class ForkedPopen(subprocess.Popen):
     """A ``subprocess.Popen`` of a Python script forked by the fork server, not executed: ``args`` is
-    ``[script, *arguments]``; stdin, stdout, stderr, cwd and env as ``Popen`` takes them."""
+    ``[script, *arguments]``; stdin, stdout, stderr, cwd and env as ``Popen`` takes them; ``preload``:
+    what the server it is forked from imported besides ``PRELOAD``."""
+
+    def __init__(self, args, *popen_args, preload: tuple[str, ...] = (), **popen_kwargs):
+        self._preload = preload
+        super().__init__(args, *popen_args, **popen_kwargs)
 
     def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
                        creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite, *more):  # fmt: skip
@@ -56,7 +76,7 @@ class ForkedPopen(subprocess.Popen):
         }
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            conn.connect(_server_socket())
+            conn.connect(_server_socket(self._preload))
             socket.send_fds(conn, [json.dumps(request).encode()], fds)
             (self.pid,) = STATUS.unpack(conn.recv(STATUS.size))
         except BaseException:
@@ -114,33 +134,37 @@ def run_python(argv: list, *, timeout: float | None = None, input=None, capture_
 
 
 _started = threading.Lock()
-_server: tuple[subprocess.Popen, str] | None = None
+# A fork server per preload: its process and its socket.
+_servers: dict[tuple[str, ...], tuple[subprocess.Popen, str]] = {}
 
 
-def _server_socket() -> str:
-    """The fork server's socket; the server starts on the first call in this process and is stopped
-    when this process exits."""
-    global _server
+def _server_socket(preload: tuple[str, ...]) -> str:
+    """The socket of the fork server that imported ``preload`` besides ``PRELOAD``; the server starts
+    on the first call for it in this process and is stopped when this process exits."""
     with _started:
-        if _server is None or _server[0].poll() is not None:
+        server = _servers.get(preload)
+        if server is None or server[0].poll() is not None:
             folder = tempfile.mkdtemp(prefix="skyinfer-forks-")
             path = os.path.join(folder, "socket")
-            server = subprocess.Popen(
-                [sys.executable, __file__, path], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True
+            process = subprocess.Popen(
+                [sys.executable, __file__, path, *preload],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                text=True,
             )
             atexit.register(shutil.rmtree, folder, ignore_errors=True)
-            atexit.register(server.kill)
-            line = server.stdout.readline()
+            atexit.register(process.kill)
+            line = process.stdout.readline()
             if line.strip() != "ready":
                 raise RuntimeError(f"the fork server did not start: {line!r}")
-            _server = (server, path)
-        return _server[1]
+            server = _servers[preload] = (process, path)
+        return server[1]
 
 
-def _serve(path: str) -> tuple[dict, list[int]]:
+def _serve(path: str, preload: list[str]) -> tuple[dict, list[int]]:
     """Fork a script's process for each request. Returns in that process only (its request and its
     stdin, stdout and stderr); the server and the watchers never return."""
-    for name in PRELOAD:
+    for name in (*PRELOAD, *preload):
         __import__(name)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path)
@@ -213,6 +237,6 @@ def _exit(status: int) -> None:
 
 
 if __name__ == "__main__":
-    request, fds = _serve(sys.argv[1])
+    request, fds = _serve(sys.argv[1], sys.argv[2:])
     _become(request, fds)
     _exit(_run())

@@ -2,11 +2,13 @@
 routes the front registers and exactly ``ServeConfig``'s fields, every ``skyinfer serve`` option,
 every metric ``/metrics`` exports, every public method of the client and the trainers, every
 environment variable the code reads or sets. The README stays a front page, and each of its
-figures has its source in ``docs/benchmarks.rst``."""
+figures has its source in ``docs/benchmarks.rst``. ``docs/protocols.rst`` names only files and names
+that exist, and every side of a protocol between processes and every patch of vLLM the code has."""
 
 from __future__ import annotations
 
 import argparse
+import ast
 import inspect
 import re
 import subprocess
@@ -331,3 +333,175 @@ async def test_the_readme_separate_devices_layout_forms_its_group_as_it_says(
     r = await client.post("/init_weight_transfer", json={"init_info": {**group_init, "world_size": 7}})
     assert r.status == 200, await r.text()
     assert (await r.json())["rank_offsets"] == [1, 3, 5]
+
+
+# -- cross-process protocols (docs/protocols.rst) -------------------------------------------------
+
+PROTOCOLS = DOCS / "protocols.rst"
+# A double-backticked path of skyinfer's, and the double-backticked names right after it (only
+# spaces, line breaks and commas between): what of that file the page says speaks a protocol.
+_PATH_AND_NAMES = re.compile(r"``(skyinfer/[\w/]+\.py)``((?:[\s,]*``[A-Za-z_][\w.]*``)*)")
+_LITERAL = re.compile(r"``(.+?)``", re.S)
+# What marks a file of skyinfer's as one side of a protocol between processes.
+_PROTOCOL_MARKERS = re.compile(
+    r"SCM_RIGHTS|SIGUSR1|STACKS_SIGNAL|send_fds|recv_fds|pidfd_open|socketpair|os\.pipe|die_with_front"
+    r"|lifeline_fd|report_fd|PR_SET_PDEATHSIG|sys\.stdin|X-Skyinfer-|CONTINUE_MARKER|call_utility_all_async"
+)
+
+
+def _definitions(body: list[ast.stmt]) -> dict[str, ast.AST]:
+    """The names a module's (or a class's) body defines: functions, classes, assigned names."""
+    names: dict[str, ast.AST] = {}
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names[node.name] = node
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                for name in ast.walk(target):
+                    if isinstance(name, ast.Name):
+                        names[name.id] = node
+    return names
+
+
+def _self_attributes(cls: ast.ClassDef) -> set[str]:
+    """The attributes a class's methods set on ``self``."""
+    return {
+        node.attr
+        for node in ast.walk(cls)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "self"
+        and isinstance(node.ctx, ast.Store)
+    }
+
+
+def _resolves(path: str, dotted: str) -> bool:
+    """Whether ``dotted`` (``name``, ``Class.method``, ``Class.attribute``) is defined in the file ``path``."""
+    scope: ast.AST = ast.parse((ROOT / path).read_text())
+    for part in dotted.split("."):
+        if not isinstance(scope, (ast.Module, ast.ClassDef)):
+            return False
+        found = _definitions(scope.body).get(part)
+        if found is None:
+            return isinstance(scope, ast.ClassDef) and part == dotted.split(".")[-1] and part in _self_attributes(scope)
+        scope = found
+    return True
+
+
+def protocol_page_names() -> list[tuple[str, str]]:
+    """Every (file, name) the page gives as a side of a protocol, in the page's order."""
+    named = []
+    for match in _PATH_AND_NAMES.finditer(PROTOCOLS.read_text()):
+        named.append((match.group(1), ""))
+        named += [(match.group(1), name) for name in re.findall(r"``([^`]+)``", match.group(2))]
+    return named
+
+
+def _literal_words(page: str) -> set[str]:
+    """Every word of the page's inline literals, a query string cut off (``/pause?mode=keep``: ``/pause``)."""
+    return {
+        word.split("?")[0].rstrip("(),:")
+        for literal in _LITERAL.findall(page)
+        for word in re.split(r"[\s(),]+", literal)
+        if word
+    }
+
+
+def test_every_file_and_name_the_protocols_page_gives_exists():
+    named = protocol_page_names()
+    assert len({path for path, _ in named}) > 40 and len(named) > 200, "the page's names were not found"
+    missing = sorted({path for path, _ in named if not (ROOT / path).is_file()})
+    assert missing == [], "files named in docs/protocols.rst that do not exist"
+    unresolved = [f"{path} {name}" for path, name in named if name and not _resolves(path, name)]
+    assert unresolved == [], "names docs/protocols.rst gives that their file does not define"
+    # The check catches a name misspelt (or moved to another file).
+    assert _resolves("skyinfer/fleet/engine_templates.py", "EngineTemplates.fork")
+    assert not _resolves("skyinfer/fleet/engine_templates.py", "EngineTemplates.frok")
+    assert not _resolves("skyinfer/engine/template.py", "EngineTemplates.fork")
+
+
+def test_every_side_of_a_protocol_is_on_the_protocols_page():
+    """Every file of ``skyinfer/`` that passes descriptors, sends skyinfer's signals, makes its pipes
+    and socket pairs, or names its headers is named on the page; so is every route an engine
+    serves, every worker call of skyinfer's worker extension, every message of the front workers'
+    lease channel and every ``X-Skyinfer-`` header."""
+    page = PROTOCOLS.read_text()
+    named = {path for path, _ in protocol_page_names()}
+    sources = {str(p.relative_to(ROOT)): p.read_text() for p in sorted((ROOT / "skyinfer").rglob("*.py"))}
+    marked = sorted(path for path, text in sources.items() if _PROTOCOL_MARKERS.search(text))
+    assert "skyinfer/engine/template.py" in marked and "skyinfer/engine/output.py" in marked
+    assert [path for path in marked if path not in named] == []
+    words = _literal_words(page)
+    routes = {
+        node.value
+        for module in ("server", "admin", "weights", "adapters")
+        for node in ast.walk(ast.parse(sources[f"skyinfer/engine/{module}.py"]))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(r"/[\w/]+", node.value)
+    }
+    assert "/swap_staged" in routes and "/conditions" in routes
+    assert sorted(routes - words) == [], "engine routes the page does not give"
+    extension = next(
+        node
+        for node in ast.parse(sources["skyinfer/engine/worker_extension.py"]).body
+        if isinstance(node, ast.ClassDef) and node.name == "SkyinferWorkerExtension"
+    )
+    calls = {node.name for node in extension.body if isinstance(node, ast.FunctionDef)}
+    assert sorted(calls - words) == [], "worker calls the page does not give"
+    ops = set(re.findall(r'"op": "(\w+)"|op == "(\w+)"', sources["skyinfer/front_workers/leases.py"]))
+    ops = {a or b for a, b in ops}
+    assert {"lease", "release", "engines", "metrics"} <= ops
+    assert sorted(op for op in ops if f'"op": "{op}"' not in page) == [], "lease messages the page does not give"
+    headers = {h for text in sources.values() for h in re.findall(r'"(X-Skyinfer-[\w-]+)"', text)}
+    assert sorted(headers - words) == [], "headers the page does not give"
+
+
+def _vllm_patches(source: str) -> list[str]:
+    """Where a module that takes vLLM's names (from ``vllm_api``) assigns to an attribute of vLLM's:
+    of an object it imports from there, of a module it looks up (``importlib.import_module``,
+    ``sys.modules``), an object's class, or an engine client's ``generate``."""
+    tree = ast.parse(source)
+    vllm_names = {
+        alias.asname or alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and (node.module or "").endswith("vllm_api")
+        for alias in node.names
+    }
+    modules = {
+        target.id
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign)
+        and (
+            (isinstance(node.value, ast.Call) and ast.unparse(node.value.func) == "importlib.import_module")
+            or (isinstance(node.value, ast.Subscript) and ast.unparse(node.value.value) == "sys.modules")
+        )
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
+    if not vllm_names:
+        return []
+    return [
+        ast.unparse(target)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign)
+        for target in node.targets
+        if isinstance(target, ast.Attribute)
+        and (
+            target.attr in ("__class__", "generate")
+            or (isinstance(target.value, ast.Name) and target.value.id in vllm_names | modules)
+        )
+    ]
+
+
+def test_every_patch_of_vllm_is_in_the_patches_table():
+    """Each module that replaces an attribute of vLLM's (the shapes ``_vllm_patches`` finds) is named
+    in the page's section on vLLM's internals."""
+    section = PROTOCOLS.read_text().split("vLLM internals skyinfer patches\n---", 1)[1]
+    patching = {
+        str(p.relative_to(ROOT)): found
+        for p in sorted((ROOT / "skyinfer").rglob("*.py"))
+        if (found := _vllm_patches(p.read_text()))
+    }
+    assert {"skyinfer/engine/cpu_setup.py", "skyinfer/engine/cpu_platform.py", "skyinfer/engine/cpu_worker.py"} <= set(
+        patching
+    )
+    assert {path: found for path, found in patching.items() if f"``{path}``" not in section} == {}

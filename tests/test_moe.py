@@ -20,7 +20,7 @@ import pytest
 
 from skyinfer.demo_model import MOE_CONFIGS, build_demo_moe_model
 
-from forked_python import run_python
+from forked_python import VLLM_PRELOAD, run_python
 from moe_pushes import MoeFleet
 from pushes import run_trainer, save, sessions_per_engine
 from support import ServerProcess, free_port, module_servers, two_float32_engines, vllm_process
@@ -122,7 +122,7 @@ def test_a_push_of_part_of_a_layers_experts_without_metadata_fails_at_its_finish
     done = run_python(
         [Path(__file__).with_name("vllm_trainer.py"), moe.server.url,
          str(save(partial, tmp_path / "partial.safetensors")), "partial", str(free_port())],
-        capture_output=True, text=True, timeout=180,
+        capture_output=True, text=True, timeout=180, preload=VLLM_PRELOAD,
     )  # fmt: skip
     said = done.stdout + done.stderr[-3000:]
     assert done.returncode == 1 and "finish failed: 500" in said and "model.layers.1.mlp.experts" in said, said

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from forked_python import ForkedPopen, run_python
+from forked_python import VLLM_PRELOAD, ForkedPopen, run_python
 from pushes import assert_engines_match, modified_weights, save, sessions_per_engine
 from support import NO_SPARES, ServerProcess, module_servers, vllm_process
 
@@ -46,7 +46,11 @@ nccl_server = module_servers(__name__, _launch)
 
 def run_nccl_trainer(server, weights: Path, version: str, *extra: str) -> subprocess.CompletedProcess:
     return run_python(
-        [NCCL_TRAINER, server.url, str(weights), version, *extra], capture_output=True, text=True, timeout=180
+        [NCCL_TRAINER, server.url, str(weights), version, *extra],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        preload=VLLM_PRELOAD,
     )
 
 
@@ -132,6 +136,7 @@ def test_an_engine_core_killed_mid_receive_leaves_nothing_wrong_served(nccl_serv
         [NCCL_TRAINER, nccl_server.url, str(path), "nccl-never-served", "--unpacked", "--hang-after", "2"],
         stdout=subprocess.PIPE,
         text=True,
+        preload=VLLM_PRELOAD,
     )
     try:
         assert trainer.stdout.readline().strip() == "hanging after 2 tensors"

@@ -20,7 +20,7 @@ import httpx
 import psutil
 import pytest
 
-from forked_python import run_python
+from forked_python import VLLM_PRELOAD, run_python
 from lora_support import assert_serves, make_adapter
 from pushes import assert_engines_match, modified_weights, run_trainer, save, start_trainer
 from support import (
@@ -127,7 +127,7 @@ class TestGroupPushes:
         done = run_python(
             [Path(__file__).parent / "vllm_trainer.py", tp2.url,
              str(save(weights, tmp_path / "w.safetensors")), "tp2-vllm", str(free_port()), "--listen-late", "5"],
-            capture_output=True, text=True, timeout=180,
+            capture_output=True, text=True, timeout=180, preload=VLLM_PRELOAD,
         )  # fmt: skip
         assert done.returncode == 0 and "pushed tp2-vllm" in done.stdout, done.stdout + done.stderr[-3000:]
         print(f"vLLM's trainer pieces pushed in {time.monotonic() - started:.1f}s, 5 s of them before listening")

@@ -461,3 +461,31 @@ async def test_the_front_refuses_ipc_bodies_over_http_before_any_engine(aiohttp_
     # Past the checks, it reaches the engines' group, which is not set up here: 409, and no engine touched.
     r = await opted_in.post("/update_weights", json={"update_info": pickled}, headers=key)
     assert r.status == 409 and "weight transfer needs every engine" in (await r.json())["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "spelling",
+    [
+        ("--weight_transfer_config", '{"backend": "nccl"}'),
+        ('--weight-transfer-config={"backend": "nccl"}',),
+        ("--weight-transfer-config.backend", "nccl"),
+        ("--weight_transfer_config.backend=nccl",),
+    ],
+)
+def test_a_backend_named_in_any_spelling_vllm_reads_is_refused(spelling):
+    """vLLM's own parser reads each of these spellings as a weight-transfer backend (the user's, after
+    skyinfer's, would win): the configuration refuses every one, as it refuses the plain flag."""
+    from skyinfer.vllm_api import FlexibleArgumentParser, make_arg_parser
+
+    read = make_arg_parser(FlexibleArgumentParser()).parse_args(["m", *spelling])
+    assert read.weight_transfer_config is not None and read.weight_transfer_config.backend == "nccl", read
+    with pytest.raises(ValueError, match="weight-transfer-config among the engine arguments"):
+        ServeConfig(model="m", engine_args=spelling)
+
+
+def test_a_config_file_among_the_engine_arguments_is_refused(tmp_path):
+    """vLLM's ``--config`` file can set any engine argument, out of the front's sight: refused."""
+    with pytest.raises(ValueError, match="--config among the engine arguments"):
+        ServeConfig(model="m", engine_args=("--config", str(tmp_path / "engine.yaml")))
+    with pytest.raises(ValueError, match="--data-parallel-size among the engine arguments"):
+        ServeConfig(model="m", engine_args=("--data_parallel_size", "2"))

@@ -110,8 +110,9 @@ class ControlPlane:
 
     async def reread(self, record: EngineRecord, operation: str, **params: Any) -> None:
         """After a failed or timed-out call the engine may have done it anyway, or part of it: ask
-        vLLM what it is. A sleep that failed counts as done (its memory may be released): pushes
-        and resumes wait for a wake-up, and a level-2 one leaves the weights unknown (stale)."""
+        vLLM what it is. A sleep that failed counts as done where vLLM then says the engine sleeps
+        (its memory may be released): pushes and resumes wait for a wake-up, and a level-2 one
+        leaves the weights unknown (stale). An engine that does not answer keeps what it was."""
         reply = await call_engine(record, "/conditions", method="GET", timeout_s=self.timeout_s)
         if reply.ok and record.up:
             attempted = record.residency.after(operation, **params)
@@ -165,7 +166,8 @@ async def _sleep(request: web.Request) -> web.Response:
     drops both (a push must follow), level 0 only pauses.
 
     If its caller leaves: the sleep still lands and the fleet is asleep; ``/wake_up`` wakes it. An
-    engine whose sleep failed counts as asleep (its memory may be released) until a wake-up."""
+    engine whose sleep failed, and that vLLM then says sleeps, counts as asleep (its memory may be
+    released) until a wake-up."""
     p = await _params(request, SleepParams)
     outcomes = await request.app[CONTROL].apply("sleep", p.to_query(), level=p.level)
     return aggregate("sleep", outcomes, {"status": "sleeping", "level": p.level})

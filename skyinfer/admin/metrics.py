@@ -1,10 +1,11 @@
-"""``GET /metrics``: the front's own metrics plus every engine's vLLM metrics.
+"""``GET /metrics``: the front's own metrics plus the engines' vLLM metrics.
 
 The front counts requests by route, engine and status and times them; the
 engine states, restarts and weight versions are read off the registry at
 scrape time, so there is one source of truth for them. Each engine's own
 metrics (vLLM's, from its process) are fetched live and re-labelled with
-``engine="<id>"``, the label vLLM itself uses for an engine index.
+``engine="<id>"``, the label vLLM itself uses for an engine index; an engine that is
+not up, or does not answer within the probe timeout, is left out of that scrape.
 """
 
 from __future__ import annotations
@@ -303,7 +304,8 @@ def _render(metrics: ServiceMetrics, engine_texts: dict[int, str], worker_texts:
 
 def metrics_view(probe_timeout_s: float):
     async def view(request: web.Request) -> web.Response:
-        """Prometheus text: the front's own metrics and every engine's vLLM metrics, labelled by engine."""
+        """Prometheus text: the front's own metrics and the vLLM metrics of each engine up that
+        answers in time, labelled by engine."""
         records = [r for r in request.app[REGISTRY].up() if r.client is not None]
         fetched = await asyncio.gather(*(_engine_metrics(r.engine_id, r.client, probe_timeout_s) for r in records))
         texts = {engine_id: text for engine_id, text in fetched if text is not None}

@@ -74,7 +74,8 @@ def _per_engine_view(path: str):
         body = {"engines": [reply.as_json() for reply in replies]}
         if path == "/server_info" and (first := next((reply for reply in replies if reply.ok), None)):
             # vLLM's shape at the top level (TRL reads vllm_config there): every engine serves the
-            # same model and config, so one engine's answer stands for the fleet; "engine" says whose.
+            # same model and arguments (its parallel sizes aside, with --engine-sizes), so one
+            # engine's answer stands for the fleet; "engine" says whose.
             body = {**first.body, "engine": first.engine_id, **body}
         if path == "/load":
             # vLLM's own key: what a load-aware client reads, summed over the fleet.

@@ -18,9 +18,10 @@ connections before the server would (30 s against aiohttp's 75 s), so a
 request never lands on a connection the server is closing.
 
 Retries happen only where they cannot do anything twice: a connection that
-could not be opened (nothing was sent), and a 503 on a call that changes
-nothing on the server (reads and generation) — what a caller sees while an
-engine restarts. Admin and weight-transfer calls are never re-sent.
+could not be opened (nothing was sent), and a call that changes nothing on the
+server (reads and generation) answered 503, cut off or timed out — what a
+caller sees while an engine restarts. Admin and weight-transfer calls, once
+sent, are never sent again.
 
 Errors raise ``SkyinferError`` with the server's status and message.
 """

@@ -42,8 +42,8 @@ def _bool(value: bool) -> str:
 class AsyncClient:
     """One skyinfer server, every route, async. ``api_key`` goes with data-plane calls, ``admin_key``
     (else the API key) with control, weight and engine calls; ``timeout_s`` bounds each call. Only a
-    connection that could not be opened, and a 503 on a call that changes nothing, are tried again,
-    up to ``retries`` times, ``retry_backoff_s`` apart and doubling."""
+    connection that could not be opened, and a call that changes nothing answered 503 (or cut off,
+    or timed out), are tried again, up to ``retries`` times, ``retry_backoff_s`` apart and doubling."""
 
     def __init__(
         self,

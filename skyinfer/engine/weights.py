@@ -65,10 +65,10 @@ class KvEpochs:
 
 
 async def _after_new_weights(request: web.Request, engine, kv) -> None:
-    """vLLM keeps the prefix cache across an update: KV computed with the old weights must never be
-    served again. With "keep", the requests running now go on over the KV they have (the caller's
-    off-policy choice): only the cache no request holds is dropped, and new requests reuse none of
-    what the old weights computed."""
+    """vLLM keeps the prefix cache across an update: KV computed with the old weights must not be
+    served again, but with "keep" to the requests running now, which go on over the KV they have
+    (the caller's off-policy choice): only the cache no request holds is dropped, and new requests
+    reuse none of what the old weights computed."""
     keep_kv = kv == "keep"
     if keep_kv:
         request.app[KV_EPOCHS].current += 1

@@ -106,7 +106,7 @@ class ForkedProcess:
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
-        """ProcessLookupError once it ended (its code may not have come yet)."""
+        """ProcessLookupError if it ended before its code came; nothing once ``returncode`` is set."""
         if self.returncode is None:
             signal.pidfd_send_signal(self._pidfd, sig)
 
@@ -380,7 +380,8 @@ class EngineTemplates:
                 )
 
     async def stop(self) -> None:
-        """Kill every template (its engines are the supervisor's to stop)."""
+        """Kill every template of the front's own and close the channels to shared ones, which the
+        front never kills (their engines are the supervisor's to stop)."""
         for task in self._starting.values():
             task.cancel()
         templates, self._templates = list(self._templates.values()), {}

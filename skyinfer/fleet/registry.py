@@ -62,11 +62,13 @@ class EngineRegistry:
         # Adapters being unloaded, and those an engine failed to unload (until loaded again): their
         # requests are answered 404 here, as vLLM would, since such an engine may still hold one.
         self.unloaded_adapters: set[str] = set()
-        # Adapters being loaded across the fleet: their requests wait until every engine has it.
+        # Adapters being loaded across the fleet: their requests wait until the load ends (on every
+        # engine, or rolled back).
         self._adapters_changing: dict[str, asyncio.Event] = {}
         # Held by every fleet operation (control calls, weight transfer, adapters) while it runs:
-        # one at a time across the fleet. Routing itself never awaits, so it needs no lock, and an
-        # engine being brought up takes it only to check that nothing moved meanwhile (``changes``).
+        # one at a time across the fleet. A routing decision (``pick``) never awaits, so it needs no
+        # lock, and an engine being brought up takes it only to check that nothing moved meanwhile
+        # (``changes``).
         self.lock = asyncio.Lock()
         # Fleet operations completed: an engine brought to the fleet's state while it changed is
         # brought again.

@@ -5,7 +5,8 @@ before vLLM even starts loading the model. With ``--warm-spares 1`` (the default
 slot has a *spare*: the engine's own command line with ``--standby`` (``engine/standby.py``),
 started once the fleet is ready. When the slot's engine dies, or an operator restarts it, the
 supervisor sends the spare its start order and the spare becomes the engine's process (its pid,
-its process group); a cold process is started only when the slot has no live spare.
+its process group); a cold process is started only when the slot has no live spare that can
+take the order (a loaded one cannot take a changed environment: below).
 
 * What a spare does first: on CPU engines (``--loaded-spares auto``, or ``on``) it builds the
   whole engine, vLLM's EngineCore (and the worker processes of an engine of several workers)
@@ -13,8 +14,8 @@ its process group); a cold process is started only when the slot has no live spa
   A loaded spare cannot take a changed environment: its slot's restart then starts cold.
 * When spares start: one at a time, and only while the fleet is steady (every engine up, or
   retired): after the fleet's start, and after an engine that restarted is up again, so that a
-  spare's start never competes with an engine's for the CPU. One that is starting when
-  another engine dies goes on starting.
+  spare's start does not compete with an engine's for the CPU, unless it had begun before
+  another engine died: it goes on starting.
 * A spare's life: tied to the front's by the lifeline from its first instant, as an engine's;
   stopping the service kills every spare. A spare that dies unasked is not replaced at once: its
   slot restarts cold, and gets a new spare once its engine is up again.

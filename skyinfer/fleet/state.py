@@ -36,7 +36,8 @@ log = logging.getLogger("skyinfer.state")
 
 
 class Lifecycle(enum.Enum):
-    """Where an engine's process is; its residency, staleness and update apply only while it is up."""
+    """Where an engine's process is; its residency, staleness and update apply while it is up, and
+    while a new process is brought to the fleet before it counts as up (``HAS_CONDITIONS``)."""
 
     STARTING = "starting"
     UP = "up"
@@ -44,8 +45,9 @@ class Lifecycle(enum.Enum):
     DEAD = "dead"
     STOPPING = "stopping"
     STOPPED = "stopped"
-    # It could not come back (``--max-restarts`` failed restarts in a row): out of the fleet (no
-    # admin call, push or readiness waits for it) until an operator restarts it.
+    # It could not come back (``--max-restarts`` failed restarts in a row), or it failed
+    # ``--max-push-failures`` pushes in a row by itself: out of the fleet (no admin call, push or
+    # readiness waits for it) until an operator restarts it.
     RETIRED = "retired"
 
 
@@ -357,8 +359,9 @@ class EngineRecord:
     # Pushes in a row that this engine failed itself (the others did their part): at
     # ``--max-push-failures`` it is retired. A push it completes, or a new process, starts afresh.
     push_failures: int = 0
-    # Called (soon after, once per loop turn) when what front workers mirror of it changes:
-    # its process, lifecycle, weight version or adapters. Set by the front workers' lease hub.
+    # Called a loop turn after each change of what front workers mirror of it (the hub sends what
+    # changed once): its process, lifecycle, weight version or adapters. Set by the front workers'
+    # lease hub.
     on_change: Callable[[], None] | None = attrs.field(default=None, init=False)
     _connections: asyncio.Semaphore = attrs.field(init=False)
     # When each call the front has in flight to it must end by: while one runs, the engine may be

@@ -21,8 +21,9 @@ from .registry import EngineRegistry
 from .spares import Spares
 from .state import EngineRecord, Lifecycle, OrderingError
 
-# An engine that served this long before it died restarts at once; one that died sooner (or
-# never came up) waits out the backoff, doubling per crash in a row.
+# An engine that served this long before it died restarts at once (unless ``--max-restarts``
+# retires it); one that died sooner (or never came up) waits out the backoff, doubling per crash
+# in a row.
 SERVED_BEFORE_AN_IMMEDIATE_RESTART_S = 10.0
 
 log = logging.getLogger("skyinfer.supervisor")
@@ -64,7 +65,7 @@ class Supervisor:
         Nobody awaits these tasks, so a failure nobody foresaw would otherwise
         vanish and leave the engine in whatever state it had (``restarting``
         for ever): it is logged, and the engine is declared dead, which
-        revives it.
+        revives it (one stopping, already dead or retired is left as it is).
         """
         task = asyncio.create_task(coro)
         self._tasks.add(task)
@@ -84,7 +85,9 @@ class Supervisor:
         self._declare_dead(process, "its supervision failed")
 
     def _declare_dead(self, process: EngineProcess, reason: str) -> None:
-        """Out of rotation now, its processes killed (its requests fail at once), revived after a backoff."""
+        """Out of rotation now, its processes killed (its requests cut off at once; those whose caller
+        has nothing yet may go to another engine: proxy.py), revived after a backoff or retired
+        (``_revive``). Nothing for an engine stopping, already dead or retired."""
         record = process.record
         if record.lifecycle in (Lifecycle.STOPPING, Lifecycle.STOPPED, Lifecycle.DEAD, Lifecycle.RETIRED):
             return
@@ -186,7 +189,8 @@ class Supervisor:
         record.restarts += 1
         self.registry.set_lifecycle(record, Lifecycle.RESTARTING)
         # Nothing on it is worth finishing (it died, or holds weights no push finished): killed
-        # first, its requests see the connection drop and fail at once, streams included.
+        # first, its requests see the connection drop at once, streams included (those whose
+        # caller has nothing yet may go to another engine: proxy.py).
         process.kill()
         await process.stop(self.config.engine_stop_timeout_s)
         await _close_client(record)

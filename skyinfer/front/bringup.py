@@ -12,11 +12,11 @@ a retired engine rejoining) holds nothing of the fleet's. Before it counts as up
    (``weights/catchup.py``), or waits for the next push if no peer holds them.
 
 The steps call the new engine only, and run without the fleet's lock: a bring-up that takes
-minutes (a level-1 sleep offloading a large model, adapters loading) never holds up the admin
-calls of the other engines. Under the lock it then only checks that no fleet operation completed
-meanwhile (``EngineRegistry.changes``) and counts as up; if one did, the steps run again from where
-the engine is. After ``UNLOCKED_TRIES`` such rounds the steps run under the lock, so that a fleet
-that keeps changing cannot keep an engine out for ever.
+minutes (a level-1 sleep offloading a large model, adapters loading) does not hold up the admin
+calls of the other engines (but for a fleet that keeps changing: below). Under the lock it then
+only checks that no fleet operation completed meanwhile (``EngineRegistry.changes``) and counts as
+up; if one did, the steps run again from where the engine is. After ``UNLOCKED_TRIES`` such rounds
+the steps run under the lock, so that a fleet that keeps changing cannot keep an engine out for ever.
 """
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ class Bringup:
 
     async def bring(self, record: EngineRecord) -> None:
         """Bring ``record``'s new process to the fleet and mark it up (unless it was stopped or
-        died meanwhile). Raises if a step fails: the supervisor then declares it dead."""
+        died meanwhile). Raises if a step fails: on a restart the supervisor then declares it
+        dead; at the service's start, ``Supervisor.wait_ready`` raises it."""
         for _ in range(UNLOCKED_TRIES):
             seen = self.registry.changes
             await self._steps(record)

@@ -3,11 +3,14 @@
 Bodies pass through untouched unless they carry a ``session_id`` field, which
 is moved to the ``X-Session-ID`` header (the engine validates bodies strictly
 and reads the session from that header), or a ``skyinfer_continue`` field, the
-front's own, which is dropped. What routing needs of a body (its ``model``, its
-prompt's start) is read off its bytes: a body is parsed only when it carries
-one of those fields, or names its model in a way the bytes alone do not settle.
+front's own, which is dropped; a request that goes on from what an engine that
+died generated goes to the next engine with that engine's record added. What
+routing needs of a body (its ``model``, its prompt's start) is read off its
+bytes: a body is parsed only when it carries one of those fields, names its
+model in a way the bytes alone do not settle, or is a Responses request with a
+``previous_response_id``.
 A stream's chunks go to the client as the engine frames them (``stream_relay``);
-every other answer is read whole, then passed on.
+every other answer, and a stream to an HTTP/1.0 caller, is read whole, then passed on.
 """
 
 from __future__ import annotations

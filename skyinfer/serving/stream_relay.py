@@ -13,9 +13,10 @@ chunked body (the openai SDK closes on reading ``data: [DONE]``): ``EngineAnswer
 whether it had the whole answer, so that such a request still counts as answered.
 
 Every other answer is read whole, and its connection is kept open for the next request to that
-engine (``EngineConnections``); a stream's connection is closed at its end, which is how an engine
-learns that a caller went away. No client library's per-request machinery either: aiohttp's client
-cost about a third of the front's CPU per request.
+engine (``EngineConnections``) where its body ended at its ``Content-Length`` (or it had none) and
+the engine keeps the connection (a chunked answer's is closed); a stream's connection is closed at
+its end, which is how an engine learns that a caller went away. No client library's per-request
+machinery either: aiohttp's client cost about a third of the front's CPU per request.
 """
 
 from __future__ import annotations

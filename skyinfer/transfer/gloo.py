@@ -128,7 +128,8 @@ class GlooTrainer(Trainer):
 
         def send() -> None:
             # Checked first (bad shapes, no group: a refusal, and nothing moves), so that the
-            # broadcast below never waits on engines that will not receive.
+            # broadcast below does not wait on engines that will not receive (short of a change
+            # between the two calls).
             self.client.update_lora_adapter(lora_name, config, update_info, version, check_only=True)
             with ThreadPoolExecutor(1) as pool:
                 receiving = pool.submit(self.client.update_lora_adapter, lora_name, config, update_info, version)

@@ -1,4 +1,5 @@
-"""LoRA adapters across the fleet: every engine holds the same adapters at the same versions.
+"""LoRA adapters across the fleet: every engine holds the fleet's adapters at the fleet's versions
+(an engine that could not load one is not routed its requests).
 
 Routes follow vLLM's (``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``),
 plus ``/update_lora_adapter``: an adapter's tensors pushed over the trainer's
@@ -11,7 +12,8 @@ never meets blocks computed with an older one, with no cache reset.
 
 A change is all-or-nothing: an adapter is checked against the served model
 before any engine sees it, its requests wait while it changes, and if some
-engine fails to take it, the others are put back as they were.
+engine fails to take it, the others are put back as they were (one that
+cannot be is restarted).
 """
 
 from __future__ import annotations
@@ -140,7 +142,7 @@ class AdapterFleet:
         self.registry = registry
         self.sync = sync
         # For an engine whose adapters are unknown (a call to it timed out, or a rollback failed):
-        # its next process takes exactly the fleet's.
+        # its next process starts with none and takes the fleet's (``restore``).
         self._restart = restart
         self.model = model
         self.store = store

@@ -16,7 +16,8 @@ How, on the one host every engine of a server shares:
    (vLLM's own layout: fused, sharded, quantized as it holds them) into a shared-memory file of its
    own, ``/dev/shm/skyinfer-<token>-catchup-<id>-rank<r>``, and answers vLLM's checksums of them.
 3. Import, under the fleet's lock, unless a weight update began meanwhile: pushes win (the push
-   covers the engine) and a catch-up holds a push back for no longer than its import. Each of the
+   covers the engine) and a catch-up holds a push back for no longer than its import and its
+   verification. Each of the
    target's workers checks the file against its own tensors (names, dtypes, shapes: else it
    touches nothing) and copies it in place; the engine's prefix cache is dropped.
 4. Verification, under the lock: vLLM's checksums of the target must be the source's (and the

@@ -17,7 +17,8 @@ class WeightChecks:
     def __init__(self, fleet: Fleet):
         self.fleet = fleet
         self.registry = fleet.registry
-        # The checksums every engine held under a label, once a check saw them agree.
+        # The checksums held under a label, once a check saw engines agree on them (any engine
+        # that differed was held out).
         self._agreed: tuple[str, Checksums] | None = None
 
     def forget(self) -> None:

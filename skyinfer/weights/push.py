@@ -380,7 +380,8 @@ class Push:
     async def _abort(self, reason: str) -> None:
         """End the update on every engine that may have begun it: each keeps its process and serves
         nothing (stale) until the next push; one that cannot even end it is restarted. Called with
-        the registry's lock held, which it gives back within ``_ABORT_ANSWER_S``: an engine whose
+        the registry's lock held, it waits at most ``_ABORT_ANSWER_S`` for the engines' answers
+        before the update's end (``end``: resumes, dropped copies): an engine whose
         workers are inside the trainer's broken collective answers only once the group's own timeout
         ends it (a hung trainer holds it open), and waiting for it would keep a crashed engine's
         replacement out of the fleet for as long; such an engine ends its part beside the fleet,
@@ -499,7 +500,8 @@ class Push:
 
     async def _still_paused(self, record: EngineRecord, why: str) -> None:
         """A resume after the push failed: if vLLM still holds the engine paused, the requests routed
-        to it would wait for ever; it is restarted (they move to another engine)."""
+        to it would wait for ever; it is restarted (those whose caller has nothing yet may move
+        to another engine: proxy.py)."""
         log.warning("engine %d: resuming after the push failed: %s", record.engine_id, why)
         await self._control.reread(record, "resume")
         if record.up and record.residency.paused:

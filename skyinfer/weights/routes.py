@@ -78,9 +78,9 @@ async def _update(sync: WeightSync, body: UpdateRequest) -> dict:
     says whether running requests recompute their KV (exact) or keep it.
 
     If its caller leaves: the engines' side runs to its end (a broken transfer is aborted on every
-    engine, which serve nothing until a push of the whole checkpoint). A chunk of an update the
-    server abandoned is a 409 ``update_abandoned``, never an update of its own. ``check_only``:
-    answers what the call would be refused for, and nothing moves."""
+    engine, which serve nothing until a push of the whole checkpoint, or ``/reload_weights``). A
+    chunk of an update the server abandoned is a 409 ``update_abandoned``, never an update of its
+    own. ``check_only``: answers what the call would be refused for, and nothing moves."""
     if body.check_only:
         return await sync.push.check_receive(body.update_info, body.kv, body.staged)
     return await sync.push.receive(body.update_info, body.weight_version, body.kv, body.staged)

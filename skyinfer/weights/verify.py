@@ -2,8 +2,8 @@
 
 An engine is held to a reference: the checksums the trainer says it expects,
 else those the fleet agreed on under its current label, else those more
-than half the engines hold. When engines split evenly there is no reference,
-and none of them can be trusted.
+than half the engines hold. When no checksums are held by more than half the
+engines there is no reference, and none of them can be trusted.
 """
 
 from __future__ import annotations
