@@ -393,6 +393,31 @@ async def test_the_front_splices_a_stream_onto_another_engine_and_goes_on_from_a
     assert len(await _went_on(app, 0)) == 2
 
 
+async def test_a_stream_read_whole_for_an_http_1_0_caller_starts_over_on_another_engine(
+    aiohttp_client, demo_model, tmp_path
+):
+    """A caller on HTTP/1.0 gets a stream whole: engine 1 dies after 5 events of it, before any of
+    it reached the caller, so the caller gets engine 0's whole stream (20 events and [DONE]), not a
+    200 holding engine 1's first 5 events and nothing saying they are all."""
+    app, client = await fake_fleet(aiohttp_client, demo_model, tmp_path)
+    session = await _session_on(client, 1)
+    await script(app, 1, {"die_after_events": 5})
+    body = json.dumps({"prompt": "x", "max_tokens": 20, "stream": True}).encode()
+    reader, writer = await asyncio.open_connection(client.server.host, client.server.port)
+    head = (
+        "POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\n"
+        f"X-Session-ID: {session}\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    writer.write(head.encode() + body)
+    answer = await reader.read()  # an HTTP/1.0 answer ends with its connection
+    writer.close()
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 200") and b"X-Skyinfer-Engine: 0" in head, answer[:600]
+    events = [line for line in payload.split(b"\n") if line.startswith(b"data: ")]
+    assert len(events) == 21 and events[-1] == b"data: [DONE]", payload
+    assert await _went_on(app, 0) == []  # started over, not gone on from engine 1's record
+
+
 async def test_a_record_a_caller_sends_never_reaches_an_engine_as_the_fronts(aiohttp_client, demo_model, tmp_path):
     """The front drops a caller's ``skyinfer_continue`` and never passes on the header by which an
     engine knows a record as the front's: a record whose name a JSON escape hides from the front's

@@ -398,7 +398,12 @@ async def _relay_answer(
         head = await answer.head()
         # A caller on HTTP/1.0 cannot take chunks: it gets a stream whole.
         if not head.event_stream or request.version < aiohttp.HttpVersion11:
-            return _answer(request, engine, head.status, head.headers, await answer.body(), extra_headers)
+            whole = await answer.body()
+            if answer.continuation is not None:
+                # Its EngineCore died mid-stream and nothing has reached the caller: the request
+                # goes to another engine from its start.
+                raise _EngineDied(engine, _engine_failed(request, engine, RuntimeError("its EngineCore died")))
+            return _answer(request, engine, head.status, head.headers, whole, extra_headers)
         first = await answer.first_chunk()
     except stream_relay.EngineHangUp as exc:
         # Nothing has reached the caller: the request may still go to another engine.

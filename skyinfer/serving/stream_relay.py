@@ -297,6 +297,8 @@ class EngineAnswer(asyncio.Protocol):
         elif head.chunked:
             end, self._need, terminal = _complete_chunks(self._buffer)
             if terminal:
+                # A stream read whole (for an HTTP/1.0 caller) can end in a dying engine's record too.
+                self.continuation = _continuation_at(self._buffer, end)
                 self._settle(_chunk_payloads(self._buffer[:end]))
         elif "Content-Length" in head.headers:
             length = int(head.headers["Content-Length"])
