@@ -8,8 +8,9 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")
 
 project = "skyinfer"
 author = "the skyinfer developers"
-extensions = ["sphinx.ext.autodoc", "skyinfer_reference"]
-exclude_patterns = ["_build"]
+extensions = ["sphinx.ext.autodoc", "skyinfer_reference", "skyinfer_benchmarks"]
+# _static/benchmarks/: the benchmarks' plots (and, by hand, tables) tools/render_benchmarks.py draws.
+exclude_patterns = ["_build", "_static/benchmarks"]
 html_theme = "alabaster"
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"

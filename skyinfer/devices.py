@@ -201,7 +201,7 @@ def _omp_wait_policy() -> dict[str, str]:
     EngineCore, its API process and the front are not bound to the workers' cores: a spinning
     thread takes the core they need, and the step waits for them. Measured on a 2-core machine, one
     engine on both cores, 40 short completions one after the other: 6.3 s and 10.1 CPU-s of worker
-    spinning and computing by default, 4.2 s and 4.3 CPU-s with PASSIVE (docs: benchmarks, "OpenMP
+    spinning and computing by default, 4.2 s and 4.3 CPU-s with PASSIVE (docs: benchmarks-journal, "OpenMP
     threads that sleep"). ``OMP_WAIT_POLICY=ACTIVE`` in the environment keeps spinning, for cores
     nothing else runs on."""
     return {} if "OMP_WAIT_POLICY" in os.environ else {"OMP_WAIT_POLICY": "PASSIVE"}
@@ -214,7 +214,7 @@ CPU_WORKER_SPIN_S = 0.05
 
 def _worker_spin() -> dict[str, str]:
     """A worker spins on its message queue 50 ms after each message, not vLLM's 1 s, unless the
-    operator chose otherwise (``engine/cpu_setup.py`` says why; docs: benchmarks, "Workers that wait
+    operator chose otherwise (``engine/cpu_setup.py`` says why; docs: benchmarks-journal, "Workers that wait
     asleep")."""
     return {} if WORKER_SPIN_ENV in os.environ else {WORKER_SPIN_ENV: str(CPU_WORKER_SPIN_S)}
 
@@ -233,7 +233,7 @@ def _worker_in_engine_core(workers: tuple[tuple[int, ...], ...]) -> dict[str, st
     engine's environment before it imports torch: forked from the engine process, see
     ``engine/cpu_platform.py``). That process imports torch and
     vLLM a third time and holds its own copy of them: measured on the demo model, one engine ready
-    in 14.1 s and 14.4 CPU-s instead of 20.1 s and 19.6, 0.6 GiB less resident (docs: benchmarks,
+    in 14.1 s and 14.4 CPU-s instead of 20.1 s and 19.6, 0.6 GiB less resident (docs: benchmarks-journal,
     "One worker inside the EngineCore"). ``OMP_NUM_THREADS`` is the worker's cores, as vLLM's
     worker process gets it: without it vLLM serves with one torch thread in the EngineCore.
     Engines of several workers keep vLLM's worker processes; the variables set in the front's

@@ -1,6 +1,6 @@
 """What the suite cost, printed at its end: each module's time (its tests with their set-up and
 tear-down, shared servers included where a module first asks for them) and the machine's peak
-memory in use, with the module that was running then (docs/benchmarks.rst keeps the figures).
+memory in use, with the module that was running then (docs/benchmarks-journal.rst keeps the figures).
 With ``--cpu-report``, also the CPU seconds the suite's processes spent, by kind of process, in all
 and per module: what to cut when the suite is to get faster on two cores."""
 

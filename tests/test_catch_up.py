@@ -186,7 +186,7 @@ def test_an_engine_core_killed_after_a_push_catches_up_from_its_peer(peer_server
     """A trainer pushes; engine 1's EngineCore is SIGKILLed. Engine 1 restarts from the checkpoint
     on disk and, with no push, copies the pushed weights from engine 0: it serves them (same greedy
     tokens as engine 0, logprobs within 1e-3, and within 0.05 of transformers'), while engine 0
-    answers every request sent meanwhile. How long that took is printed (docs: benchmarks), not
+    answers every request sent meanwhile. How long that took is printed (docs: benchmarks-journal), not
     judged: with no catch-up, engine 1 would stay stale until a push that never comes."""
     srv = peer_server
     weights = pushed(srv, demo_model, tmp_path, 71, "pushed-1")

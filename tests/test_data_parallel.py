@@ -175,7 +175,7 @@ def test_staged_pushes_land_on_both_ranks_while_both_serve(dp2_server, model_nam
 
     Each rank gets a request every ``LOAD_PACE_S`` after its last answer, not one after another:
     answers back to back took both cores for as long as the pushes ran, the trainers' start-up
-    waited for them, and the module took 440-503 s of ``.ci/run`` (257 s paced; docs: benchmarks,
+    waited for them, and the module took 440-503 s of ``.ci/run`` (257 s paced; docs: benchmarks-journal,
     "A load that took both cores")."""
     failures: list[str] = []
     served = dict.fromkeys(RANKS, 0)

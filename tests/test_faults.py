@@ -9,7 +9,7 @@ Every case ends with the same three checks:
 (b) every engine serves the old or the new weights under the right label (greedy logprobs
     within 0.05 of a transformers float32 forward of those weights), or serves nothing;
 (c) the next push succeeds at the first attempt.
-Each case prints the time until the fleet served again (docs: benchmarks).
+Each case prints the time until the fleet served again (docs: benchmarks-journal, "Faults").
 
 The engines are the shared server's; the checkpoint is pushed back afterwards. Faults that
 stop or kill the server's own processes live with that server: SIGTERM mid-push in

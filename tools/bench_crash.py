@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from skyinfer.demo_model import build_demo_model
 
-from benchlib import free_port, scratch_dir, start_skyinfer, stop, wait_servers
+from benchlib import bench_parser, free_port, scratch_dir, start_skyinfer, stop, wait_servers, write_json
 
 PROMPT = "Reinforcement learning from verifiable rewards"
 VERSION = "bench-crash"
@@ -108,11 +108,15 @@ async def one_request(http, url, model, session, stream, max_tokens, started) ->
     return result
 
 
+# The phases ``back`` times, seconds after the kill.
+SEEN = ("dead", "restarting", "up", "serving")
+
+
 async def back(http, url, killed_at: float, restarts_before: int) -> dict[str, float | None]:
     """Seconds from the kill until the front saw engine 1 dead, began its restart (a backoff
     after the death), had it up again (from the checkpoint on disk), and until it served the
     pushed version (after the catch-up from its peer)."""
-    seen: dict[str, float | None] = {"dead": None, "restarting": None, "up": None, "serving": None}
+    seen: dict[str, float | None] = dict.fromkeys(SEEN)
     while time.monotonic() - killed_at < 300:
         engine = (await engines(http, url))[1]
         now = time.monotonic() - killed_at
@@ -166,11 +170,16 @@ def _s(value: float | None) -> str:
     return "never" if value is None else f"{value:.1f}"
 
 
-async def run(url: str, model: str, rounds: int, max_tokens: int, spares: bool) -> None:
+async def run(url: str, model: str, rounds: int, max_tokens: int, spares: bool) -> list[dict]:
+    """Each kill's figures, as printed; as rows (``--json``), one per kill."""
+    rows = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
         for i in range(rounds):
             for loaded in (True, False):
                 r = await one_round(http, url, model, loaded, max_tokens, spares)
+                rows.append(
+                    {"round": i + 1, "loaded": loaded, **{f"{k}_s" if k in SEEN else k: v for k, v in r.items()}}
+                )
                 line = (f"round {i + 1} {'under load' if loaded else 'at rest   '}: serving {VERSION} again"
                         f" {_s(r['serving'])} s after the kill (seen dead {_s(r['dead'])}, restart begun"
                         f" {_s(r['restarting'])}, up {_s(r['up'])}, caught up {_s(r['serving'])})")  # fmt: skip
@@ -179,10 +188,11 @@ async def run(url: str, model: str, rounds: int, max_tokens: int, spares: bool) 
                              f" continued streams' longest break {r['longest_break_ms']:.0f} ms"
                              f" (median gap {r['median_gap_ms']:.1f} ms); all done {r['done_s']:.1f} s after the kill")  # fmt: skip
                 print(line, flush=True)
+    return rows
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser(__doc__)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("serve_args", nargs=argparse.REMAINDER, help="after --: more `skyinfer serve` arguments")
@@ -200,9 +210,10 @@ def main() -> int:
         asyncio.run(wait_servers([(url, proc)], path="/ready"))
         push(url, model)
         spares = not any(a == "--warm-spares" and b == "0" for a, b in itertools.pairwise(extra))
-        asyncio.run(run(url, str(model), args.rounds, args.max_tokens, spares))
+        rows = asyncio.run(run(url, str(model), args.rounds, args.max_tokens, spares))
     finally:
         stop(proc)
+    write_json(args, rows)
     return 0
 
 

@@ -18,7 +18,6 @@ greedy completions after; medians over the rounds and the ratios to ``vllm serve
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import statistics
@@ -34,6 +33,7 @@ from skyinfer.devices import WORKER_PROCESSES_ENV, split_cores
 from skyinfer.engine.cpu_platform import START_METHOD_ENV
 
 from benchlib import (
+    bench_parser,
     free_port,
     scratch_dir,
     start_reference,
@@ -42,6 +42,7 @@ from benchlib import (
     tree_cpu_s,
     tree_processes,
     wait_servers,
+    write_json,
 )
 
 ENGINE_ARGS = ["--cpu-kvcache-gib", "1", "--max-model-len", "512"]
@@ -75,7 +76,7 @@ def one_start(start, ready_path: str, model: str, requests: int) -> tuple[float,
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser(__doc__)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--requests", type=int, default=10, help="completions per server per round, after it is ready")
     p.add_argument("--parallel", choices=("tp", "dp"), help="an engine of two workers: -tp 2 or -dp 2")
@@ -121,10 +122,16 @@ def main() -> None:
     header = ("ready s", "ratio", "CPU-s", "ratio", "RSS MiB", "ratio", "latency s", "ratio")
     print(f"{'':26s}" + " ".join(f"{h:>9s}" for h in header) + "   ready s each round")
     reference = [statistics.median(column) for column in zip(*results["vllm serve"], strict=True)]
+    rows = []
     for name, rounds in results.items():
         medians = [statistics.median(column) for column in zip(*rounds, strict=True)]
         cells = [f"{value:9.3f} {value / ref:9.2f}" for value, ref in zip(medians, reference, strict=True)]
         print(f"{name:26s}" + " ".join(cells) + "   " + " ".join(f"{r[0]:.1f}" for r in rounds))
+        row = {"server": name}
+        for key, value, ref in zip(("ready_s", "cpu_s", "rss_mib", "latency_s"), medians, reference, strict=True):
+            row |= {key: value, f"{key}_ratio": value / ref}
+        rows.append(row | {"ready_s_rounds": [r[0] for r in rounds]})
+    write_json(args, rows)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ import psutil
 TOOLS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TOOLS.parent))
 sys.path.insert(0, str(TOOLS))
-from benchlib import free_port, spawn_logged, start_vllm_router, stop, wait_servers  # noqa: E402
+from benchlib import bench_parser, free_port, spawn_logged, start_vllm_router, stop, wait_servers, write_json  # noqa: E402
 
 MODEL = "bench-front-model"
 PROMPT = "tell me something about the weather in a few words " * 4
@@ -285,7 +285,10 @@ def _median(rounds: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in rounds)
 
 
-def report(results: dict[str, dict[str, list[dict]]], phases: list[str]) -> None:
+def report(results: dict[str, dict[str, list[dict]]], phases: list[str], at_rest: dict[str, dict]) -> list[dict]:
+    """The medians printed; as rows (``--json``), one per target: ``PHASE_FIGURE`` keys, and what the
+    middle took to start and holds at rest."""
+    rows = {name: {"target": name, **at_rest.get(name, {})} for name in results}
     print("\nmedians over rounds; CPU is the middle's own (front or router); added latency is over direct\n")
     header = f"{'target':<12} {'phase':<7} {'req/s':>9} {'events/s':>10} {'CPU/req':>9} {'CPU/event':>10} "
     print(header + f"{'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'+p99 ms':>8}")
@@ -318,6 +321,18 @@ def report(results: dict[str, dict[str, list[dict]]], phases: list[str]) -> None
                 f"{_median(per, 'p50'):>8.1f} {_median(per, 'p99'):>8.1f} "
                 f"{_median(per, 'add50'):>8.1f} {_median(per, 'add99'):>8.1f}"
             )
+            figures = {
+                "req_per_s": _median(per, "rps"),
+                "events_per_s": _median(per, "eps") if streamed else None,
+                "cpu_per_request_us": _median(per, "cpu_req_us") if cpu else None,
+                "cpu_per_event_us": _median(per, "cpu_event_us") if cpu and streamed else None,
+                "p50_ms": _median(per, "p50"),
+                "p99_ms": _median(per, "p99"),
+                "added_p50_ms": _median(per, "add50") if target != "direct" else None,
+                "added_p99_ms": _median(per, "add99") if target != "direct" else None,
+            }
+            rows[target] |= {f"{phase}_{key}": value for key, value in figures.items() if value is not None}
+    return list(rows.values())
 
 
 def main() -> None:
@@ -325,7 +340,7 @@ def main() -> None:
         subcommands = {"load": load_main, "fake-engine": fake_engine_main, "front": front_main, "floor": floor_main}
         subcommands[sys.argv[1]](sys.argv[2:])
         return
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__)
     parser.add_argument("--engines", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--concurrency", type=int, default=64)
@@ -353,6 +368,7 @@ def main() -> None:
         "flood": (args.flood_concurrency, args.flood_streams, args.max_tokens),
     }
     results: dict[str, dict[str, list[dict]]] = {}
+    at_rest: dict[str, dict] = {}
     # Each phase needs its own pace in the fake engines: one set of servers per pace.
     for phase in phases:
         pace = args.tokens_per_s if phase == "stream" else 0
@@ -364,6 +380,7 @@ def main() -> None:
                 if middle:  # what each middle took to start, and holds at rest
                     rss = sum(p.memory_info().rss for p in middle) >> 20
                     print(f"{name}: ready, {_cpu_s(middle):.2f} CPU-s so far, {rss} MiB resident", file=sys.stderr)
+                    at_rest.setdefault(name, {"start_cpu_s": _cpu_s(middle), "resident_mib": rss})
             for round_no in range(args.rounds):
                 order = names if round_no % 2 == 0 else names[::-1]
                 for name, (urls, middle) in order:
@@ -372,7 +389,7 @@ def main() -> None:
                     print(f"round {round_no} {phase:<6} {name:<12} {json.dumps(r)}", file=sys.stderr)
         finally:
             targets.stop()
-    report(results, phases)
+    write_json(args, report(results, phases, at_rest))
 
 
 if __name__ == "__main__":

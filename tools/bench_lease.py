@@ -9,7 +9,6 @@ serve. Best of ``--rounds`` runs of ``--requests`` each, in µs per request.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import sys
 import time
@@ -21,6 +20,8 @@ from skyinfer.fleet.registry import EngineRegistry
 from skyinfer.fleet.state import EngineRecord, Lifecycle
 from skyinfer.serving import proxy
 from skyinfer.serving.leasing import Ask, LocalLeases
+
+from benchlib import bench_parser, write_json
 
 # bench_front.py's plain request.
 BODY = b'{"model": "bench-front-model", "prompt": "' + b"tell me something about the weather in a few words " * 4
@@ -45,7 +46,7 @@ async def _reads(_leases: LocalLeases, n: int) -> None:
 
 
 async def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--requests", type=int, default=20000)
     args = parser.parse_args()
@@ -54,6 +55,7 @@ async def main() -> None:
     for record in records:
         record.lifecycle, record.client = Lifecycle.UP, _OpenClient()
     leases = LocalLeases(EngineRegistry(records))
+    rows = []
     for name, work in (("lease", _lease), ("reads of the body", _reads)):
         times = []
         for _ in range(args.rounds):
@@ -61,6 +63,8 @@ async def main() -> None:
             await work(leases, args.requests)
             times.append(1e6 * (time.perf_counter() - started) / args.requests)
         print(f"{name}: {min(times):.2f} µs per request (best of {args.rounds}; worst {max(times):.2f})")
+        rows.append({"what": name, "best_us": min(times), "worst_us": max(times)})
+    write_json(args, rows)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ median over ``--rounds``:
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import functools
 import json
@@ -42,7 +41,16 @@ from skyinfer.demo_model import build_demo_model
 from skyinfer.trainer import GlooTrainer
 from skyinfer.transfer.packing import DEFAULT_BUFFER_SIZE_BYTES
 
-from benchlib import free_port, scratch_dir, start_reference, start_skyinfer, stop, wait_servers
+from benchlib import (
+    bench_parser,
+    free_port,
+    scratch_dir,
+    start_reference,
+    start_skyinfer,
+    stop,
+    wait_servers,
+    write_json,
+)
 
 ADAPTER = "bench-lora"
 LONG_PROMPT = " ".join(f"w{i % 50} gamma" for i in range(300))  # about 2,000 tokens
@@ -135,7 +143,7 @@ async def throughput(url: str, model: str, requests: int, concurrency: int, max_
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser(__doc__)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--requests", type=int, default=64)
@@ -220,6 +228,26 @@ def main() -> None:
     print(
         f"skyinfer / vllm serve with the adapter: {serving['skyinfer', ADAPTER] / serving['vllm serve', ADAPTER]:.2f}"
     )
+    reset = med(costs["reset_call"]) + med(costs["after_reset"])
+    rows = [
+        {"what": "reload from a local path, skyinfer", "seconds": med(sky_reload)},
+        {"what": "reload from a local path, vllm serve", "seconds": med(ref_reload)},
+        {"what": "push over the transfer group, skyinfer", "seconds": med(push)},
+        {"what": "raw gloo broadcast of the same bytes", "seconds": med(raw)},
+        {"what": "cached prompt after a salted reload", "seconds": med(costs["salted"])},
+        {"what": "the reset call", "seconds": med(costs["reset_call"])},
+        {"what": "cached prompt after a reset", "seconds": med(costs["after_reset"])},
+        {"what": "the prompt cold", "seconds": costs["cold"][0]},
+        *(
+            {
+                "what": f"serving, {name}",
+                "base_tok_per_s": serving[name, model],
+                "adapter_tok_per_s": serving[name, ADAPTER],
+            }
+            for name in ("skyinfer", "vllm serve")
+        ),
+    ]
+    write_json(args, rows, adapter_mib=nbytes / 2**20, ratios={"reset / salt": reset / med(costs["salted"])})
 
 
 if __name__ == "__main__":

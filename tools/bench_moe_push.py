@@ -14,7 +14,6 @@ smaller broadcasts, and on CPU each MoE layer's experts padded and packed again 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import statistics
@@ -29,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from skyinfer.demo_model import build_demo_model, build_demo_moe_model
 from skyinfer.trainer import GlooTrainer
 
-from benchlib import free_port, scratch_dir, start_skyinfer, stop, wait_servers
+from benchlib import bench_parser, free_port, scratch_dir, start_skyinfer, stop, wait_servers, write_json
 
 SHAPE = dict(hidden_size=1024, num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=4, head_dim=64)
 DENSE = dict(intermediate_size=4096)
@@ -50,7 +49,7 @@ def timed_push(trainer: GlooTrainer, tensors, version: str) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser(__doc__)
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds")
     args = p.parse_args()
     base = scratch_dir("bench-moe-")
@@ -84,12 +83,17 @@ def main() -> None:
             stop(proc)
     print(f"{args.rounds} alternating rounds, one engine each, bf16 as written; median, then each round")
     print(f"{'':8s} {'tensors':>8s} {'MiB':>8s} {'seconds':>8s} {'MiB/s':>8s}")
+    rows = []
     for kind in models:
         median = statistics.median(seconds[kind])
         rounds = " ".join(f"{s:.3f}" for s in seconds[kind])
         print(f"{kind:8s} {len(tensors[kind]):8d} {mib[kind]:8.0f} {median:8.3f} {mib[kind] / median:8.0f}   {rounds}")
+        rows.append(
+            {"model": kind, "tensors": len(tensors[kind]), "mib": mib[kind], "seconds": median, "rounds": seconds[kind]}
+        )
     ratio = statistics.median(seconds["moe"]) / statistics.median(seconds["dense"])
     print(f"push time MoE / dense: {ratio:.3f} (bytes MoE / dense: {mib['moe'] / mib['dense']:.3f})")
+    write_json(args, rows, ratio=ratio)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ prints median and p90 latency of each call for both, and skyinfer / vLLM ratios.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import statistics
@@ -28,7 +27,16 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from skyinfer.demo_model import build_demo_model
 
-from benchlib import free_port, scratch_dir, start_reference, start_skyinfer, stop, wait_healthy
+from benchlib import (
+    bench_parser,
+    free_port,
+    scratch_dir,
+    start_reference,
+    start_skyinfer,
+    stop,
+    wait_healthy,
+    write_json,
+)
 
 
 async def call_all(session: aiohttp.ClientSession, urls: list[str], path: str, body: dict | None = None) -> float:
@@ -76,7 +84,7 @@ def summary(samples: list[float]) -> tuple[float, float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser(__doc__)
     p.add_argument("--model", help="model directory (default: a freshly built demo model)")
     p.add_argument("--in-flight", type=int, default=64)
     p.add_argument("--cycles", type=int, default=20)
@@ -117,10 +125,14 @@ def main() -> None:
             stop(proc)
     print(f"{args.in_flight} requests in flight over 2 engines, {args.cycles} cycles")
     print(f"{'call':8s} {'':4s} {'2x vllm serve':>14s} {'skyinfer':>10s} {'ratio':>7s}")
+    rows = []
     for call in ("pause", "resume"):
         (ref_p50, ref_p90), (sky_p50, sky_p90) = summary(ref[call]), summary(sky[call])
         print(f"{call:8s} p50  {ref_p50:11.1f} ms {sky_p50:7.1f} ms {sky_p50 / ref_p50:7.2f}")
         print(f"{call:8s} p90  {ref_p90:11.1f} ms {sky_p90:7.1f} ms {sky_p90 / ref_p90:7.2f}")
+        rows.append({"call": call, "vllm_p50_ms": ref_p50, "vllm_p90_ms": ref_p90,
+                     "skyinfer_p50_ms": sky_p50, "skyinfer_p90_ms": sky_p90})  # fmt: skip
+    write_json(args, rows)
 
 
 if __name__ == "__main__":

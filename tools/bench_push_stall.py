@@ -21,7 +21,6 @@ and the push call's time beside the pausing push's.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import itertools
 import math
@@ -40,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from skyinfer.demo_model import build_demo_model
 
-from benchlib import free_port, start_skyinfer, stop, wait_servers
+from benchlib import bench_parser, free_port, start_skyinfer, stop, wait_servers, write_json
 
 # Wider than the demo model, as deep as needed for ``--model-gb`` (bf16, head_dim 64 as the demo).
 _WIDE = dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=32, num_key_value_heads=4, head_dim=64)
@@ -163,7 +162,7 @@ async def one_round(url: str, model: str, trainer: Trainer, args, order: list[st
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser(__doc__)
     p.add_argument("--model-gb", type=float, default=1.0, help="a synthetic model of at least this size; 0: the demo")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--streams", type=int, default=32)
@@ -188,13 +187,15 @@ def main() -> int:
             trainer.close()
         finally:
             stop(server)
-    report(rounds)
+    write_json(args, report(rounds), model_gb=round(nbytes / 1e9, 2))
     return 0
 
 
-def report(rounds: list[dict]) -> None:
+def report(rounds: list[dict]) -> list[dict]:
+    """The medians printed; as rows (``--json``), one per mode and one for the push at rest."""
     pausing = statistics.median(r["pausing"]["push_s"] for r in rounds)
     at_rest = statistics.median(r["at rest"]["push_s"] for r in rounds)
+    rows = []
     print(f"\npush at rest (transfer and load alone): median {at_rest * 1e3:.0f} ms")
     print(f"{'mode':12} {'stall p50':>10} {'stall p99':>10} {'median gap':>11} {'x gap p50':>10} {'x gap max':>10}"
           f" {'push p50':>9} {'push / pausing':>15}")  # fmt: skip
@@ -206,8 +207,12 @@ def report(rounds: list[dict]) -> None:
         p99 = statistics.quantiles(stalls, n=100)[98] if len(stalls) > 1 else stalls[0]
         print(f"{mode:12} {statistics.median(stalls) * 1e3:8.0f}ms {p99 * 1e3:8.0f}ms {gap * 1e3:9.1f}ms"
               f" {statistics.median(ratios):9.1f}x {max(ratios):9.1f}x {push * 1e3:7.0f}ms {push / pausing:14.2f}x")  # fmt: skip
+        rows.append({"mode": mode, "stall_p50_ms": statistics.median(stalls) * 1e3, "stall_p99_ms": p99 * 1e3,
+                     "median_gap_ms": gap * 1e3, "stall_x_gap": statistics.median(ratios),
+                     "stall_x_gap_max": max(ratios), "push_ms": push * 1e3, "push_x_pausing": push / pausing})  # fmt: skip
     print("\nstall: the longest gap between two events of any stream overlapping the push")
     print("median gap: between events of the same streams outside the push")
+    return [*rows, {"mode": "at rest", "push_ms": at_rest * 1e3}]
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from skyinfer.demo_model import build_demo_model
 
-from benchlib import free_port, start_skyinfer, stop, wait_healthy
+from benchlib import bench_parser, free_port, start_skyinfer, stop, wait_healthy, write_json
 
 
 async def one_round(session: aiohttp.ClientSession, url: str, model: str) -> dict:
@@ -139,7 +139,7 @@ async def restart_once(session: aiohttp.ClientSession, url: str, model: str, kin
     return {"ready": ready, "served": await first_answer, "pid": new_pid}
 
 
-async def warm_vs_cold(model: str, rounds: int, env: dict) -> None:
+async def warm_vs_cold(model: str, rounds: int, env: dict, args: argparse.Namespace) -> None:
     # Held requests wait for a cold restart on a busy machine too; each kill is a first crash (the
     # engine stayed up over a second since the last), restarted after the same 1 s backoff.
     engine_args = ["--dtype", "float32", "--health-interval", "1", "--health-timeout", "4", "--hold-requests", "300"]
@@ -159,6 +159,11 @@ async def warm_vs_cold(model: str, rounds: int, env: dict) -> None:
                 await wait_healthy(session, urls[mode], servers[mode], timeout_s=600, path="/ready")
             spare = psutil.Process(await _spare_waiting(session, urls["warm"], servers["warm"].pid))
             cpu, memory = spare.cpu_times(), spare.memory_full_info()
+            spare_figures = {
+                "start_cpu_s": cpu.user + cpu.system,
+                "rss_mib": memory.rss / 2**20,
+                "uss_mib": memory.uss / 2**20,
+            }
             print(
                 f"a spare's start: {cpu.user + cpu.system:.1f} CPU-s; standing by it holds {memory.rss / 2**20:.0f} "
                 f"MiB resident, {memory.uss / 2**20:.0f} MiB of it its own (USS)",
@@ -183,6 +188,7 @@ async def warm_vs_cold(model: str, rounds: int, env: dict) -> None:
     finally:
         for server in servers.values():
             stop(server)
+    rows = []
     for kind in ("enginecore", "process"):
         warm = statistics.median(r["ready"] for r in times[(kind, "warm")])
         cold = statistics.median(r["ready"] for r in times[(kind, "cold")])
@@ -190,10 +196,21 @@ async def warm_vs_cold(model: str, rounds: int, env: dict) -> None:
             f"{kind} SIGKILLed, kill -> ready, median of {rounds}: cold {cold:.1f}s, warm {warm:.1f}s "
             f"(cold/warm {cold / warm:.2f}, {cold - warm:.1f}s saved)"
         )
+        ranges = {
+            f"{mode}_range": [
+                min(r["ready"] for r in times[(kind, mode)]),
+                max(r["ready"] for r in times[(kind, mode)]),
+            ]
+            for mode in ("cold", "warm")
+        }
+        rows.append(
+            {"kill": kind, "cold_s": cold, "warm_s": warm, **ranges, "saved_s": cold - warm, "cold_x_warm": cold / warm}
+        )
+    write_json(args, rows, spare=spare_figures)
 
 
 async def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser(__doc__)
     p.add_argument("--checkout", default=str(Path(__file__).resolve().parent.parent), help="the code to run")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument(
@@ -208,7 +225,7 @@ async def main() -> None:
     # The checkout's skyinfer: the server is started in it, and its engines inherit the path.
     os.chdir(checkout)
     if args.warm_vs_cold:
-        await warm_vs_cold(model, args.rounds, env)
+        await warm_vs_cold(model, args.rounds, env, args)
         return
     engine_args = ["--dtype", "float32", "--health-interval", "1", "--health-timeout", "4"]
     server = start_skyinfer(model, port, engine_args, env, engines=2, log_name="bench-recovery.log")
@@ -233,6 +250,11 @@ async def main() -> None:
         f"{statistics.median(r['ready'] for r in rounds):.1f}s, first answer "
         f"{statistics.median(r['served'] for r in rounds):.1f}s, refused {statistics.median(r['refused'] for r in rounds):g}"
     )
+    medians = {
+        f"{key}_s" if key != "refused" else key: statistics.median(r[key] for r in rounds)
+        for key in ("ready", "served", "refused")
+    }
+    write_json(args, [{"checkout": checkout, **medians, "rounds": rounds}])
 
 
 if __name__ == "__main__":

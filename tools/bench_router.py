@@ -14,7 +14,6 @@ throughput ratio router / direct and the latency percentiles.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import statistics
@@ -26,7 +25,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from skyinfer.client import MultiNodeClient
 from skyinfer.demo_model import build_demo_model
 
-from benchlib import free_port, scratch_dir, start_skyinfer, start_vllm_router, stop, wait_servers
+from benchlib import (
+    bench_parser,
+    free_port,
+    scratch_dir,
+    start_skyinfer,
+    start_vllm_router,
+    stop,
+    wait_servers,
+    write_json,
+)
 
 
 async def run_load(client: MultiNodeClient, args) -> dict:
@@ -74,7 +82,7 @@ async def bench(node_urls: list[str], router_url: str, args) -> dict[str, list[d
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser(__doc__)
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--requests", type=int, default=512)
     p.add_argument("--sessions", type=int, default=64)
@@ -113,7 +121,9 @@ def main() -> None:
     print(f"{'':10s} {'tok/s':>8s} {'p50 s':>8s} {'p99 s':>8s}")
     for name, m in med.items():
         print(f"{name:10s} {m['tokens_per_s']:8.0f} {m['p50']:8.3f} {m['p99']:8.3f}")
-    print(f"throughput ratio router / direct: {med['router']['tokens_per_s'] / med['direct']['tokens_per_s']:.3f}")
+    ratio = med["router"]["tokens_per_s"] / med["direct"]["tokens_per_s"]
+    print(f"throughput ratio router / direct: {ratio:.3f}")
+    write_json(args, [{"target": name, **m} for name, m in med.items()], ratio=ratio)
 
 
 if __name__ == "__main__":

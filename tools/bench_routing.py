@@ -55,7 +55,17 @@ from prometheus_client.parser import text_string_to_metric_families
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from skyinfer.demo_model import build_demo_model
 
-from benchlib import free_port, scratch_dir, start_reference, start_skyinfer, start_vllm_router, stop, wait_servers
+from benchlib import (
+    bench_parser,
+    free_port,
+    scratch_dir,
+    start_reference,
+    start_skyinfer,
+    start_vllm_router,
+    stop,
+    wait_servers,
+    write_json,
+)
 
 GROUP_SIZE = 8
 WORDS = ["tool", "call", "result", "file", "test", "patch", "error", "plan", "step", "search", "read", "write"]
@@ -239,7 +249,7 @@ def build_model(args) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser(__doc__)
     p.add_argument("--model", help="model directory (default: one built like the demo model, see --model-width)")
     p.add_argument("--model-width", type=int, default=512, help="hidden size of the built model (a multiple of 64)")
     p.add_argument("--model-layers", type=int, default=8, help="layers of the built model")
@@ -320,6 +330,7 @@ def main() -> None:
             f"skyinfer / {name}: throughput {sky['tokens_per_s'] / m['tokens_per_s']:.2f}, "
             f"p99 {sky['p99'] / m['p99']:.2f}"
         )
+    write_json(args, [{"setup": name, **m} for name, m in results.items()], rounds=rounds)
 
 
 if __name__ == "__main__":

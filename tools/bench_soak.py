@@ -29,7 +29,6 @@ pieces here.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import multiprocessing
 import os
@@ -50,7 +49,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_weight_sync import BENCH_MODEL
 
-from benchlib import free_port, gpu_memory_mib, sized_demo_model, start_skyinfer, stop, tree_processes, wait_servers
+from benchlib import (
+    bench_parser,
+    free_port,
+    gpu_memory_mib,
+    sized_demo_model,
+    start_skyinfer,
+    stop,
+    tree_processes,
+    wait_servers,
+    write_json,
+)
 
 MODES = {
     "pause": {"one_call": True},
@@ -368,11 +377,29 @@ def report(args, table, times, failures, load, gaps, pids_before, pids_after) ->
         )
         ok &= verdict(f"engine {engine} last weights", last_gap <= args.tolerance < other_gap, figure)
     print("PASS" if ok else "FAIL")
+    # --json: each engine's memory after every --every-th push (the rows), and the verdicts' figures.
+    rows = [
+        {"push": push, "engine": engine, "rss_mib": rss, **({"device_mib": gpu} if gpu else {})}
+        for push, by_engine in sorted(table.samples.items())
+        for engine, (rss, gpu) in sorted(by_engine.items())
+    ]
+    summary = {
+        "ok": ok,
+        "rss_last_over_every": {e: last[e][0] / base[e][0] for e in table.engines if base and e in base and e in last},
+        "push_s_p50": {mode: statistics.median(seconds) for mode, seconds in times.items() if seconds},
+        "pushes_returned": args.pushes - len(failures),
+        "requests_whole": load.done,
+        "requests_failed": load.failed,
+        "engines_restarted": sorted(restarted),
+        "last_weights_gap": {engine: gap[0] for engine, gap in gaps.items()},
+        "other_weights_gap": {engine: gap[1] for engine, gap in gaps.items()},
+    }
+    write_json(args, rows, summary=summary)
     return ok
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser(__doc__)
     p.add_argument("--pushes", type=int, default=200)
     p.add_argument("--model-mib", type=float, default=160, help="float32 MiB of weights at least; 0: the demo model")
     p.add_argument("--engines", type=int, default=2)

@@ -15,7 +15,6 @@ ratio of templates to cold starts.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import signal
@@ -29,7 +28,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from skyinfer.demo_model import build_demo_model
 
-from benchlib import free_port, scratch_dir, start_skyinfer, stop, tree_cpu_s, wait_servers
+from benchlib import bench_parser, free_port, scratch_dir, start_skyinfer, stop, tree_cpu_s, wait_servers, write_json
 
 ENGINE_ARGS = ["--max-model-len", "512", "--kv-cache-memory-bytes", str(128 * 2**20), "--warm-spares", "0"]
 
@@ -68,7 +67,7 @@ def one_server(model: str, templates: str, cores: set[int]) -> tuple[float, floa
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser(__doc__)
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
     model = str(build_demo_model(scratch_dir("bench-templates-") / "demo"))
@@ -89,6 +88,12 @@ def main() -> None:
         print(f"{name:20s}" + " ".join(f"{value:10.2f}" for value in medians[name]) + "   " + each)
     ratios = [on / off for on, off in zip(medians["auto"], medians["off"], strict=True)]
     print(f"{'ratio auto/off':20s}" + " ".join(f"{value:10.2f}" for value in ratios))
+    keys = ("ready_s", "ready_cpu_s", "restart_s", "restart_cpu_s")
+    rows = [
+        {"engine_templates": name, **dict(zip(keys, medians[name])), "rounds": [[r[0], r[2]] for r in results[name]]}
+        for name in results
+    ]
+    write_json(args, [*rows, {"engine_templates": "ratio auto/off", **dict(zip(keys, ratios))}])
 
 
 if __name__ == "__main__":

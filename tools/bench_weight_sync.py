@@ -33,7 +33,6 @@ pushes (the quantizing timed with the push). Bytes sent and seconds of each.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import functools
 import multiprocessing as mp
@@ -53,7 +52,7 @@ from skyinfer.trainer import GlooTrainer, SharedMemoryTrainer
 from skyinfer.transfer.packing import DEFAULT_BUFFER_SIZE_BYTES, TensorMeta, pack, plan_chunks
 from skyinfer.transfer.quantize import quantize_w8a8_int8
 
-from benchlib import free_port, scratch_dir, start_skyinfer, stop, wait_servers
+from benchlib import bench_parser, free_port, scratch_dir, start_skyinfer, stop, wait_servers, write_json
 
 BENCH_MODEL = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=12, num_attention_heads=16,
                    num_key_value_heads=4, head_dim=64)  # fmt: skip
@@ -159,8 +158,10 @@ def timed_push(trainer, tensors, version: str, **how) -> float:
     return time.perf_counter() - started
 
 
-def median_row(label: str, seconds: list[float], mib: float) -> str:
+def median_row(label: str, seconds: list[float], mib: float, out: list[dict], step: str) -> str:
+    """A printed row: the median, MiB/s, each round; added to ``out`` as a row for ``--json``."""
     s = statistics.median(seconds)
+    out.append({"step": step, "what": label.strip(), "seconds": s, "mib_per_s": mib / s, "rounds": seconds})
     return f"{label:38s} {s:8.3f} {mib / s:8.0f}   {' '.join(f'{x:.3f}' for x in seconds)}"
 
 
@@ -208,13 +209,19 @@ def bench_gloo(args, model_dir: Path, tensors, mib: float, buffer_size: int) -> 
         f"{buffer_size // 2**20} MiB buffers; median, then each round"
     )
     print(f"{'':38s} {'seconds':>8s} {'MiB/s':>8s}")
-    print(median_row("raw gloo broadcast", raw_s, mib))
-    print(median_row("skyinfer push (end to end)", sky_s, mib))
-    print(median_row("skyinfer push, one call", one_call_s, mib))
-    print(median_row("skyinfer push, packed", packed_s, mib))
-    print(f"throughput ratio skyinfer / raw: {statistics.median(raw_s) / statistics.median(sky_s):.3f}")
-    print(f"time ratio one call / three calls: {statistics.median(one_call_s) / statistics.median(sky_s):.3f}")
+    rows: list[dict] = []
+    print(median_row("raw gloo broadcast", raw_s, mib, rows, "raw"))
+    print(median_row("skyinfer push (end to end)", sky_s, mib, rows, "skyinfer"))
+    print(median_row("skyinfer push, one call", one_call_s, mib, rows, "one_call"))
+    print(median_row("skyinfer push, packed", packed_s, mib, rows, "packed"))
+    ratios = {
+        "skyinfer / raw throughput": statistics.median(raw_s) / statistics.median(sky_s),
+        "one call / three calls time": statistics.median(one_call_s) / statistics.median(sky_s),
+    }
+    print(f"throughput ratio skyinfer / raw: {ratios['skyinfer / raw throughput']:.3f}")
+    print(f"time ratio one call / three calls: {ratios['one call / three calls time']:.3f}")
     print(f"HTTP calls per push over all nodes: {calls} ({len(tensors)} tensors)")
+    write_json(args, rows, mib=mib, tensors=len(tensors), ratios=ratios, http_calls_per_push=calls)
 
 
 def bench_quantized(args, model_dir: Path, tensors, mib: float, buffer_size: int) -> None:
@@ -258,13 +265,15 @@ def bench_quantized(args, model_dir: Path, tensors, mib: float, buffer_size: int
             stop(proc)
     print(f"{args.pushes} alternating rounds, one engine each on a core of its own; median, then each round")
     print(f"{'':38s} {'seconds':>8s} {'MiB/s':>8s}")
-    print(median_row(f"bf16 push ({mib:.0f} MiB)", rows["bf16"], mib))
-    print(median_row("  the engine's update", rows["bf16_engine"], mib))
-    print(median_row(f"int8 W8A8 push, quantized ({int8_mib:.0f} MiB)", rows["int8"], int8_mib))
-    print(median_row("  the trainer quantizing", rows["quantizing"], mib))
-    print(median_row("  the engine's update", rows["int8_engine"], int8_mib))
+    out: list[dict] = []
+    print(median_row(f"bf16 push ({mib:.0f} MiB)", rows["bf16"], mib, out, "bf16"))
+    print(median_row("  the engine's update", rows["bf16_engine"], mib, out, "bf16_engine"))
+    print(median_row(f"int8 W8A8 push, quantized ({int8_mib:.0f} MiB)", rows["int8"], int8_mib, out, "int8"))
+    print(median_row("  the trainer quantizing", rows["quantizing"], mib, out, "quantizing"))
+    print(median_row("  the engine's update", rows["int8_engine"], int8_mib, out, "int8_engine"))
     ratio = statistics.median(rows["int8"]) / statistics.median(rows["bf16"])
     print(f"bytes int8 / bf16: {int8_mib / mib:.3f}; time int8 / bf16: {ratio:.3f}")
+    write_json(args, out, mib=mib, ratios={"int8 / bf16 bytes": int8_mib / mib, "int8 / bf16 time": ratio})
 
 
 def bench_shm(args, model_dir: Path, tensors, mib: float, buffer_size: int) -> None:
@@ -330,22 +339,30 @@ def bench_shm(args, model_dir: Path, tensors, mib: float, buffer_size: int) -> N
         "median, then each round"
     )
     print(f"{'':38s} {'seconds':>8s} {'MiB/s':>8s}")
-    print(median_row(f"memcpy into {args.engines} buffer(s)", rows["memcpy"], mib))
-    print(median_row(f"memcpy into {args.engines} fresh buffer(s)", rows["memcpy_fresh"], mib))
-    print(median_row(f"raw gloo broadcast to {args.engines}", rows["raw"], mib))
-    print(median_row("skyinfer gloo push (separate)", rows["gloo"], mib))
-    print(median_row("skyinfer shared-memory push (colocated)", rows["shm"], mib))
-    print(median_row("  of which the engines' receive", rows["receiving"], mib))
+    out: list[dict] = []
+    print(median_row(f"memcpy into {args.engines} buffer(s)", rows["memcpy"], mib, out, "memcpy"))
+    print(median_row(f"memcpy into {args.engines} fresh buffer(s)", rows["memcpy_fresh"], mib, out, "memcpy_fresh"))
+    print(median_row(f"raw gloo broadcast to {args.engines}", rows["raw"], mib, out, "raw"))
+    print(median_row("skyinfer gloo push (separate)", rows["gloo"], mib, out, "gloo"))
+    print(median_row("skyinfer shared-memory push (colocated)", rows["shm"], mib, out, "shm"))
+    print(median_row("  of which the engines' receive", rows["receiving"], mib, out, "receiving"))
     shm = statistics.median(rows["shm"])
+    ratios = {
+        "shm / memcpy time": shm / statistics.median(rows["memcpy"]),
+        "shm / memcpy into fresh pages time": shm / statistics.median(rows["memcpy_fresh"]),
+        "raw gloo / shm time": statistics.median(rows["raw"]) / shm,
+        "skyinfer gloo / shm time": statistics.median(rows["gloo"]) / shm,
+    }
     print(
-        f"skyinfer shm / memcpy: {shm / statistics.median(rows['memcpy']):.2f}x the time "
-        f"({shm / statistics.median(rows['memcpy_fresh']):.2f}x into fresh pages); faster than raw gloo "
-        f"{statistics.median(rows['raw']) / shm:.2f}x, than skyinfer's gloo push {statistics.median(rows['gloo']) / shm:.2f}x"
+        f"skyinfer shm / memcpy: {ratios['shm / memcpy time']:.2f}x the time "
+        f"({ratios['shm / memcpy into fresh pages time']:.2f}x into fresh pages); faster than raw gloo "
+        f"{ratios['raw gloo / shm time']:.2f}x, than skyinfer's gloo push {ratios['skyinfer gloo / shm time']:.2f}x"
     )
+    write_json(args, out, mib=mib, tensors=len(tensors), ratios=ratios)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser(__doc__)
     p.add_argument("--transport", choices=["gloo", "shm"], default="gloo")
     p.add_argument("--pushes", type=int, default=3, help="alternating rounds")
     p.add_argument("--buffer-size-mb", type=int, default=DEFAULT_BUFFER_SIZE_BYTES // 2**20)

@@ -23,7 +23,6 @@ Medians over the rounds, and their ratios to ``vllm serve``'s.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import statistics
@@ -38,7 +37,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from skyinfer.demo_model import build_demo_model
 from skyinfer.engine_wire import WORKER_SPIN_ENV
 
-from benchlib import free_port, scratch_dir, start_reference, start_skyinfer, stop, tree_cpu_s, wait_servers
+from benchlib import (
+    bench_parser,
+    free_port,
+    scratch_dir,
+    start_reference,
+    start_skyinfer,
+    stop,
+    tree_cpu_s,
+    wait_servers,
+    write_json,
+)
 
 DP = 2
 ENGINE_ARGS = ["--data-parallel-size", str(DP), "--max-model-len", "512"]
@@ -88,7 +97,7 @@ def back_to_back(url: str, model: str, pid: int, seconds: float) -> tuple[float,
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser(__doc__)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--spins", type=float, nargs="+", default=[0.05, 0.005], help="skyinfer's spins to compare, s")
     p.add_argument("--requests", type=int, default=10, help="paced requests per server per round")
@@ -142,12 +151,16 @@ def main() -> None:
     )
     print(f"{'':26s}" + "".join(f" {title:>15s} {'ratio':>5s}" for title, _, _ in columns))
     reference = {key: statistics.median(values) for key, values in results["vllm serve"].items()}
+    rows = []
     for name, measured in results.items():
         cells = ""
+        row = {"server": name}
         for _, key, digits in columns:
             value = statistics.median(measured[key])
             cells += f" {value:15.{digits}f} {value / reference[key]:5.2f}"
+            row |= {key: value, f"{key}_ratio": value / reference[key]}
         print(f"{name:26s}{cells}")
+        rows.append(row | {"paced_rounds": measured["paced"], "rps_rounds": measured["rps"]})
     print("rounds (paced CPU-s/req; b2b req/s):")
     for name, measured in results.items():
         print(
@@ -156,6 +169,7 @@ def main() -> None:
             + "; "
             + " ".join(f"{r:.1f}" for r in measured["rps"])
         )
+    write_json(args, rows)
 
 
 if __name__ == "__main__":

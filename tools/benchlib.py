@@ -1,10 +1,15 @@
-"""Helpers shared by the benchmark scripts: start and stop the servers under test."""
+"""Helpers shared by the benchmark scripts: start and stop the servers under test, and write a run's
+results as JSON (``--json PATH``, every tool: what ``docs/benchmarks/`` records and the docs' plots
+read)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import atexit
 import contextlib
+import datetime
+import json
 import math
 import os
 import shutil
@@ -225,3 +230,123 @@ def tree_memory_mib(pid: int) -> tuple[float, float | None]:
     """A process tree's (``tree_processes``) resident memory and GPU memory (None without NVML), MiB."""
     processes = tree_processes(pid)
     return sum(rss for _, rss in processes.values()), gpu_memory_mib(set(processes))
+
+
+# -- a run as JSON -----------------------------------------------------------------------------------
+
+
+def _runs_in(path: Path) -> list[dict]:
+    """The runs a JSON file holds (none when it is missing or empty); ValueError if it holds no list."""
+    if not path.exists() or not path.stat().st_size:
+        return []
+    runs = json.loads(path.read_text())
+    if not isinstance(runs, list):
+        raise ValueError(f"{path} holds no list of runs")
+    return runs
+
+
+def _json_path(text: str) -> Path:
+    """``--json``'s argument, refused at the start (not after the run) when it holds no list of runs."""
+    path = Path(text)
+    try:
+        _runs_in(path)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{exc}: give a new path or a list of runs") from None
+    return path
+
+
+def bench_parser(description: str | None) -> argparse.ArgumentParser:
+    """A bench tool's parser: its docstring as the description, and ``--json PATH``, which every tool
+    takes (:func:`write_json`)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--json",
+        metavar="PATH",
+        type=_json_path,
+        help="also write the run (date, commit, machine, command, arguments, the rows printed) as JSON to PATH;"
+        " where PATH holds a list of runs already (docs/benchmarks/TOOL.json), the run is added at its end",
+    )
+    return parser
+
+
+def _git(*args: str) -> str:
+    out = subprocess.run(["git", *args], cwd=Path(__file__).resolve().parent, capture_output=True, text=True)
+    return out.stdout.strip() if out.returncode == 0 else ""
+
+
+def _commit() -> str | None:
+    """The checkout's commit, ``+changes`` after it when tracked files differ from it."""
+    commit = _git("rev-parse", "--short=7", "HEAD")
+    if commit and _git("status", "--porcelain", "--untracked-files=no"):
+        commit += "+changes"
+    return commit or None
+
+
+def _machine() -> str:
+    """This machine in a few words: the cores this process may use, their model, the memory."""
+    cores = len(os.sched_getaffinity(0))
+    model = memory = ""
+    with contextlib.suppress(OSError):
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
+    with contextlib.suppress(OSError, StopIteration, ValueError):
+        lines = Path("/proc/meminfo").read_text().splitlines()
+        kib = next(int(line.split()[1]) for line in lines if line.startswith("MemTotal:"))
+        memory = f", {kib / 2**20:.1f} GiB"
+    return f"{cores} cores{' of ' + model if model else ''}{memory}"
+
+
+def _plain(value):
+    """A value as JSON holds it: floats to 6 significant digits, paths and other objects as text."""
+    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
+        return value
+    if isinstance(value, float):
+        return value if not math.isfinite(value) else float(f"{value:.6g}")
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return str(value)
+
+
+def dump_runs(runs: list[dict]) -> str:
+    """Runs as JSON, each key of a run on a line of its own and each of its rows on one line: a run
+    added to a file is a few lines at its end."""
+    out = []
+    for run in runs:
+        fields = []
+        for key, value in run.items():
+            if key == "rows":
+                rows = ",\n".join("    " + json.dumps(row, ensure_ascii=False) for row in value)
+                fields.append(f'  "rows": [\n{rows}\n  ]' if value else '  "rows": []')
+            else:
+                fields.append(f"  {json.dumps(key)}: {json.dumps(value, ensure_ascii=False)}")
+        out.append("{\n" + ",\n".join(fields) + "\n}")
+    return "[\n" + ",\n".join(out) + "\n]\n"
+
+
+def write_json(args: argparse.Namespace, rows: list[dict], **more) -> None:
+    """With ``--json PATH``: the run as a list of one run (date, commit, machine, command, arguments,
+    ``more``, the rows), or added at the end of the list of runs PATH holds."""
+    path = getattr(args, "json", None)
+    if path is None:
+        return
+    argv, command, skip = sys.argv[1:], [f"tools/{Path(sys.argv[0]).name}"], False
+    for arg in argv:  # the command as run, less its --json
+        if skip or arg.startswith("--json="):
+            skip = False
+            continue
+        skip = arg == "--json"
+        if not skip:
+            command.append(arg)
+    run = {
+        "date": datetime.date.today().isoformat(),
+        "commit": _commit(),
+        "machine": _machine(),
+        "command": " ".join(command),
+        "arguments": {key: value for key, value in vars(args).items() if key != "json"},
+        **more,
+        "rows": rows,
+    }
+    path.write_text(dump_runs([*_runs_in(path), _plain(run)]))
+    print(f"the run written to {path}", file=sys.stderr)

@@ -358,7 +358,7 @@ ENGINE_ENVIRONMENT = {
         "set to ``PASSIVE`` for each engine on CPU where the front's environment does not set it"
         " (``skyinfer/devices.py``)",
         "the workers' OpenMP threads sleep as soon as they wait instead of spinning first: the engine's"
-        ' other processes and the front share their cores (docs: benchmarks, "OpenMP threads that'
+        ' other processes and the front share their cores (docs: benchmarks-journal, "OpenMP threads that'
         ' sleep"); ``ACTIVE`` keeps them spinning, for cores nothing else runs on',
     ),
     "SKYINFER_COVERAGE_ON_SIGTERM": EnvVar(
@@ -378,7 +378,7 @@ ENGINE_ENVIRONMENT = {
         "set to ``0.05`` for each engine on CPU where the front's environment does not set it"
         " (``skyinfer/devices.py``)",
         "seconds a worker spins on its message queue after each message before it sleeps on the"
-        " queue's socket (vLLM's own: 1 s, a core taken after every request; docs: benchmarks,"
+        " queue's socket (vLLM's own: 1 s, a core taken after every request; docs: benchmarks-journal,"
         ' "Workers that wait asleep")',
     ),
     "VLLM_ENABLE_V1_MULTIPROCESSING": EnvVar(
@@ -395,7 +395,7 @@ ENGINE_ENVIRONMENT = {
         " (``skyinfer/engine/cpu_platform.py``), unless the front's environment sets ``spawn``",
         "vLLM forks the engine's EngineCores, their workers and a data-parallel coordinator, as it does"
         " on a GPU, instead of spawning processes that each import torch and vLLM again (7 to 10"
-        " CPU-s each; an engine of ``-dp 2`` up in seconds instead of tens; docs: benchmarks,"
+        " CPU-s each; an engine of ``-dp 2`` up in seconds instead of tens; docs: benchmarks-journal,"
         ' "Every vLLM process of a CPU engine forked"); ``spawn`` keeps vLLM\'s spawned processes',
     ),
     "OMP_NUM_THREADS": EnvVar(

@@ -8,7 +8,7 @@ runtime starts with the environment the executor sets for it just before it star
 count and cores). Spawned, each process imports torch and vLLM again: 7 to 10 CPU-seconds each,
 most of an engine's start (an engine of ``-dp 2`` spawns five: two EngineCores, two workers and
 the coordinator). Forked, as vLLM starts them on a GPU, they start from the engine process's
-imports (docs: benchmarks, "The EngineCore forked", "Every vLLM process of a CPU engine forked").
+imports (docs: benchmarks-journal, "The EngineCore forked", "Every vLLM process of a CPU engine forked").
 
 Forking is safe for OpenMP because nothing forks after an OpenMP region ran: the engine process and
 an EngineCore that runs no worker itself compute nothing before they fork. What a forked worker

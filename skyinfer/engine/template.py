@@ -1,7 +1,7 @@
 """An engine template: a process that imports what an engine needs once, then forks engines.
 
 A cold engine process spends most of its start importing Python's, torch's and vLLM's modules
-(about 13 of an engine's 16 CPU-seconds on CPU; ``docs/benchmarks.rst``). On CPU engines the front
+(about 13 of an engine's 16 CPU-seconds on CPU; ``docs/benchmarks-journal.rst``). On CPU engines the front
 (``skyinfer/fleet/engine_templates.py``) starts a template instead: ``python -m skyinfer.engine.template
 --channel-fd N --lifeline-fd L``, with the engines' environment. It imports as a spare does
 (``import_engine``), says ``{"ready": true, "env": {...}}`` on its channel, and then serves *fork
