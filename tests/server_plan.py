@@ -57,14 +57,12 @@ FRONT_ONLY = frozenset(
 
 # The modules of real engines that run beside the busier rest: those whose wall time is mostly
 # waiting (CPU-seconds per second of wall time 0.66-0.92 alone, tests/suite_report.py's
-# --cpu-report: test_warm_restarts, test_moe, test_quantized, test_catch_up), and others that make
-# both engine lanes end about together (docs: benchmarks). Each starts servers of its own: the
-# modules over the session's shared server (test_faults, test_weight_sync) run in the first lane,
-# which has it anyway, so that this lane starts no shared server of its own for them.
+# --cpu-report: test_warm_restarts, test_weight_sync, test_faults, test_moe, test_quantized,
+# test_catch_up), and others that make both engine lanes end about together (docs: benchmarks-journal).
 SECOND_ENGINES_LANE = frozenset(
     {
         "test_catch_up",
-        "test_colocated",
+        "test_faults",
         "test_ipc",
         "test_lora",
         "test_moe",
@@ -74,6 +72,7 @@ SECOND_ENGINES_LANE = frozenset(
         "test_quantized",
         "test_tensor_parallel",
         "test_warm_restarts",
+        "test_weight_sync",
     }
 )
 
