@@ -425,3 +425,28 @@ async def test_a_weight_checker_reset_holds_every_engine_out_until_a_push_of_the
     r = await client.post("/update_weights", json={"update_info": whole_checkpoint(demo_model), "weight_version": "v"})
     assert r.status == 200, await r.text()
     assert await states(client) == ["ready", "ready"]
+
+
+async def test_weight_info_says_where_the_last_push_went_stage_by_stage(
+    aiohttp_client, demo_model, tmp_path, group_init
+):
+    """Engine 1 takes 0.6 s to receive and 0.3 s to finish: the last push's stages in
+    ``/weight_info`` put those seconds where they went (each stage as its slowest engine took it),
+    the other stages take next to nothing, and the whole is at least their sum. A push that fails
+    leaves the last finished one's account as it was."""
+    app, client = await fake_fleet(aiohttp_client, demo_model, tmp_path)
+    assert (await (await client.get("/weight_info")).json())["last_push"] is None
+    await script(app, 1, {"delay_s": {"/update_weights": 0.6, "/finish_weight_update": 0.3}})
+    assert (await client.post("/init_weight_transfer", json={"init_info": group_init})).status == 200
+    r = await client.post("/update_weights", json={"update_info": whole_checkpoint(demo_model), "weight_version": "v1"})
+    assert r.status == 200, await r.text()
+    last = (await (await client.get("/weight_info")).json())["last_push"]
+    stages = last["stages"]
+    assert last["weight_version"] == "v1" and list(stages) == ["pause", "start", "receive", "finish", "resume"], last
+    assert 0.6 <= stages["receive"] < 2.0 and 0.3 <= stages["finish"] < 0.6, last
+    assert all(stages[s] < 0.3 for s in ("pause", "start", "resume")), last
+    assert last["seconds"] >= sum(stages.values()), last
+    await script(app, 1, {"fail": {"/update_weights": 500}})
+    r = await client.post("/update_weights", json={"update_info": whole_checkpoint(demo_model), "weight_version": "v2"})
+    assert r.status == 500
+    assert (await (await client.get("/weight_info")).json())["last_push"] == last

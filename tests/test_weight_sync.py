@@ -84,6 +84,17 @@ async def test_push_under_keep_pause_then_logprobs_match_transformers(server, mo
     trainer = run_trainer(server, save(weights2, tmp_path / "w2.safetensors"), "v-two", "--one-call")
     assert trainer.returncode == 0, trainer.stdout + trainer.stderr
     assert_engines_match(server, model_name, demo_model, weights2, "v-two")
+    # Where the one-call push went, stage by stage, each stage's own seconds within the whole.
+    last = httpx.get(f"{server.url}/weight_info").json()["last_push"]
+    assert last["weight_version"] == "v-two" and list(last["stages"]) == [
+        "pause",
+        "start",
+        "receive",
+        "finish",
+        "resume",
+    ]
+    assert last["stages"]["receive"] > 0 and last["stages"]["finish"] > 0, last
+    assert sum(last["stages"].values()) <= last["seconds"] < 60, last
     # Both pushes were timed, and the version is on the metrics too.
     families = scrape(server)
     assert total(families, PUSH_SECONDS, f"{PUSH_SECONDS}_count") - pushes_before == 2

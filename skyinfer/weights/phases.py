@@ -103,6 +103,14 @@ class OpenUpdate:
     # Each engine that holds a staging copy of it, and the process that holds it (the staged
     # path's receive): a process that replaced it since holds none.
     stagers: dict[int, int | None] = attrs.Factory(dict)
+    # Seconds the front spent in each stage of it, in the order the stages came (``Push.timed``):
+    # what ``/weight_info`` shows of the last push that finished.
+    stages: dict[str, float] = attrs.Factory(dict)
+    # When its first stage began: a one-call push pauses engines before it leaves IDLE.
+    first_stage_at: float | None = None
+    # Seconds of the stages run inside the stage that runs now (a one-call push's pause and start
+    # come inside its receive): not that stage's own.
+    nested_s: float = 0.0
 
 
 class UpdateMachine:

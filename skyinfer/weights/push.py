@@ -6,9 +6,10 @@ engine, without a restart where the engine can end it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING
 
 import attrs
@@ -19,7 +20,7 @@ from ..transfer.protocol import UpdateMetadata
 from ..wire import Checksums, KvRule, PauseParams
 from .checking import WeightChecks
 from .fleet import Fleet, SyncError, unpushable
-from .phases import Phase
+from .phases import OpenUpdate, Phase
 from .staged import StagedPath
 
 if TYPE_CHECKING:
@@ -127,6 +128,8 @@ class Push:
         self.live = LivePath(fleet, self._begin)
         self.staged = StagedPath(fleet)
         self.last_update_s: float | None = None
+        # The last push that finished: its version, its seconds and each stage's (``timed``).
+        self.last_push: dict | None = None
         # How the last staged push went into the engines' live weights (``/weight_info``).
         self.last_staged_swap: dict | None = None
         # Updates that began touching engines (or a reload): a peer catch-up that sees this move
@@ -139,6 +142,25 @@ class Push:
 
     def _path(self) -> LivePath | StagedPath:
         return self.staged if self.update.current.staged else self.live
+
+    @contextlib.contextmanager
+    def timed(self, stage: str, update: OpenUpdate | None = None) -> Iterator[None]:
+        """Adds the block's seconds to the open update's ``stage`` (``/weight_info``'s ``last_push``):
+        where a push's time went, as the front sees it, each stage's own (a stage inside another
+        counts for itself only). Stages: ``pause`` (running engines paused
+        for it), ``start`` (vLLM's update opened), ``receive`` (the bytes moved and loaded, or
+        staged), ``finish`` (vLLM's finish, or the staged swap), ``verify``, ``resume``."""
+        update = update or self.update.current
+        started, outer_nested = time.monotonic(), update.nested_s
+        if update.first_stage_at is None:
+            update.first_stage_at = started
+        update.nested_s = 0.0
+        try:
+            yield
+        finally:
+            seconds = time.monotonic() - started
+            update.stages[stage] = update.stages.get(stage, 0.0) + seconds - update.nested_s
+            update.nested_s = outer_nested + seconds
 
     def start(self, update_info: dict | None, staged: bool = False) -> dict:
         self.fleet.refuse_unless(Phase.IDLE)
@@ -192,7 +214,8 @@ class Push:
                     self.update.current.staged = staged
                 path = self._path()
                 started = time.monotonic()
-                replies, answer = await path.receive(records, update_info, meta)
+                with self.timed("receive"):
+                    replies, answer = await path.receive(records, update_info, meta)
                 await self._settle(path.receive_step, records, replies, collective=True)
                 if path is self.live:
                     self.last_update_s = time.monotonic() - started
@@ -234,7 +257,8 @@ class Push:
             await self._begin(records)
             self.update.receive(())
             self.update.current.whole_checkpoint = True
-            replies = await self.fleet.call_all(records, "/load_checkpoint")
+            with self.timed("receive"):
+                replies = await self.fleet.call_all(records, "/load_checkpoint")
             await self._settle("loading the checkpoint", records, replies)
             return await self._finish(records, CHECKPOINT_VERSION, verify=False, expected=None)
 
@@ -245,7 +269,8 @@ class Push:
         if (reason := unpushable(records)) is not None:
             raise SyncError(409, f"cannot start a weight update: {reason}")
         running = [r for r in records if push_verdict(r) == PAUSE_FOR_PUSH]
-        paused = await self.fleet.call_all(running, "/pause", query=_PAUSE_FOR_PUSH)
+        with self.timed("pause"):
+            paused = await self.fleet.call_all(running, "/pause", query=_PAUSE_FOR_PUSH)
         for record, reply in zip(running, paused):
             if reply.ok:
                 self.registry.record_call(record, "pause")
@@ -256,7 +281,8 @@ class Push:
                 self.update.current.paused_for_push.append(record)
         self.update.step(Phase.RECEIVING)  # from here on, weights may be part new
         await self._settle("pausing engines for the push", running, paused)
-        replies = await self.fleet.call_all(records, "/start_weight_update")
+        with self.timed("start"):
+            replies = await self.fleet.call_all(records, "/start_weight_update")
         for record, reply in zip(records, replies):
             record.mid_update = reply.ok or reply.status >= 500  # one that did not answer may have started
         await self._settle("start_weight_update", records, replies)
@@ -291,7 +317,8 @@ class Push:
                 await self.end_abandoned(str(exc))  # its copies dropped, no live weight touched
                 raise
             self.updates_begun += 1
-        replies, extras = await path.apply(records, version, kv)
+        with self.timed("finish"):
+            replies, extras = await path.apply(records, version, kv)
         await self._settle(path.apply_step, records, replies)
         if path is self.staged:
             self.last_update_s = extras["swap_seconds"]
@@ -310,11 +337,19 @@ class Push:
             self.registry.set_stale(record, _not_covered(version, missing))
         self._leave_behind(left_behind, version)
         self._checks.forget()
+        current = self.update.current
         try:
             if verify:
-                self._checks.raise_unless_verified(*await self._checks.verify(records, expected))
+                with self.timed("verify"):
+                    checked = await self._checks.verify(records, expected)
+                self._checks.raise_unless_verified(*checked)
         finally:
             await self.end()
+            self.last_push = {
+                "weight_version": version,
+                "seconds": round(time.monotonic() - min(current.started_at, current.first_stage_at), 6),
+                "stages": {stage: round(seconds, 6) for stage, seconds in current.stages.items()},
+            }
         log.info("weight version %s on %d engine(s)%s", version, len(records), ", verified" if verify else "")
         answer = {
             "status": "finished",
@@ -469,7 +504,8 @@ class Push:
         if current.copies_held:
             await self._drop_copies(self.registry.members())
         self.update.end(abandoned_because)
-        await self._resume(current.paused_for_push)
+        with self.timed("resume", current):  # the update is over: its own record, not the next one's
+            await self._resume(current.paused_for_push)
         if removed := self.fleet.transport.update_ended():
             log.info("removed %d shared-memory segment(s) the trainer left", len(removed))
 

@@ -128,6 +128,8 @@ class WeightSync:
             "update_in_progress": self.update.phase is not Phase.IDLE,
             **self.update.describe(),
             "last_update_seconds": self.push.last_update_s,
+            # The last push that finished: its seconds from its first call, and each stage's.
+            "last_push": self.push.last_push,
             "last_staged_swap": self.push.last_staged_swap,
             # LoRA adapters: name -> the version the fleet serves it at.
             "adapters": {name: adapter.version for name, adapter in self.registry.fleet_adapters.items()},
