@@ -1,4 +1,5 @@
-"""Python client for a skyinfer server: every route, async (aiohttp) and sync.
+"""Python client for a skyinfer server: every route, async (aiohttp) and sync, in the caller's
+process (a trainer, a rollout worker, ``skyinfer status``).
 
 ::
 

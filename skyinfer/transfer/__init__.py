@@ -1,5 +1,8 @@
 """How weights travel from a trainer into the engines: one module per transport, each holding both
-of its sides (the trainer's sender and the engine's receiver), like vLLM's ``nccl_engine.py``.
+of its sides (the trainer's sender and the engine's receiver), like vLLM's ``nccl_engine.py``. The
+senders run in the trainer's process, the receivers in every engine's vLLM workers; the front
+imports what needs neither torch nor vLLM (this module, ``protocol``, ``rendezvous``, ``quantize``'s
+names).
 
 =========  ==============================  ===================  ======================================
 transport  when                            vLLM backend         trainer side
