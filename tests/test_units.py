@@ -737,3 +737,21 @@ def test_a_gpu_worker_stages_a_quantized_push_on_its_gpu_or_in_pinned_host_memor
     free["host"] = staging.HOST_HEADROOM_BYTES + 100
     with pytest.raises(RuntimeError, match=r"no room for a staging copy .* the GPU has .* the host .* without staged"):
         staging.staging_place(gpu, 150)
+
+
+async def test_a_fork_order_the_template_cannot_take_leaves_no_order_waiting():
+    """A template whose channel is gone by the time an order is sent: the fork fails at once, and
+    no order is left for the template's close to fail later (an exception nobody would read)."""
+    import socket
+
+    from skyinfer.fleet.engine_templates import _Template
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    ours.setblocking(False)
+    template = _Template(None, ours, answer_timeout_s=5.0)
+    template.ready.cancel()  # nobody waits for this one to be ready
+    theirs.close()
+    with pytest.raises(OSError):
+        await template.fork(["--socket", "x"], {}, [], None)
+    assert template._orders == {}
+    template.close()

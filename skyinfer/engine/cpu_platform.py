@@ -66,7 +66,9 @@ def fork_engine_processes_on_cpu() -> None:
     chosen = getattr(platforms, "_current_platform", None)
     if chosen is None:
         if resolve_current_platform_cls_qualname() == _VLLM_CPU_PLATFORM:
-            platforms.current_platform = CpuPlatformForking()
+            # vLLM's module-level __setattr__ is not one Python calls: the attribute and vLLM's
+            # own record of it (what its lazy __getattr__ and this check read) are set alike.
+            platforms._current_platform = platforms.current_platform = CpuPlatformForking()
     elif type(chosen) is CpuPlatform:
         # Something resolved it before this call: the engine still serves, its start is slower.
         log.warning("vLLM's CPU platform was chosen before skyinfer's: vLLM's processes are spawned, not forked")

@@ -218,6 +218,9 @@ class _Template:
             os.write(go_write, b"1")  # one byte into an empty pipe: it does not block
         finally:
             os.close(go_write)
+            # An order not sent, or not answered in time, waits for nothing more (a late answer
+            # finds no order and is dropped; its child gets no go-ahead).
+            self._orders.pop(order, None)
         return forked
 
     def _adopt(self, pid: int) -> ForkedProcess:
