@@ -182,6 +182,8 @@ def bench_gloo(args, model_dir: Path, tensors, mib: float, buffer_size: int) -> 
     urls = [f"http://127.0.0.1:{port}" for port in ports]
     raw = RawGloo(tensors, buffer_size, receivers=args.nodes, pushes=args.pushes)
     raw_s, sky_s, one_call_s, calls = [], [], [], []
+    # Where each one-call push went, as the (first) front timed its stages (/weight_info's last_push).
+    stages: dict[str, list[float]] = {}
     try:
         asyncio.run(wait_servers(list(zip(urls, procs)), path="/ready"))
         trainer = GlooTrainer(urls if len(urls) > 1 else urls[0], timeout_s=300, buffer_size_bytes=buffer_size)
@@ -192,6 +194,9 @@ def bench_gloo(args, model_dir: Path, tensors, mib: float, buffer_size: int) -> 
             sky_s.append(timed_push(trainer, tensors, f"bench-{i}"))
             calls.append(weight_calls(urls) - before)
             one_call_s.append(timed_push(trainer, tensors, f"bench-one-call-{i}", one_call=True))
+            last_push = httpx.get(f"{urls[0]}/weight_info", timeout=30).json()["last_push"]
+            for stage, seconds in last_push["stages"].items():
+                stages.setdefault(stage, []).append(seconds)
         trainer.close()
         # Packed: the tensors go in a few buffers, cut by vLLM's rule; same HTTP calls.
         packed = GlooTrainer(
@@ -221,7 +226,20 @@ def bench_gloo(args, model_dir: Path, tensors, mib: float, buffer_size: int) -> 
     print(f"throughput ratio skyinfer / raw: {ratios['skyinfer / raw throughput']:.3f}")
     print(f"time ratio one call / three calls: {ratios['one call / three calls time']:.3f}")
     print(f"HTTP calls per push over all nodes: {calls} ({len(tensors)} tensors)")
-    write_json(args, rows, mib=mib, tensors=len(tensors), ratios=ratios, http_calls_per_push=calls)
+    one_call_stages = {stage: statistics.median(seconds) for stage, seconds in stages.items()}
+    print(
+        "the one-call push's stages at the front, medians: "
+        + ", ".join(f"{s} {v:.4f} s" for s, v in one_call_stages.items())
+    )
+    write_json(
+        args,
+        rows,
+        mib=mib,
+        tensors=len(tensors),
+        ratios=ratios,
+        http_calls_per_push=calls,
+        one_call_stages=one_call_stages,
+    )
 
 
 def bench_quantized(args, model_dir: Path, tensors, mib: float, buffer_size: int) -> None:
