@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import signal
 import subprocess
@@ -414,6 +415,43 @@ def test_a_trainer_killed_mid_push_costs_no_restart_and_leaves_no_segment(coloca
     assert_engines_match(colocated, colocated.model, demo_model, weights, version)
     assert not colocated.shm_files()
     print(f"\nFAULT colocated trainer SIGKILL at {phase}: settled {settled:.1f}s")
+
+
+def test_a_trainer_writes_every_push_into_the_segment_it_made_once(colocated, demo_model, pushes):
+    """One trainer process pushes three times. Its first push makes its segment; the second writes
+    other weights into the same file (same name, same inode), which the server left in place and
+    every engine serves exactly (the engines' workers kept their mapping of it). A new init removes
+    it (a trainer starting over); the trainer's next push makes another and lands exactly. The
+    trainer's exit removes the last one."""
+    weights, path, version = pushes.next()
+    trainer = start_trainer(colocated, path, version, "--transport", "shm", "--more")
+    try:
+        assert trainer.stdout.readline().split() == ["pushed", version], trainer.stderr.read()
+        [segment] = colocated.shm_files("pushes")
+        inode = os.stat(segment).st_ino
+        assert_engines_match(colocated, colocated.model, demo_model, weights, version)
+        weights, path, version = pushes.next()
+        trainer.stdin.write(f"{path} {version}\n")
+        trainer.stdin.flush()
+        assert trainer.stdout.readline().split() == ["pushed", version]
+        assert colocated.shm_files("pushes") == [segment] and os.stat(segment).st_ino == inode
+        assert_engines_match(colocated, colocated.model, demo_model, weights, version)
+        # Another trainer's init: the server removes every segment of its trainers.
+        admin_post = httpx.post(f"{colocated.url}/init_weight_transfer", json={"init_info": {}}, timeout=120)
+        assert admin_post.status_code == 200, admin_post.text
+        assert not colocated.shm_files("pushes")
+        weights, path, version = pushes.next()
+        trainer.stdin.write(f"{path} {version}\n")
+        trainer.stdin.flush()
+        assert trainer.stdout.readline().split() == ["pushed", version]
+        [remade] = colocated.shm_files("pushes")
+        assert remade != segment
+        assert_engines_match(colocated, colocated.model, demo_model, weights, version)
+        trainer.stdin.close()
+        assert trainer.wait(60) == 0, trainer.stderr.read()
+    finally:
+        trainer.kill()
+    assert not colocated.shm_files("pushes")
 
 
 def test_engines_hung_or_killed_while_the_fleet_sleeps_come_back_in_its_state(colocated, demo_model, pushes):

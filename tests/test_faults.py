@@ -198,17 +198,20 @@ async def stale_without_restart(server, http: httpx.AsyncClient, model: str, pid
     return ready_at - fault_at
 
 
-async def test_trainer_killed_mid_transfer_costs_no_restart(server, model_name, demo_model, tmp_path, fleet):
-    """SIGKILL after two tensors: every engine holds part-new weights. Each ends the update in its
-    own process (no restart), aborts what it held, and serves nothing (stale) until the next push,
-    which succeeds at the first try. The recovery path (pause twice, push, resume with every engine
-    stale) answers per engine and is never half-applied."""
+@pytest.mark.parametrize("sent", [(), ("--bucket-bytes", "16384")], ids=["tensors", "buckets"])
+async def test_trainer_killed_mid_transfer_costs_no_restart(server, model_name, demo_model, tmp_path, fleet, sent):
+    """SIGKILL after two tensors, or two buckets of 16 KiB packed (each engine's receiving thread
+    then waits for the third in a buffer it reuses, while the second is loaded): every engine holds
+    part-new weights. Each ends the update in its own process (no restart), aborts what it held,
+    and serves nothing (stale) until the next push, which succeeds at the first try. The recovery
+    path (pause twice, push, resume with every engine stale) answers per engine and is never
+    half-applied."""
     _, path = fleet.next_weights(demo_model, tmp_path)
     pids = [e["pid"] for e in server.engines()]
     restarts = [e["restarts"] for e in server.engines()]
     async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
         held = await held_requests(http, model_name)
-        trainer = await asyncio.to_thread(run_trainer, server, path, "never-served", "--die-after", "2")
+        trainer = await asyncio.to_thread(run_trainer, server, path, "never-served", "--die-after", "2", *sent)
         fault_at = time.monotonic()
         assert trainer.returncode == 9
         assert_ended(await ended(held), aborted_by_fault=True)
@@ -222,7 +225,11 @@ async def test_trainer_killed_mid_transfer_costs_no_restart(server, model_name, 
         assert (await http.post("/resume")).status_code == 200
     await asyncio.to_thread(assert_engines_match, server, model_name, demo_model, fleet.weights, fleet.label)
     assert [(e["pid"], e["restarts"]) for e in server.engines()] == list(zip(pids, restarts))
-    report("trainer SIGKILL after two tensors", ready_for_push=ready_for_push, serving=time.monotonic() - fault_at)
+    report(
+        f"trainer SIGKILL after two {'buckets' if sent else 'tensors'}",
+        ready_for_push=ready_for_push,
+        serving=time.monotonic() - fault_at,
+    )
 
 
 async def test_trainer_killed_before_finish_aborts_the_update_within_its_timeout(

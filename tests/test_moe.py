@@ -64,6 +64,9 @@ def test_new_weights_land_and_the_first_ones_come_back_exactly(moe, tmp_path):
     new = moe.modified(seed=1)
     moe.push(new, "new-1", tmp_path)
     moe.assert_matches_transformers(new, tmp_path)
+    # Packed and padded after loading, the experts are reloaded as vLLM reloads a layer, not in place.
+    last = httpx.get(f"{moe.server.url}/weight_info", timeout=60).json()["last_push"]
+    assert last["weight_version"] == "new-1" and last["applied"] == "layerwise reload", last
     moe.push(moe.checkpoint, "back", tmp_path)
     moe.assert_serves_fresh()
 

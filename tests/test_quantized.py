@@ -152,6 +152,9 @@ def test_the_int8_engines_compute_w8a8_and_their_gap_to_full_precision_is_measur
 def test_a_push_of_the_checkpoints_own_int8_weights_changes_nothing(fleet, how, tmp_path):
     fleet.push_file(int8_file(Path(fleet.model_dir)), "same", *how)
     fleet.assert_serves_fresh()
+    if not how:  # int8 layers are processed after loading: reloaded as vLLM reloads a layer
+        last = httpx.get(f"{fleet.server.url}/weight_info", timeout=60).json()["last_push"]
+        assert last["weight_version"] == "same" and last["applied"] == "layerwise reload", last
 
 
 @pytest.mark.parametrize("how", [(), ("--staged",)], ids=["pause-push", "staged"])

@@ -382,13 +382,13 @@ def test_serve_options_that_cannot_work_are_refused(tmp_path):
 
 def test_every_transport_the_front_can_choose_runs_skyinfers_receiver():
     """Whatever the device, --colocate and --weight-transport, every engine's weight-transfer backend
-    is one of skyinfer's, each a ``LayerwiseReceiver`` (its failures kept for the front to ask for,
+    is one of skyinfer's, each a ``LiveReceiver`` (its failures kept for the front to ask for,
     the rest of a layer a push filled in part kept, CPU kernels repacked); what does not fit the
     server is refused, and so is a backend the user names among vLLM's arguments."""
     from skyinfer.devices import platform_engine_args
     from skyinfer.engine import backends  # noqa: F401 - registers skyinfer's backends, as in every worker
     from skyinfer.transfer import SKYINFER_BACKENDS, TRANSPORTS, transport_for
-    from skyinfer.transfer.receiving import LayerwiseReceiver
+    from skyinfer.transfer.receiving import LiveReceiver
     from skyinfer.vllm_api import WeightTransferEngineFactory
 
     chosen = set()
@@ -405,7 +405,7 @@ def test_every_transport_the_front_can_choose_runs_skyinfers_receiver():
                 backend = json.loads(config)["backend"]
                 assert backend in SKYINFER_BACKENDS, (kind, colocate, choice, backend)
                 receiver = WeightTransferEngineFactory._registry[backend]()
-                assert issubclass(receiver, LayerwiseReceiver), (backend, receiver.__mro__)
+                assert issubclass(receiver, LiveReceiver), (backend, receiver.__mro__)
                 chosen.add(transport)
     assert chosen == set(TRANSPORTS)
     assert transport_for("cpu", False, "nccl") is NCCL and transport_for("cuda", False) is NCCL

@@ -95,12 +95,27 @@ async def test_push_under_keep_pause_then_logprobs_match_transformers(server, mo
     ]
     assert last["stages"]["receive"] > 0 and last["stages"]["finish"] > 0, last
     assert sum(last["stages"].values()) <= last["seconds"] < 60, last
+    # A dense model's workers load a push straight into the weights they serve, then pack their CPU
+    # kernels' copies again (the logprobs above would be the old weights' without the repack).
+    assert last["applied"] == "in place" and last["load_s"] > 0 and last["repack_s"] > 0, last
     # Both pushes were timed, and the version is on the metrics too.
     families = scrape(server)
     assert total(families, PUSH_SECONDS, f"{PUSH_SECONDS}_count") - pushes_before == 2
     assert total(families, PUSH_SECONDS, f"{PUSH_SECONDS}_sum") > 0
     version_info = "skyinfer_engine_weight_version_info"
     assert {s.labels["engine"] for s in families[version_info] if s.labels["version"] == "v-two"} == {"0", "1"}
+
+
+def test_a_push_in_buckets_received_ahead_of_its_loads_lands_exactly(server, model_name, demo_model, tmp_path):
+    """Packed into buckets of 16 KiB (the demo model's 26 tensors in 16), each engine's worker
+    receives the next bucket on a thread into one of two buffers it reuses while the one before is
+    loaded: every weight lands where it belongs, and the engines serve exactly those weights."""
+    weights = modified_weights(demo_model, seed=5)
+    trainer = run_trainer(server, save(weights, tmp_path / "w.safetensors"), "v-buckets", "--bucket-bytes", "16384")
+    assert trainer.returncode == 0, trainer.stdout + trainer.stderr
+    assert_engines_match(server, model_name, demo_model, weights, "v-buckets")
+    last = httpx.get(f"{server.url}/weight_info").json()["last_push"]
+    assert last["weight_version"] == "v-buckets" and last["applied"] == "in place", last
 
 
 @pytest.mark.parametrize("how", ["session", "--one-call"])

@@ -20,7 +20,8 @@ With ``--listen-late S`` it sends its init and only S seconds later listens as t
 (a trainer that loads its model meanwhile).
 
 Exits 0 after a push; prints a refusal's status and message and exits 3; with
---die-after it sends N tensors one by one and then dies mid-transfer; with
+--die-after it sends N tensors one by one (with ``--bucket-bytes B``, N buckets of about B bytes
+packed) and then dies mid-transfer; with
 --hang-after it sends N and then waits for ever, holding the transfer open;
 with --die-at it dies (exit 9) right after joining the group, right after
 starting the update, after writing its shared-memory segment (shm) and before sending it, while
@@ -88,6 +89,11 @@ def main() -> int:
     p.add_argument("--staged", action="store_true", help="a staged push: received while the engines generate")
     p.add_argument("--kv", choices=["recompute", "keep"], default="recompute")
     p.add_argument("--die-after", type=int)
+    p.add_argument(
+        "--bucket-bytes",
+        type=int,
+        help="gloo: packed into buckets of about this many bytes (die or hang after N buckets)",
+    )
     p.add_argument("--hang-after", type=int)
     p.add_argument("--die-at", choices=["init", "start", "segment", "update", "finish"])
     p.add_argument("--verify", action="store_true")
@@ -130,7 +136,8 @@ def main() -> int:
         trainer = GlooTrainer(
             urls if len(urls) > 1 else urls[0],
             timeout_s=args.timeout,
-            packed=stop_after is None,
+            packed=stop_after is None or args.bucket_bytes is not None,
+            **({"buffer_size_bytes": args.bucket_bytes} if args.bucket_bytes else {}),
             sync_client=sync_client(args.client, urls[0]),
         )
     if args.pause_keep:

@@ -165,6 +165,17 @@ def median_row(label: str, seconds: list[float], mib: float, out: list[dict], st
     return f"{label:38s} {s:8.3f} {mib / s:8.0f}   {' '.join(f'{x:.3f}' for x in seconds)}"
 
 
+def rl_loop_step(client, push=None) -> float:
+    """One step of the RL loop's weight sync as examples/rl_loop.py makes it: pause (keep), the
+    push if any, resume; its seconds."""
+    started = time.perf_counter()
+    client.pause(mode="keep")
+    if push is not None:
+        push()
+    client.resume()
+    return time.perf_counter() - started
+
+
 def bench_gloo(args, model_dir: Path, tensors, mib: float, buffer_size: int) -> None:
     cores = sorted(os.sched_getaffinity(0))
     ports = [free_port() for _ in range(args.nodes)]
@@ -182,6 +193,7 @@ def bench_gloo(args, model_dir: Path, tensors, mib: float, buffer_size: int) -> 
     urls = [f"http://127.0.0.1:{port}" for port in ports]
     raw = RawGloo(tensors, buffer_size, receivers=args.nodes, pushes=args.pushes)
     raw_s, sky_s, one_call_s, calls = [], [], [], []
+    loop_alone_s, loop_push_s = [], []  # the RL loop's pause and resume, without and with a one-call push
     # Where each one-call push went, as the (first) front timed its stages (/weight_info's last_push).
     stages: dict[str, list[float]] = {}
     try:
@@ -197,6 +209,10 @@ def bench_gloo(args, model_dir: Path, tensors, mib: float, buffer_size: int) -> 
             last_push = httpx.get(f"{urls[0]}/weight_info", timeout=30).json()["last_push"]
             for stage, seconds in last_push["stages"].items():
                 stages.setdefault(stage, []).append(seconds)
+            loop_alone_s.append(rl_loop_step(trainer.client))
+            push = functools.partial(trainer.push, tensors, f"bench-loop-{i}", one_call=True)
+            loop_push_s.append(rl_loop_step(trainer.client, push))
+        applied = {k: v for k, v in last_push.items() if k in ("applied", "load_s", "repack_s")}
         trainer.close()
         # Packed: the tensors go in a few buffers, cut by vLLM's rule; same HTTP calls.
         packed = GlooTrainer(
@@ -219,13 +235,18 @@ def bench_gloo(args, model_dir: Path, tensors, mib: float, buffer_size: int) -> 
     print(median_row("skyinfer push (end to end)", sky_s, mib, rows, "skyinfer"))
     print(median_row("skyinfer push, one call", one_call_s, mib, rows, "one_call"))
     print(median_row("skyinfer push, packed", packed_s, mib, rows, "packed"))
+    print(median_row("RL loop: pause (keep), resume", loop_alone_s, mib, rows, "loop_alone"))
+    print(median_row("RL loop: pause, one-call push, resume", loop_push_s, mib, rows, "loop_push"))
     ratios = {
         "skyinfer / raw throughput": statistics.median(raw_s) / statistics.median(sky_s),
         "one call / three calls time": statistics.median(one_call_s) / statistics.median(sky_s),
+        "loop with push / loop alone time": statistics.median(loop_push_s) / statistics.median(loop_alone_s),
     }
     print(f"throughput ratio skyinfer / raw: {ratios['skyinfer / raw throughput']:.3f}")
     print(f"time ratio one call / three calls: {ratios['one call / three calls time']:.3f}")
+    print(f"time ratio RL loop with the push / without: {ratios['loop with push / loop alone time']:.2f}")
     print(f"HTTP calls per push over all nodes: {calls} ({len(tensors)} tensors)")
+    print(f"the last push, as the engines applied it: {applied}")
     one_call_stages = {stage: statistics.median(seconds) for stage, seconds in stages.items()}
     print(
         "the one-call push's stages at the front, medians: "
@@ -239,6 +260,7 @@ def bench_gloo(args, model_dir: Path, tensors, mib: float, buffer_size: int) -> 
         ratios=ratios,
         http_calls_per_push=calls,
         one_call_stages=one_call_stages,
+        applied=applied,
     )
 
 
@@ -319,6 +341,7 @@ def bench_shm(args, model_dir: Path, tensors, mib: float, buffer_size: int) -> N
     memcpy = Memcpy(tensors, args.engines)
     raw = RawGloo(tensors, buffer_size, receivers=args.engines, pushes=args.pushes)
     rows: dict[str, list[float]] = {k: [] for k in ("memcpy", "memcpy_fresh", "raw", "shm", "receiving", "gloo")}
+    stages: dict[str, list[float]] = {}  # the shared-memory push's, as the front timed them
     try:
         asyncio.run(wait_servers(list(zip((colocated_url, separate_url), procs)), path="/ready"))
         shm_trainer, gloo_trainer = (
@@ -344,7 +367,11 @@ def bench_shm(args, model_dir: Path, tensors, mib: float, buffer_size: int) -> N
                     http.post(path, params=params).raise_for_status()
                 time.sleep(IDLE_S)
                 rows["shm"].append(timed_push(shm_trainer, tensors, f"bench-{i}"))
-                rows["receiving"].append(http.get("/weight_info").json()["last_update_seconds"])
+                info = http.get("/weight_info").json()
+                rows["receiving"].append(info["last_update_seconds"])
+                for stage, seconds in info["last_push"]["stages"].items():
+                    stages.setdefault(stage, []).append(seconds)
+                applied = {k: v for k, v in info["last_push"].items() if k in ("applied", "load_s", "repack_s")}
                 http.post("/wake_up", params={"tags": "kv_cache"}).raise_for_status()
         shm_trainer.close()
         gloo_trainer.close()
@@ -371,12 +398,18 @@ def bench_shm(args, model_dir: Path, tensors, mib: float, buffer_size: int) -> N
         "raw gloo / shm time": statistics.median(rows["raw"]) / shm,
         "skyinfer gloo / shm time": statistics.median(rows["gloo"]) / shm,
     }
+    shm_stages = {stage: statistics.median(seconds) for stage, seconds in stages.items()}
+    print(
+        "the shared-memory push's stages at the front, medians: "
+        + ", ".join(f"{s} {v:.4f} s" for s, v in shm_stages.items())
+    )
+    print(f"the last push, as the engines applied it: {applied}")
     print(
         f"skyinfer shm / memcpy: {ratios['shm / memcpy time']:.2f}x the time "
         f"({ratios['shm / memcpy into fresh pages time']:.2f}x into fresh pages); faster than raw gloo "
         f"{ratios['raw gloo / shm time']:.2f}x, than skyinfer's gloo push {ratios['skyinfer gloo / shm time']:.2f}x"
     )
-    write_json(args, out, mib=mib, tensors=len(tensors), ratios=ratios)
+    write_json(args, out, mib=mib, tensors=len(tensors), ratios=ratios, stages=shm_stages, applied=applied)
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """A CPU worker's set-up: the AMX tile state asked of Linux before the first forward, CPU linear
 layers that keep their weight beside the packed copy their kernel computes with (packed again by
-``pack_cpu_gemms``), int8 kernels that keep the scales they read and compute exactly where
+``transfer.receiving.pack_cpu_gemms``), int8 kernels that keep the scales they read and compute exactly where
 oneDNN's int8 GEMM saturates, and a message queue that stops spinning soon after its last message.
 The worker extension calls the set-ups in every worker; GPU workers are untouched."""
 
@@ -26,7 +26,6 @@ __all__ = [
     "int8_linear_exactly",
     "keep_cpu_gemm_weights",
     "keep_cpu_int8_scales",
-    "pack_cpu_gemms",
     "request_amx_permission",
     "spin_briefly_after_reads",
 ]
@@ -64,7 +63,7 @@ def keep_cpu_gemm_weights() -> None:
     replace the parameter with an empty one: the weights they serve are then nowhere a worker can
     read them, so neither a peer catch-up (which copies a peer's parameters) nor vLLM's weight
     checksums (which hash the parameters) could see them. Kept, each layer holds its weight twice
-    on CPU (plain and packed); a catch-up packs the copied weight again (``pack_cpu_gemms``).
+    on CPU (plain and packed); a catch-up packs the copied weight again (``transfer.receiving.pack_cpu_gemms``).
     vLLM calls this function only on CPU, so GPU workers are untouched."""
     module = sys.modules[dispatch_cpu_unquantized_gemm.__module__]
 
@@ -185,16 +184,3 @@ def spin_briefly_after_reads(spin_s: float) -> None:
 
     record_read_then_spin_briefly.then_spins_briefly = True
     SpinCondition.record_read = record_read_then_spin_briefly
-
-
-def pack_cpu_gemms(modules) -> int:
-    """On CPU, each linear layer among ``modules`` packs its weight again from its parameter (its
-    kernel computes with the packed copy, not the parameter); how many. None on GPU."""
-    packed = 0
-    for module in modules:
-        if getattr(module, "cpu_linear", None) is None or getattr(module, "_cpu_skip_gemm_dispatch", False):
-            continue  # not a packed layer (a skipped one computes with its parameter itself)
-        if module.weight.ndim == 2:
-            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
-            packed += 1
-    return packed

@@ -12,6 +12,7 @@ import time
 import torch
 
 from ..devices import DEVICE_HEADROOM_BYTES, HOST_HEADROOM_BYTES, host_memory_available
+from ..transfer.receiving import bind_thread, wait_for
 from .targets import CopyTarget, ShadowTarget, WeightTarget
 
 __all__ = ["StagedPush", "staging_place"]
@@ -19,19 +20,11 @@ __all__ = ["StagedPush", "staging_place"]
 log = logging.getLogger("skyinfer.engine.staging")
 
 
-# The device primitives on a GPU: its free memory, the thread's device, the stream's end.
+# The device primitives on a GPU: its free memory (the thread's device and the stream's end: receiving.py).
 
 
 def _gpu_free_bytes(device: torch.device) -> int:
     return torch.cuda.mem_get_info(device)[0]
-
-
-def _bind_thread(device: torch.device) -> None:
-    torch.cuda.set_device(device)  # a new thread's is GPU 0: the staging side's work is this worker's
-
-
-def _wait_for(device: torch.device) -> None:
-    torch.cuda.current_stream(device).synchronize()
 
 
 def _gpu_has_room(device: torch.device, nbytes: int) -> bool:
@@ -111,7 +104,7 @@ class StagedPush:
     def _receive(self) -> None:
         started = time.monotonic()
         if self._device.type == "cuda":
-            _bind_thread(self._device)
+            bind_thread(self._device)
         threads = torch.get_num_threads()
         # Its own OpenMP team would take every core beside the engine's threads (on 2 cores under
         # load, steps took up to 4.5x their length while a push was staged with 2 threads).
@@ -120,7 +113,7 @@ class StagedPush:
             self._receiver.receive_weights(self._info)
             self.target.received()
             if self._device.type == "cuda":
-                _wait_for(self._device)
+                wait_for(self._device)
         except BaseException as exc:
             self.error = exc
             log.warning("staging a push failed: %s: %s", type(exc).__name__, exc)

@@ -13,9 +13,8 @@ from typing import Protocol
 import torch
 
 from ..devices import give_back_freed_memory
-from ..transfer.receiving import unquantized_moe_layers
+from ..transfer.receiving import pack_cpu_gemms, unquantized_moe_layers
 from ..vllm_api import default_weight_loader
-from .cpu_setup import pack_cpu_gemms
 
 __all__ = ["CopyTarget", "ShadowTarget", "WeightTarget"]
 

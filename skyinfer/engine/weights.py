@@ -137,10 +137,13 @@ async def finish_weight_update(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_CLIENT]
     body = parse_json_object(await request.read())
     await engine.finish_weight_update(body.get("weight_version"))
-    await on_every_worker(engine, UPDATE_OUTCOME_RPC)
+    applied = await on_every_worker(engine, UPDATE_OUTCOME_RPC)
     await _after_new_weights(request, engine, body.get("kv"))
-    await on_every_worker(engine, GIVE_BACK_MEMORY_RPC)
-    return json_response({"status": "finished", "weight_version": await engine.get_weight_version()})
+    if any((answer or {}).get("applied") != "in place" for answer in applied):
+        await on_every_worker(engine, GIVE_BACK_MEMORY_RPC)  # the reload's fresh layers freed the old ones
+    return json_response(
+        {"status": "finished", "weight_version": await engine.get_weight_version(), "applied": applied[0]}
+    )
 
 
 async def stage_weights(request: web.Request) -> web.Response:

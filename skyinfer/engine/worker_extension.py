@@ -12,13 +12,13 @@ from safetensors.torch import save_file
 from ..devices import give_back_freed_memory
 from ..engine_wire import ADAPTER_WEIGHTS_FILE, STAGED_SWAP_ENV, WORKER_SPIN_ENV
 from ..ranks import worker_index
+from ..transfer.receiving import pack_cpu_gemms
 from . import backends  # noqa: F401 - registers skyinfer's backends with vLLM's factory
 from .catchup_files import catch_up_file, export_tensors, import_tensors, served_tensors
 from .cpu_setup import (
     compute_cpu_int8_exactly,
     keep_cpu_gemm_weights,
     keep_cpu_int8_scales,
-    pack_cpu_gemms,
     request_amx_permission,
     spin_briefly_after_reads,
 )
@@ -52,12 +52,14 @@ class SkyinferWorkerExtension:
         return {"state": "ready"}
 
     @answers_every_rank
-    def skyinfer_update_outcome(self) -> None:
-        """Raise what the last chunk, or the finish, of a weight update raised on this worker, if anything."""
+    def skyinfer_update_outcome(self) -> dict | None:
+        """Raise what the last chunk, or the finish, of a weight update raised on this worker, if
+        anything; else how the update last finished was applied (receiving.py), None before then."""
         failure = self.weight_transfer_engine.update_failure
         self.weight_transfer_engine.update_failure = None
         if failure is not None:
             raise failure
+        return self.weight_transfer_engine.last_applied
 
     @answers_every_rank
     def skyinfer_quantized_layers(self) -> list[str]:
@@ -103,7 +105,7 @@ class SkyinferWorkerExtension:
 
         model = self.model_runner.get_model()
         loader = get_model_loader(self.vllm_config.load_config)
-        return len(model.load_weights(loader.get_all_weights(self.model_config, model)))
+        return len(self.weight_transfer_engine.load(loader.get_all_weights(self.model_config, model)))
 
     @answers_every_rank
     def skyinfer_receive_adapter(self, update_info: dict, directory: str) -> dict:

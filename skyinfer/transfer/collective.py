@@ -14,7 +14,9 @@ once and ``status()`` reports how the rendezvous is going.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import queue
 import threading
 import time
 from typing import Protocol
@@ -24,7 +26,7 @@ import torch
 from ..ranks import worker_index
 from .packing import TensorMeta, dtype_from_name, plan_chunks, unpack
 from .protocol import GroupInitInfo, GroupUpdateInfo
-from .receiving import LayerwiseReceiver
+from .receiving import LiveReceiver, bind_thread, wait_for
 from .rendezvous import wait_until_listening
 
 __all__ = ["Communicator", "GroupReceiver"]
@@ -40,11 +42,31 @@ class Communicator(Protocol):
     def destroy(self) -> None: ...
 
 
+# How many reused buffers the receiving thread may fill ahead of the loads, and how often a thread
+# blocked on the other side checks whether the update was given up.
+_AHEAD = 1
+_POLL_S = 0.1
+
+
+class _Stopped(Exception):
+    """The update's loads gave up: its receiving thread ends."""
+
+
+def _until_stopped(stop: threading.Event, call):
+    """``call()`` (a queue's get or put with a timeout) tried until it succeeds or ``stop`` is set."""
+    while not stop.is_set():
+        try:
+            return call()
+        except (queue.Empty, queue.Full):
+            continue
+    raise _Stopped
+
+
 def _metas(info: GroupUpdateInfo) -> list[TensorMeta]:
     return [TensorMeta(n, dtype_from_name(d), tuple(s)) for n, d, s in zip(info.names, info.dtype_names, info.shapes)]
 
 
-class GroupReceiver(LayerwiseReceiver):
+class GroupReceiver(LiveReceiver):
     """vLLM's weight-transfer backend interface over a process group (receiving.py: how it joins vLLM)."""
 
     init_info_cls = GroupInitInfo
@@ -137,20 +159,74 @@ class GroupReceiver(LayerwiseReceiver):
 
     # -- one update -----------------------------------------------------------
     def receive_weights(self, update_info: GroupUpdateInfo) -> None:
+        """Each broadcast received on a thread of its own (``_received``) while the ones before it
+        are loaded here: the wire and the loads overlap."""
         communicator = self._ready_communicator()
         assert self._info is not None
         metas = _metas(update_info)
         packed = self._info.packed if update_info.packed is None else update_info.packed
-        if packed:
-            for chunk in plan_chunks(metas, self._info.packed_buffer_size_bytes):
-                buffer = torch.empty(sum(m.nbytes for m in chunk), dtype=torch.uint8, device=self.device)
-                communicator.broadcast(buffer, 0, self._stream())
-                self.model.load_weights(unpack(buffer, chunk))
-        else:
-            for meta in metas:
-                tensor = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
-                communicator.broadcast(tensor, 0, self._stream())
-                self.model.load_weights([(meta.name, tensor)])
+        chunks = list(plan_chunks(metas, self._info.packed_buffer_size_bytes)) if packed else [[m] for m in metas]
+        for chunk, buffer in self._received(communicator, chunks, packed):
+            self.load(unpack(buffer, chunk) if packed else [(chunk[0].name, buffer)])
+
+    def _received(self, communicator: Communicator, chunks: list[list[TensorMeta]], packed: bool):
+        """Each chunk and the buffer it was received into, in order, the broadcasts made on a thread
+        ahead of the caller. Packed chunks go into ``_AHEAD + 1`` buffers (vLLM's packed receive
+        keeps two), reused while the update loads at once (its loads copy what they are given
+        before they return); else each into a buffer of its own, which a load may keep."""
+        ready: queue.Queue = queue.Queue(maxsize=1)
+        reusable: queue.Queue = queue.Queue()
+        if packed and self.loads_at_once:
+            size = max(sum(m.nbytes for m in chunk) for chunk in chunks)
+            for _ in range(min(_AHEAD + 1, len(chunks))):
+                reusable.put(torch.empty(size, dtype=torch.uint8, device=self.device))
+        stop = threading.Event()
+
+        def buffers_for(chunk: list[TensorMeta]) -> tuple[torch.Tensor | None, torch.Tensor]:
+            """A reusable buffer (or None) and the part of it, or the new buffer, the chunk goes into."""
+            if not packed:
+                return None, torch.empty(chunk[0].shape, dtype=chunk[0].dtype, device=self.device)
+            nbytes = sum(m.nbytes for m in chunk)
+            if not self.loads_at_once:
+                return None, torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            whole = _until_stopped(stop, lambda: reusable.get(timeout=_POLL_S))
+            return whole, whole[:nbytes]
+
+        def receive() -> None:
+            try:
+                if self.device.type == "cuda":
+                    bind_thread(self.device)
+                for chunk in chunks:
+                    whole, buffer = buffers_for(chunk)
+                    communicator.broadcast(buffer, 0, self._stream())
+                    if self.device.type == "cuda":
+                        wait_for(self.device)
+                    _until_stopped(stop, lambda item=(whole, buffer): ready.put(item, timeout=_POLL_S))
+            except _Stopped:
+                pass
+            except BaseException as exc:  # the caller raises it
+                failure = exc
+                with contextlib.suppress(_Stopped):
+                    _until_stopped(stop, lambda: ready.put(failure, timeout=_POLL_S))
+
+        thread = threading.Thread(target=receive, daemon=True, name="skyinfer-receive")
+        thread.start()
+        try:
+            for chunk in chunks:
+                received = ready.get()
+                if isinstance(received, BaseException):
+                    raise received
+                whole, buffer = received
+                yield chunk, buffer
+                if whole is not None:
+                    if self.device.type == "cuda":
+                        wait_for(self.device)  # the loads read it before it is received into again
+                    reusable.put(whole)
+            thread.join()
+        finally:
+            # A load that failed leaves the thread to end: at its next chunk, or when the group's
+            # timeout ends the broadcast it waits in (the front aborts the update meanwhile).
+            stop.set()
 
     def shutdown(self) -> None:
         if self._communicator is not None:

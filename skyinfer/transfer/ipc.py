@@ -46,7 +46,7 @@ from ..client import Client, SkyinferError
 from .packing import TensorMeta, dtype_from_name, unpack
 from .protocol import IpcHandle, IpcInitInfo, IpcUpdateInfo, checked_segment_name, segment_path
 from .pushing import NamedTensors, OneCall, Trainer, update_weights_call
-from .receiving import LayerwiseReceiver
+from .receiving import LiveReceiver
 from .shm import layout, map_segment, write_segment
 
 # -- the JSON form of torch's rebuild_cuda_tensor arguments ----------------------------------
@@ -371,7 +371,7 @@ class IPCTrainer(Trainer):
 # -- the engines' side ----------------------------------------------------------------
 
 
-class IpcReceiver(LayerwiseReceiver):
+class IpcReceiver(LiveReceiver):
     """Each worker opens the handles of its own device (skyinfer's JSON ones, or, where the server
     allows it, vLLM's pickled ones) and loads what they map, as vLLM's ``ipc`` backend does."""
 
@@ -394,14 +394,14 @@ class IpcReceiver(LayerwiseReceiver):
                 TensorMeta(name, dtype_from_name(dtype), tuple(shape))
                 for name, dtype, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes)
             ]
-            # Copies: the exporter reuses its buffer for the next chunk, and vLLM's reload may replay a
-            # layer's loads from what it was given, after this call.
-            weights = [(name, tensor.clone()) for name, tensor in unpack(buffer[: sum(m.nbytes for m in metas)], metas)]
+            weights = unpack(buffer[: sum(m.nbytes for m in metas)], metas)
+            if not self.loads_at_once:  # copies: the exporter reuses its buffer for the next chunk
+                weights = [(name, tensor.clone()) for name, tensor in weights]
         else:
             weights = [
                 (name, open_handle(_mine(per, here), self.device)) for name, per in zip(update_info.names, handles)
             ]
-        self.model.load_weights(weights)
+        self.load(weights)
 
     @staticmethod
     def _handles(update_info: IpcUpdateInfo) -> list[dict[str, tuple]] | dict[str, tuple]:

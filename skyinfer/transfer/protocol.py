@@ -158,6 +158,9 @@ class SharedMemoryUpdateInfo(UpdateMetadata):
 
     segment: SegmentName
     offsets: list[Dim]
+    # The trainer writes its next pushes into the same segment: the server leaves it in place after
+    # a push that finished (transfer/shm.py says when it goes).
+    reuse: bool = False
 
     @model_validator(mode="after")
     def _laid_out(self) -> Self:

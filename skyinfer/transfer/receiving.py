@@ -1,4 +1,6 @@
-"""What the engines' receivers share: checkpoint-format tensors loaded through vLLM's layerwise reload.
+"""What the engines' receivers share: checkpoint-format tensors loaded into the live model, straight
+into its weights where every layer serves them as loaded (``InPlaceLoad``), else through vLLM's
+layerwise reload.
 
 A receiver is a mixin of vLLM's weight-transfer backend interface: engine/backends.py mixes it
 with vLLM's ``WeightTransferEngine`` when it registers the backend, so that the transport modules,
@@ -7,11 +9,33 @@ which trainers import too, never import vLLM.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterable
+
 import torch
 
+# The device primitives of a receive on a thread of its own, on a GPU: the thread's device and the
+# stream's end. A CPU has neither: its threads share the one device, its copies end as they return.
 
-class LayerwiseReceiver:
-    """Start and finish an update as vLLM's own checkpoint-format backends do."""
+
+def bind_thread(device: torch.device) -> None:
+    torch.cuda.set_device(device)  # a new thread's is GPU 0: its work is this worker's
+
+
+def wait_for(device: torch.device) -> None:
+    torch.cuda.current_stream(device).synchronize()
+
+
+class LiveReceiver:
+    """Start, load and finish an update of the live model.
+
+    A model all of whose layers compute with their weights as loaded (unquantized linear layers and
+    embeddings, norms: a dense bf16 model) takes the push's tensors straight into its parameters,
+    through its own loaders, as at start-up: one copy per element, no memory allocated; a CPU layer
+    a push wrote packs its kernel's copy again at the finish. Any other (quantized layers, mixture
+    of experts, attention layers that derive tensors from their weights) goes through vLLM's
+    layerwise reload, as vLLM's own checkpoint-format backends do: each layer reloaded whole into
+    fresh memory and processed as at start-up, then copied into the tensors the engine computes with."""
 
     supports_draft_weight_update = False
     # How the last update_weights or finish went: None, or the exception it raised (kept for the
@@ -21,8 +45,16 @@ class LayerwiseReceiver:
 
     # The CPU mixture-of-experts layers' kernels, forgotten for the update (``forget_cpu_moe_kernels``).
     _moe_kernels: dict | None = None
+    # The update under way when it loads in place; None when it reloads layerwise (or none is open).
+    _in_place: InPlaceLoad | None = None
+    # How the last finished update was applied, for the front (``skyinfer_update_outcome``).
+    last_applied: dict | None = None
 
     def start_weight_update(self) -> None:
+        self.last_applied = None
+        if applies_in_place(self.model):
+            self._in_place = InPlaceLoad(self.model)
+            return
         from ..vllm_api import initialize_layerwise_reload
 
         self._moe_kernels = forget_cpu_moe_kernels(self.model)
@@ -31,6 +63,23 @@ class LayerwiseReceiver:
         except BaseException:
             restore_cpu_moe_kernels(self._moe_kernels)
             raise
+
+    @property
+    def loads_at_once(self) -> bool:
+        """Whether the tensors given to ``load`` are copied before it returns (an in-place update
+        of the live model): a transport may then hand views of a buffer it reuses. vLLM's layerwise
+        reload may replay a layer's loads from what it was given later; so may a target's."""
+        return self._in_place is not None and self.model is self._in_place.model
+
+    def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load checkpoint-format tensors into the update's target (the live model, or the target a
+        staged push or an adapter set); the names of the parameters written."""
+        started = time.perf_counter()
+        loaded = self.model.load_weights(weights)
+        if self.loads_at_once:
+            self._in_place.load_s += time.perf_counter() - started
+            self._in_place.loaded(loaded)
+        return loaded
 
     def update_weights(self, update_info: dict) -> None:
         # The base class ends with torch.accelerator.synchronize(), which has
@@ -43,6 +92,12 @@ class LayerwiseReceiver:
 
     def finish_weight_update(self) -> None:
         self.update_failure = None
+        in_place, self._in_place = self._in_place, None
+        if in_place is not None:
+            # Whatever came, as it came: a push that failed part way leaves its engine stale (the
+            # front holds it out), its packed kernels matching its parameters.
+            self.last_applied = in_place.finish()
+            return
         try:
             finish_layerwise_reload(self.model, self.model_config)
         except PartOfALayerRefused as exc:
@@ -52,6 +107,77 @@ class LayerwiseReceiver:
         finally:
             restore_cpu_moe_kernels(self._moe_kernels or {})
             self._moe_kernels = None
+        self.last_applied = {"applied": "layerwise reload"}
+
+
+def applies_in_place(model: torch.nn.Module) -> bool:
+    """Whether every layer of ``model`` that holds weights computes with them as its loaders write
+    them, but for a CPU linear layer's packed kernel (``pack_cpu_gemms``): an unquantized linear
+    layer or embedding, or a layer vLLM does not process after loading (a norm). Unquantized
+    mixture-of-experts layers (packed and padded on CPU), quantized ones and attention layers that
+    derive tensors from their weights (MLA) are processed after loading: their model reloads
+    layerwise."""
+    from ..vllm_api import UnquantizedEmbeddingMethod, UnquantizedLinearMethod, is_deferred_attention_layer
+
+    for module in model.modules():
+        if not any(True for _ in module.parameters(recurse=False)):
+            continue
+        method = getattr(module, "quant_method", None)
+        if method is None:
+            if hasattr(module, "process_weights_after_loading"):
+                return False
+        elif not isinstance(method, (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)):
+            return False
+        if is_deferred_attention_layer(module) or getattr(module, "_cpu_skip_gemm_dispatch", False):
+            return False
+    return True
+
+
+class InPlaceLoad:
+    """One update loaded straight into the live parameters, and each CPU linear layer holding a
+    parameter it wrote packing its kernel's copy again: as soon as a load no longer writes the
+    layer (a push's loads come layer by layer: the layer is whole then, and the pack overlaps what
+    is still received), and at the finish for the rest. A layer written again after its pack is
+    packed again."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.written: set[str] = set()
+        self.load_s = 0.0
+        self.repack_s = 0.0
+        self.repacked = 0
+        self._params = dict(model.named_parameters(remove_duplicate=False))
+        self._holders: dict[int, list[torch.nn.Module]] = {}  # id(parameter): the modules holding it
+        for module in model.modules():
+            for param in module.parameters(recurse=False):
+                self._holders.setdefault(id(param), []).append(module)
+        self._unpacked: dict[int, torch.nn.Module] = {}  # id(module): written since it last packed
+
+    def loaded(self, names: set[str]) -> None:
+        """A load wrote ``names``: the layers written before it and not by it pack their kernels."""
+        self.written |= names
+        if not names <= self._params.keys():  # a name that is not a parameter's: every module, at the finish
+            self._unpacked.update((id(m), m) for m in self.model.modules())
+            return
+        now = {id(m): m for name in names for m in self._holders.get(id(self._params[name]), [])}
+        self._pack([m for key, m in self._unpacked.items() if key not in now])
+        self._unpacked = {key: m for key, m in self._unpacked.items() if key in now} | now
+
+    def finish(self) -> dict:
+        self._pack(list(self._unpacked.values()))
+        self._unpacked = {}
+        return {
+            "applied": "in place",
+            "parameters": len(self.written),
+            "repacked": self.repacked,
+            "load_s": round(self.load_s, 6),
+            "repack_s": round(self.repack_s, 6),
+        }
+
+    def _pack(self, modules: list[torch.nn.Module]) -> None:
+        started = time.perf_counter()
+        self.repacked += pack_cpu_gemms(modules)
+        self.repack_s += time.perf_counter() - started
 
 
 class PartOfALayerRefused(ValueError):
@@ -173,3 +299,18 @@ def restore_cpu_moe_kernels(forgotten: dict[torch.nn.Module, tuple]) -> None:
     for layer, (kernel, config) in forgotten.items():
         if layer.quant_method.moe_kernel is None:
             layer.quant_method.moe_kernel, layer.quant_method.moe_quant_config = kernel, config
+
+
+def pack_cpu_gemms(modules) -> int:
+    """On CPU, each linear layer among ``modules`` packs its weight again from its parameter (its
+    kernel computes with the packed copy, not the parameter); how many. None on GPU."""
+    packed = 0
+    for module in modules:
+        if getattr(module, "cpu_linear", None) is None or getattr(module, "_cpu_skip_gemm_dispatch", False):
+            continue  # not a packed layer (a skipped one computes with its parameter itself)
+        if module.weight.ndim == 2:
+            from ..vllm_api import dispatch_cpu_unquantized_gemm
+
+            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+            packed += 1
+    return packed

@@ -82,6 +82,20 @@ def _not_covered(version: str, missing: list[str] | None) -> str | None:
     )
 
 
+def applied_by(replies: list[EngineReply]) -> dict:
+    """How the engines' workers applied a live push (receiving.py's ``LiveReceiver``): "in place" or
+    "layerwise reload", and the seconds the slowest spent loading and repacking in place; nothing
+    for a staged push, whose engines swap a copy in."""
+    applied = [rep.body["applied"] for rep in replies if isinstance(rep.body.get("applied"), dict)]
+    if not applied:
+        return {}
+    answer = {"applied": ", ".join(sorted({a["applied"] for a in applied}))}
+    for seconds in ("load_s", "repack_s"):
+        if any(seconds in a for a in applied):
+            answer[seconds] = max(a.get(seconds, 0.0) for a in applied)
+    return answer
+
+
 class LivePath:
     """The engines' live weights take each chunk (``/update_weights``) between vLLM's start, which
     the first chunk brings (``begin``), and its finish (``/finish_weight_update``)."""
@@ -344,11 +358,12 @@ class Push:
                     checked = await self._checks.verify(records, expected)
                 self._checks.raise_unless_verified(*checked)
         finally:
-            await self.end()
+            await self.end(finished=True)
             self.last_push = {
                 "weight_version": version,
                 "seconds": round(time.monotonic() - min(current.started_at, current.first_stage_at), 6),
                 "stages": {stage: round(seconds, 6) for stage, seconds in current.stages.items()},
+                **applied_by(replies),
             }
         log.info("weight version %s on %d engine(s)%s", version, len(records), ", verified" if verify else "")
         answer = {
@@ -496,17 +511,17 @@ class Push:
         for ending in endings:
             await self._ended_late(ending)
 
-    async def end(self, abandoned_because: str | None = None) -> None:
+    async def end(self, abandoned_because: str | None = None, finished: bool = False) -> None:
         """An update is over, however: staging copies it left go, engines it paused run again, its
-        segments go. ``abandoned_because``: the server ended it, not its trainer (its later calls
-        are refused)."""
+        segments go (but the one its trainer reuses, once it ``finished``). ``abandoned_because``: the
+        server ended it, not its trainer (its later calls are refused)."""
         current = self.update.current
         if current.copies_held:
             await self._drop_copies(self.registry.members())
         self.update.end(abandoned_because)
         with self.timed("resume", current):  # the update is over: its own record, not the next one's
             await self._resume(current.paused_for_push)
-        if removed := self.fleet.transport.update_ended():
+        if removed := self.fleet.transport.update_ended(finished):
             log.info("removed %d shared-memory segment(s) the trainer left", len(removed))
 
     async def _resume(self, paused_for_push: list[EngineRecord]) -> None:

@@ -81,6 +81,8 @@ class FrontTransport:
         self.allow_pickled_ipc = allow_pickled_ipc
         # Shared-memory segments this server's trainers make begin with it.
         self.segment_prefix = segment_prefix(new_server_token())
+        # The segment the trainer writes each push into, left in place between pushes that finish.
+        self.reused_segment: str | None = None
 
     @property
     def shm_segment_prefix(self) -> str | None:
@@ -97,6 +99,7 @@ class FrontTransport:
         if rendezvous:
             raise _wrong_transport(self.transport, f"has {', '.join(sorted(rendezvous))}")
         info = (SharedMemoryInitInfo if self.transport is SHM else IpcInitInfo).parse(init_info, ("init_info",))
+        self.update_ended(finished=False)  # a trainer starting (again) makes its segment again
         # What a trainer names its segments with (IPC's: where a CPU stands in for CUDA's handles).
         answer = {"transport": self.transport.name, "segment_prefix": self.segment_prefix}
         timeout_s = self.timeout_s if info.timeout_s is None else info.timeout_s
@@ -178,14 +181,23 @@ class FrontTransport:
 
     def update_sent(self, meta: UpdateMetadata) -> None:
         """An /update_weights call ended, however: the engines hold what they still read from a
-        segment (mapped), so its name goes now."""
-        if isinstance(meta, SharedMemoryUpdateInfo):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(segment_path(meta.segment))
+        segment (mapped), so its name goes now, unless the trainer reuses it."""
+        if not isinstance(meta, SharedMemoryUpdateInfo):
+            return
+        if meta.reuse:
+            self.reused_segment = meta.segment
+            return
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(segment_path(meta.segment))
 
-    def update_ended(self) -> list[str]:
-        """An update finished or was aborted: whatever segments its trainer left go too."""
-        return remove_segments(self.segment_prefix) if self.transport in (SHM, IPC) else []
+    def update_ended(self, finished: bool = False) -> list[str]:
+        """An update ended: whatever segments its trainer left go too, but for the one it reuses
+        after a push that ``finished`` (one aborted or abandoned may have lost its trainer)."""
+        if self.transport not in (SHM, IPC):
+            return []
+        if not finished:
+            self.reused_segment = None
+        return remove_segments(self.segment_prefix, keep=self.reused_segment)
 
 
 async def _check_trainer_address(info: GroupInitInfo) -> None:
