@@ -448,5 +448,7 @@ async def test_weight_info_says_where_the_last_push_went_stage_by_stage(
     assert last["seconds"] >= sum(stages.values()), last
     await script(app, 1, {"fail": {"/update_weights": 500}})
     r = await client.post("/update_weights", json={"update_info": whole_checkpoint(demo_model), "weight_version": "v2"})
-    assert r.status == 500
+    # 500 as engine 1 answered, or 502 where engine 1 failed before engine 0 answered and engine 0's
+    # call was cut short (503): the engines' statuses then differ.
+    assert r.status in (500, 502), await r.text()
     assert (await (await client.get("/weight_info")).json())["last_push"] == last

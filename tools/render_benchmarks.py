@@ -245,6 +245,10 @@ def _push_rows() -> list[tuple[str, str, float | None, float | None, float | Non
         name = f"gloo, {nodes} node{'s' * (nodes > 1)}, {run.get('mib', 352):.0f} MiB"
         raw, sky = row(run, step="raw")["seconds"], row(run, step="skyinfer")["seconds"]
         out.append((name, "a gloo broadcast", raw, sky, None, when(run)))
+    loop = latest(data, lambda r: r["arguments"].get("model") == "demo" and bool(row(r, step="loop_push")))
+    name = f"gloo, the RL loop's pause, push, resume, demo model ({loop.get('mib', 1):.0f} MiB)"
+    alone, with_push = row(loop, step="loop_alone")["seconds"], row(loop, step="loop_push")["seconds"]
+    out.append((name, "the loop's pause and resume alone", alone, with_push, None, when(loop)))
     shm = latest(data, lambda r: r["arguments"].get("transport") == "shm")
     for step, what in (("memcpy", "a memcpy into touched pages"), ("memcpy_fresh", "a memcpy into fresh pages")):
         name = f"shared memory (colocated), 2 engines, {shm.get('mib', 352):.0f} MiB"
