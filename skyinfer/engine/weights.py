@@ -139,7 +139,7 @@ async def finish_weight_update(request: web.Request) -> web.Response:
     await engine.finish_weight_update(body.get("weight_version"))
     applied = await on_every_worker(engine, UPDATE_OUTCOME_RPC)
     await _after_new_weights(request, engine, body.get("kv"))
-    if any((answer or {}).get("applied") != "in place" for answer in applied):
+    if any(answer["applied"] != "in place" for answer in applied):
         await on_every_worker(engine, GIVE_BACK_MEMORY_RPC)  # the reload's fresh layers freed the old ones
     return json_response(
         {"status": "finished", "weight_version": await engine.get_weight_version(), "applied": applied[0]}

@@ -32,7 +32,7 @@ class LiveReceiver:
     A model all of whose layers compute with their weights as loaded (unquantized linear layers and
     embeddings, norms: a dense bf16 model) takes the push's tensors straight into its parameters,
     through its own loaders, as at start-up: one copy per element, no memory allocated; a CPU layer
-    a push wrote packs its kernel's copy again at the finish. Any other (quantized layers, mixture
+    a push wrote packs its kernel's copy again (``InPlaceLoad``). Any other (quantized layers, mixture
     of experts, attention layers that derive tensors from their weights) goes through vLLM's
     layerwise reload, as vLLM's own checkpoint-format backends do: each layer reloaded whole into
     fresh memory and processed as at start-up, then copied into the tensors the engine computes with."""

@@ -66,6 +66,7 @@ class TransferGroup:
                 await self._push.end_abandoned("a trainer set up a new transfer")
             await self._push.ends_of_aborts()
             self.fleet.update.start_over()
+            self.transport.update_ended()  # a trainer starting (again) makes its segment again
             records = self.fleet.engines()
             if records != members:  # an engine retired or rejoined meanwhile: its ranks move
                 plan = await self.transport.plan_init(init_info, self.fleet.workers(records))

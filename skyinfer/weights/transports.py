@@ -99,7 +99,6 @@ class FrontTransport:
         if rendezvous:
             raise _wrong_transport(self.transport, f"has {', '.join(sorted(rendezvous))}")
         info = (SharedMemoryInitInfo if self.transport is SHM else IpcInitInfo).parse(init_info, ("init_info",))
-        self.update_ended(finished=False)  # a trainer starting (again) makes its segment again
         # What a trainer names its segments with (IPC's: where a CPU stands in for CUDA's handles).
         answer = {"transport": self.transport.name, "segment_prefix": self.segment_prefix}
         timeout_s = self.timeout_s if info.timeout_s is None else info.timeout_s
