@@ -616,14 +616,14 @@ async def test_a_staged_swap_runs_inside_a_keep_pause(aiohttp_client, caller_pau
             calls.append(rpc)
             return [[{"tensors": 26, "installed": "by pointer"}]]
 
+        async def pause_scheduler_async(self, *, mode, clear_cache):  # a keep pause keeping the caches
+            calls.append(f"pause {mode} clear_cache={clear_cache}")
+
     class Engine:
         engine_core = EngineCore()
 
         async def is_paused(self):
             return caller_paused
-
-        async def pause_generation(self, *, mode, clear_cache):
-            calls.append(f"pause {mode} clear_cache={clear_cache}")
 
         async def resume_generation(self):
             calls.append("resume")

@@ -28,9 +28,22 @@ from .worker_calls import every_worker_answers
 log = logging.getLogger("skyinfer.engine.admin")
 
 
+async def pause(engine, mode: str, clear_cache: bool) -> None:
+    """vLLM's ``pause_generation``; a keep pause that keeps the caches (a push's, a staged swap's)
+    is the scheduler's pause alone. vLLM's own then sleeps 20 ms so that requests it ended have
+    their last outputs delivered before it returns ("not required for correctness", its comment
+    says): a keep pause ends none, and the tokens of the steps before it carry the weight version
+    their EngineCore attached as it made them. A fifth to a third of a small model's push was that
+    sleep (tools/bench_weight_sync.py --model demo)."""
+    if mode == "keep" and not clear_cache:
+        await engine.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
+    else:
+        await engine.pause_generation(mode=mode, clear_cache=clear_cache)
+
+
 async def _pause(engine, request: web.Request) -> dict:
     p = PauseParams.from_request(request.query)
-    await engine.pause_generation(mode=p.mode, clear_cache=p.clear_cache)
+    await pause(engine, p.mode, p.clear_cache)
     return {"status": "paused", "mode": p.mode}
 
 

@@ -23,7 +23,7 @@ from . import (
     SWAP_STAGED_RPC,
     UPDATE_OUTCOME_RPC,
 )
-from .admin import abort
+from .admin import abort, pause
 from .appkeys import ENGINE_CLIENT, KV_EPOCHS
 from .worker_calls import every_worker_answers, on_every_worker
 
@@ -190,7 +190,7 @@ async def swap_staged(request: web.Request) -> web.Response:
     body = parse_json_object(await request.read())
     paused_here = not await engine.is_paused()
     if paused_here:
-        await engine.pause_generation(mode="keep", clear_cache=False)
+        await pause(engine, "keep", clear_cache=False)
     try:
         swapped = await on_every_worker(engine, SWAP_STAGED_RPC)
         await asyncio.gather(
