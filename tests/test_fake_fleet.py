@@ -14,7 +14,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from fakes import fake_fleet, kill, script, states, until, whole_checkpoint
+from fakes import calls, fake_fleet, kill, script, states, until, whole_checkpoint
 
 import skyinfer.fleet.supervisor
 from skyinfer.fleet.registry import REGISTRY
@@ -108,6 +108,45 @@ async def test_a_push_step_one_engine_fails_ends_the_update_everywhere_without_a
     # The next push is refused with the code that tells a trainer to set its group up again.
     r = await client.post("/start_weight_update")
     assert r.status == 409 and (await r.json())["error"]["code"] == "transfer_group_gone"
+
+
+async def test_a_one_call_push_is_one_call_per_engine_and_the_engines_run_again_once_all_took_it(
+    aiohttp_client, demo_model, tmp_path, group_init
+):
+    """A one-call push into running engines: each engine gets one ``/push`` (its pause, start,
+    receive and finish inside it), then one ``/resume`` once every engine answered; none of the
+    separate steps' routes is called."""
+    app, client = await fake_fleet(aiohttp_client, demo_model, tmp_path)
+    assert (await client.post("/init_weight_transfer", json={"init_info": group_init})).status == 200
+    r = await client.post("/update_weights", json={"update_info": whole_checkpoint(demo_model), "weight_version": "v1"})
+    assert r.status == 200, await r.text()
+    for engine in (0, 1):
+        weight_calls = {path: n for path, n in (await calls(app, engine)).items() if path not in ("/info", "/health")}
+        assert weight_calls == {"/init_weight_transfer": 1, "/push": 1, "/resume": 1}, weight_calls
+    assert await states(client) == ["ready", "ready"]
+    info = await (await client.get("/weight_info")).json()
+    assert [e["weight_version"] for e in info["engines"]] == ["v1", "v1"] and info["weight_version"] == "v1"
+
+
+@pytest.mark.parametrize("step", ["/pause", "/start_weight_update", "/update_weights", "/finish_weight_update"])
+async def test_a_one_call_push_one_engine_fails_at_any_step_is_served_by_no_engine(
+    aiohttp_client, demo_model, tmp_path, group_init, step
+):
+    """Engine 1 fails its one-call push at ``step`` (engine 0 took all of it, the last case its new
+    label included): the push fails, the fleet's version stays, both engines are held out stale
+    (the next push's to mend) and run again (no engine is left paused), without a restart."""
+    app, client = await fake_fleet(aiohttp_client, demo_model, tmp_path)
+    pids = [r.pid for r in app[REGISTRY].records]
+    assert (await client.post("/init_weight_transfer", json={"init_info": group_init})).status == 200
+    await script(app, 1, {"fail": {step: 500}})
+    r = await client.post("/update_weights", json={"update_info": whole_checkpoint(demo_model), "weight_version": "v1"})
+    assert r.status in (500, 502), await r.text()
+    info = await (await client.get("/weight_info")).json()
+    assert info["update_phase"] == "idle" and info["weight_version"] != "v1" and info["last_push"] is None, info
+    assert [e["stale_reason"].startswith("a weight update was aborted") for e in info["engines"]] == [True, True]
+    assert await states(client) == ["stale", "stale"]
+    assert [(await calls(app, e)).get("/resume") for e in (0, 1)] == [1, 1 if step != "/pause" else None]
+    assert [(r.pid, r.restarts) for r in app[REGISTRY].records] == [(pid, 0) for pid in pids]
 
 
 async def _a_push_engine_0_is_slow_to_end(aiohttp_client, demo_model, tmp_path, group_init, abort_s: float):

@@ -198,10 +198,14 @@ async def stale_without_restart(server, http: httpx.AsyncClient, model: str, pid
     return ready_at - fault_at
 
 
-@pytest.mark.parametrize("sent", [(), ("--bucket-bytes", "16384")], ids=["tensors", "buckets"])
+@pytest.mark.parametrize(
+    "sent", [("--one-call",), ("--bucket-bytes", "16384")], ids=["tensors in one call", "buckets in a session"]
+)
 async def test_trainer_killed_mid_transfer_costs_no_restart(server, model_name, demo_model, tmp_path, fleet, sent):
-    """SIGKILL after two tensors, or two buckets of 16 KiB packed (each engine's receiving thread
-    then waits for the third in a buffer it reuses, while the second is loaded): every engine holds
+    """SIGKILL after two tensors of a one-call push (inside each engine's one call: the push paused
+    the running engines in it, began the update, and waits in the receive), or after two buckets of
+    16 KiB packed of a session's push (each engine's receiving thread then waits for the third in a
+    buffer it reuses, while the second is loaded): every engine holds
     part-new weights. Each ends the update in its own process (no restart), aborts what it held,
     and serves nothing (stale) until the next push, which succeeds at the first try. The recovery
     path (pause twice, push, resume with every engine stale) answers per engine and is never
@@ -226,7 +230,7 @@ async def test_trainer_killed_mid_transfer_costs_no_restart(server, model_name, 
     await asyncio.to_thread(assert_engines_match, server, model_name, demo_model, fleet.weights, fleet.label)
     assert [(e["pid"], e["restarts"]) for e in server.engines()] == list(zip(pids, restarts))
     report(
-        f"trainer SIGKILL after two {'buckets' if sent else 'tensors'}",
+        f"trainer SIGKILL after two {'tensors' if '--one-call' in sent else 'buckets'}",
         ready_for_push=ready_for_push,
         serving=time.monotonic() - fault_at,
     )

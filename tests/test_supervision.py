@@ -419,8 +419,9 @@ def test_an_engine_writes_its_threads_stacks_on_the_fronts_signal_and_serves_on(
 
 
 async def test_engine_core_killed_mid_receive_aborts_the_update_on_every_engine(crash_server, demo_model, tmp_path):
-    """A push is under way (the trainer has sent two tensors, its rollouts held by a keep-pause)
-    when vLLM's EngineCore under engine 1 is SIGKILLed. Every held request ends with finish
+    """A one-call push is under way (the trainer has sent two tensors, its rollouts held by a
+    keep-pause; each engine is inside its one ``/push`` call) when vLLM's EngineCore under engine 1
+    is SIGKILLed. Every held request ends with finish
     reason "abort" on engine 0 (engine 1's are sent there once more; engine 0's weights are part
     new: it ends the update in its own process and drops what it held; the update is aborted for
     the whole fleet at once, not left to the group's 60 s timeout: 16 or more end within 30 s), or
@@ -436,7 +437,7 @@ async def test_engine_core_killed_mid_receive_aborts_the_update_on_every_engine(
         before = [e["pid"] for e in (await http.get("/engines")).json()["engines"]]
         tasks = await admit_while_paused(http, (http.post("/v1/completions", json=body) for _ in range(32)))
         trainer = ForkedPopen(
-            [TRAINER, crash_server.url, str(path), "never-served", "--hang-after", "2"],
+            [TRAINER, crash_server.url, str(path), "never-served", "--hang-after", "2", "--one-call"],
             stdout=subprocess.PIPE,
             text=True,
         )

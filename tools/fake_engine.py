@@ -21,7 +21,9 @@ Its behaviour comes from the environment, or from ``POST /fake/script`` at any t
   carries it (engine/continuation.py). ``GET /fake/went_on`` lists the records of the requests it
   went on with (taken, as a real engine takes them, only with the front's ``X-Skyinfer-Continue``).
 
-A staged push's chunks are kept as names (``/stage_weights``), swapped in or dropped.
+A staged push's chunks are kept as names (``/stage_weights``), swapped in or dropped. A one-call
+push (``/push``) goes through the steps it stands for, each scripted as its own route
+(``/pause``, ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``).
 ``GET /fake/calls`` says how many times each route was called; ``GET /fake/bodies`` the last JSON
 body each of its weight, adapter-receive, reset and abort routes got (``{path: body}``: the
 rank_offset an ``/init_weight_transfer`` told it, say); ``GET /fake/args`` the vLLM arguments it
@@ -97,23 +99,34 @@ def _hold_the_loop(seconds: float) -> None:
     time.sleep(seconds)
 
 
+async def _scripted_before(app: web.Application, path: str) -> web.Response | None:
+    """What the script makes ``path`` do before its work: hang, block, wait, or fail (the answer)."""
+    script = app[SCRIPT]
+    if path in script.get("hang", ()):
+        await asyncio.Event().wait()
+    if seconds := script.get("block_s", {}).get(path):
+        _hold_the_loop(seconds)
+    if delay := script.get("delay_s", {}).get(path):
+        await asyncio.sleep(delay)
+    if status := script.get("fail", {}).get(path):
+        return error_response(status, f"scripted failure of {path}")
+    return None
+
+
+def _scripted_after(app: web.Application, path: str) -> web.Response | None:
+    if status := app[SCRIPT].get("fail_after", {}).get(path):
+        return error_response(status, f"scripted failure of {path}, after doing it")
+    return None
+
+
 def _scripted(handler):
     async def route(request: web.Request) -> web.StreamResponse:
         calls = request.app[STATE].calls
         calls[request.path] = calls.get(request.path, 0) + 1
-        script = request.app[SCRIPT]
-        if request.path in script.get("hang", ()):
-            await asyncio.Event().wait()
-        if seconds := script.get("block_s", {}).get(request.path):
-            _hold_the_loop(seconds)
-        if delay := script.get("delay_s", {}).get(request.path):
-            await asyncio.sleep(delay)
-        if status := script.get("fail", {}).get(request.path):
-            return error_response(status, f"scripted failure of {request.path}")
+        if (refused := await _scripted_before(request.app, request.path)) is not None:
+            return refused
         answer = await handler(request)
-        if status := script.get("fail_after", {}).get(request.path):
-            return error_response(status, f"scripted failure of {request.path}, after doing it")
-        return answer
+        return _scripted_after(request.app, request.path) or answer
 
     return route
 
@@ -305,6 +318,31 @@ def _step(status: str, then=None):
     return handler
 
 
+async def _push(request: web.Request) -> web.Response:
+    """A whole push in one call (the engine's ``/push``): the steps it stands for (its pause if
+    asked, start, receive, finish), each as the script makes its own route behave, each timed; the
+    first that fails is the answer, what came before it done."""
+    body = await _body(request)
+    engine = request.app[STATE]
+    engine.bodies[request.path] = body
+    steps = [("pause", "/pause", engine.pause)] if body.get("pause") else []
+    steps += [
+        ("start", "/start_weight_update", lambda: setattr(engine, "updating", True)),
+        ("receive", "/update_weights", lambda: None),
+        ("finish", "/finish_weight_update", lambda: _finish(engine, body)),
+    ]
+    stages = {}
+    for stage, path, step in steps:
+        started = time.monotonic()
+        if (refused := await _scripted_before(request.app, path)) is not None:
+            return refused
+        step()
+        if (refused := _scripted_after(request.app, path)) is not None:
+            return refused
+        stages[stage] = time.monotonic() - started
+    return json_response({"status": "finished", "weight_version": engine.weight_version, "stages": stages})
+
+
 async def _stage_weights(request: web.Request) -> web.Response:
     """A staged push's chunk, kept as names and bytes: what the front checks before a swap."""
     body = await _body(request)
@@ -420,6 +458,7 @@ def create_fake_engine_app(
         "/update_weights": _step("updated"),
         "/load_checkpoint": _step("loaded"),
         "/finish_weight_update": _step("finished", _finish),
+        "/push": _push,
         "/abort_weight_update": _step("aborted", lambda e, b: setattr(e, "updating", False)),
         "/stage_weights": _stage_weights,
         "/swap_staged": _step("swapped", _swap_staged),

@@ -13,6 +13,8 @@ RECEIVE_ADAPTER_RPC = "skyinfer_receive_adapter"
 # The worker call that says how the last chunk, or the finish, of a weight update went (the
 # receivers keep a failure rather than raise it: worker_calls.py says why).
 UPDATE_OUTCOME_RPC = "skyinfer_update_outcome"
+# The worker call that makes a whole push (start, its one chunk, finish) in one call (POST /push).
+PUSH_RPC = "skyinfer_push"
 # Peer catch-up (weights/catchup.py): the worker calls that write and read one shared-memory file per worker.
 EXPORT_WEIGHTS_RPC, IMPORT_WEIGHTS_RPC = "skyinfer_export_weights", "skyinfer_import_weights"
 # Staged pushes (engine/staging.py): receive into a staging copy while generating, then swap it in or drop it.

@@ -18,6 +18,7 @@ from . import (
     GIVE_BACK_MEMORY_RPC,
     IMPORT_WEIGHTS_RPC,
     LOAD_CHECKPOINT_RPC,
+    PUSH_RPC,
     STAGE_WEIGHTS_RPC,
     STAGING_STATUS_RPC,
     SWAP_STAGED_RPC,
@@ -139,11 +140,44 @@ async def finish_weight_update(request: web.Request) -> web.Response:
     await engine.finish_weight_update(body.get("weight_version"))
     applied = await on_every_worker(engine, UPDATE_OUTCOME_RPC)
     await _after_new_weights(request, engine, body.get("kv"))
-    if any(answer["applied"] != "in place" for answer in applied):
-        await on_every_worker(engine, GIVE_BACK_MEMORY_RPC)  # the reload's fresh layers freed the old ones
+    await _give_back_after_reload(engine, applied)
     return json_response(
         {"status": "finished", "weight_version": await engine.get_weight_version(), "applied": applied[0]}
     )
+
+
+async def _give_back_after_reload(engine, applied: list[dict]) -> None:
+    """After a layerwise reload, the memory of the layers it replaced goes back; an update applied
+    in place allocated nothing (what the next push would pay again)."""
+    if any(answer["applied"] != "in place" for answer in applied):
+        await on_every_worker(engine, GIVE_BACK_MEMORY_RPC)
+
+
+async def push(request: web.Request) -> web.Response:
+    """A whole push on this engine in one call (the front's one-call live push): paused for it
+    first if the front asks (keep: requests held with their KV), then vLLM's start, the push's one
+    chunk and vLLM's finish in one call of every worker (``skyinfer_push``), then the version and
+    the KV rule. The engine stays paused: the front resumes it once every engine has the push, so
+    that none serves it unless all took it. The answer carries each stage's seconds as the slowest
+    worker timed its own. A failure leaves what it began (the pause, the open update) for the
+    front's abort and resume to end, as after the separate calls."""
+    engine = request.app[ENGINE_CLIENT]
+    body = parse_json_object(await request.read())
+    update_info, version = body["update_info"], str(body["weight_version"])
+    started = time.perf_counter()
+    if body.get("pause"):
+        await pause(engine, "keep", clear_cache=False)
+    paused_at = time.perf_counter()
+    pushed = await on_every_worker(engine, PUSH_RPC, update_info)
+    received_at = time.perf_counter()
+    await engine.update_weight_version(version)
+    await _after_new_weights(request, engine, body.get("kv"))
+    applied = [answer["applied"] for answer in pushed]
+    await _give_back_after_reload(engine, applied)
+    slowest = max((answer["stages"] for answer in pushed), key=lambda worker: sum(worker.values()))
+    stages = {"pause": paused_at - started, **slowest}
+    stages["finish"] += time.perf_counter() - received_at  # the version and KV rule, as a finish sets them
+    return json_response({"status": "finished", "weight_version": version, "applied": applied[0], "stages": stages})
 
 
 async def stage_weights(request: web.Request) -> web.Response:
@@ -301,6 +335,7 @@ _WEIGHT_ROUTES = {
     "/start_weight_update": start_weight_update,
     "/update_weights": update_weights,
     "/finish_weight_update": finish_weight_update,
+    "/push": push,
     "/stage_weights": stage_weights,
     "/swap_staged": swap_staged,
     "/drop_staged": drop_staged,

@@ -5,6 +5,7 @@ registers skyinfer's weight-transfer backends (``backends``) and sets a CPU work
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 from safetensors.torch import save_file
@@ -36,6 +37,14 @@ if (spin_s := os.environ.get(WORKER_SPIN_ENV)) is not None:
     spin_briefly_after_reads(float(spin_s))
 
 
+def _raise_kept_failure(receiver) -> None:
+    """Raise what the last chunk, or the finish, of a weight update raised on this worker (the
+    receivers keep it rather than raise it through vLLM's executor: worker_calls.py)."""
+    failure, receiver.update_failure = receiver.update_failure, None
+    if failure is not None:
+        raise failure
+
+
 class SkyinferWorkerExtension:
     """Mixed into vLLM's worker class; ``self`` is the worker."""
 
@@ -55,11 +64,26 @@ class SkyinferWorkerExtension:
     def skyinfer_update_outcome(self) -> dict | None:
         """Raise what the last chunk, or the finish, of a weight update raised on this worker, if
         anything; else how the update last finished was applied (receiving.py), None before then."""
-        failure = self.weight_transfer_engine.update_failure
-        self.weight_transfer_engine.update_failure = None
-        if failure is not None:
-            raise failure
+        _raise_kept_failure(self.weight_transfer_engine)
         return self.weight_transfer_engine.last_applied
+
+    @answers_every_rank
+    def skyinfer_push(self, update_info: dict | list[dict]) -> dict:
+        """A whole push on this worker in one call: vLLM's start, the push's one chunk, vLLM's
+        finish (vLLM's own worker methods, one after the other), each step's seconds, and how the
+        push was applied. A chunk that fails is raised with the update left open, as after vLLM's
+        own update call: the engine's abort ends it (``skyinfer_end_weight_update``)."""
+        clock = time.perf_counter
+        started = clock()
+        self.start_weight_update()
+        started_at = clock()
+        self.update_weights(update_info)
+        _raise_kept_failure(self.weight_transfer_engine)
+        received_at = clock()
+        self.finish_weight_update()
+        _raise_kept_failure(self.weight_transfer_engine)
+        stages = {"start": started_at - started, "receive": received_at - started_at, "finish": clock() - received_at}
+        return {"applied": self.weight_transfer_engine.last_applied, "stages": stages}
 
     @answers_every_rank
     def skyinfer_quantized_layers(self) -> list[str]:

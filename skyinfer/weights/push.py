@@ -163,7 +163,8 @@ class Push:
         where a push's time went, as the front sees it, each stage's own (a stage inside another
         counts for itself only). Stages: ``pause`` (running engines paused
         for it), ``start`` (vLLM's update opened), ``receive`` (the bytes moved and loaded, or
-        staged), ``finish`` (vLLM's finish, or the staged swap), ``verify``, ``resume``."""
+        staged), ``finish`` (vLLM's finish, or the staged swap), ``verify``, ``resume``. A one-call
+        live push's first four are its slowest engine's own account (``_push_in_one_call``)."""
         update = update or self.update.current
         started, outer_nested = time.monotonic(), update.nested_s
         if update.first_stage_at is None:
@@ -224,6 +225,8 @@ class Push:
             async with self.registry.fleet_change():
                 one_shot = self.update.phase is Phase.IDLE
                 records = self._refusal_of_receive(meta, kv, staged)
+                if one_shot and not staged:
+                    return await self._push_in_one_call(records, update_info, meta, _version(weight_version), kv)
                 if one_shot:
                     self.update.current.staged = staged
                 path = self._path()
@@ -275,6 +278,54 @@ class Push:
                 replies = await self.fleet.call_all(records, "/load_checkpoint")
             await self._settle("loading the checkpoint", records, replies)
             return await self._finish(records, CHECKPOINT_VERSION, verify=False, expected=None)
+
+    async def _push_in_one_call(
+        self, records: list[EngineRecord], update_info: dict, meta: UpdateMetadata, version: str, kv: KvRule
+    ) -> dict:
+        """A one-call live push: one call per engine (engine/weights.py ``push``) pauses it if it
+        runs, starts, receives, finishes and labels the push; the front resumes the engines it
+        paused once all have it (``end``), so that none serves the push unless every one took it.
+        Its stages in ``last_push`` are the slowest engine's account of its own (``resume``: the
+        front's). Called with the registry's lock held."""
+        self.updates_begun += 1
+        pausing = {r.engine_id for r in records if push_verdict(r) == PAUSE_FOR_PUSH}
+        for record in records:
+            record.mid_update = True  # its call may begin the update, whatever it answers
+        self.update.step(Phase.RECEIVING)  # from here on, weights may be part new
+        self.update.receive(meta.names)
+        started = time.monotonic()
+        calls = [
+            (
+                record,
+                call_engine(
+                    record,
+                    "/push",
+                    timeout_s=self.fleet.timeout_s,
+                    body={
+                        "update_info": update_info,
+                        "weight_version": version,
+                        "kv": kv,
+                        "pause": record.engine_id in pausing,
+                    },
+                ),
+            )
+            for record in records
+        ]
+        replies = await gather_until_failure(calls)
+        self.last_update_s = time.monotonic() - started
+        for record, reply in zip(records, replies):
+            if record.engine_id not in pausing:
+                continue
+            if reply.ok:
+                self.registry.record_call(record, "pause")
+            elif record.up:
+                await self._control.reread(record, "pause")  # it may have paused before it failed
+            if record.paused:
+                self.update.current.paused_for_push.append(record)
+        await self._settle("push", records, replies, collective=True)
+        slowest = max((rep.body["stages"] for rep in replies), key=lambda stages: sum(stages.values()))
+        self.update.current.stages.update(slowest)
+        return await self._finished(records, replies, version, verify=False, expected=None, kv=kv)
 
     async def _begin(self, records: list[EngineRecord]) -> None:
         """Open the update on every engine's live weights: engines that are running are paused for
@@ -337,6 +388,22 @@ class Push:
         if path is self.staged:
             self.last_update_s = extras["swap_seconds"]
             self.last_staged_swap = {"seconds": extras["swap_seconds"], "installed": extras["installed"]}
+        return await self._finished(records, replies, version, verify, expected, kv, extras, left_behind)
+
+    async def _finished(
+        self,
+        records: list[EngineRecord],
+        replies: list[EngineReply],
+        version: str,
+        verify: bool,
+        expected: Checksums | None,
+        kv: KvRule,
+        extras: dict | None = None,
+        left_behind: list[EngineRecord] | None = None,
+    ) -> dict:
+        """Every engine of ``records`` took the update and serves ``version`` (``replies``: their
+        answers): the fleet's account of it, its check if asked, and the update's end. Called with
+        the registry's lock held."""
         self.registry.fleet_weight_version = version
         self.fleet.metrics.push_seconds.observe(time.monotonic() - self.update.current.started_at)
         missing = [] if self.update.current.whole_checkpoint else self.fleet.missing(self.update.received)
@@ -349,7 +416,7 @@ class Push:
             # Its weights were not the fleet's before (discarded by a sleep, mixed by an abort,
             # another version): only a push of every tensor makes them so.
             self.registry.set_stale(record, _not_covered(version, missing))
-        self._leave_behind(left_behind, version)
+        self._leave_behind(left_behind or [], version)
         self._checks.forget()
         current = self.update.current
         try:
@@ -371,7 +438,7 @@ class Push:
             "weight_version": version,
             "kv": kv,
             "engines": [rep.as_json() for rep in replies],
-            **extras,
+            **(extras or {}),
         }
         return {**answer, "verified": True} if verify else answer
 

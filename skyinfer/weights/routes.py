@@ -130,7 +130,8 @@ async def _weight_info(request: web.Request) -> web.Response:
     """The fleet's weight version, the update's phase, what the engines serve quantized and what a
     push must carry for it, and each engine's version, state and group; the last push that finished
     (``last_push``: its seconds from its first call and each stage's, ``pause``, ``start``,
-    ``receive``, ``finish``, ``verify``, ``resume``, as the front timed them); the prefixes of the
+    ``receive``, ``finish``, ``verify``, ``resume``, as the front timed them, or a one-call live
+    push's slowest engine its own first four); the prefixes of the
     files this server makes in /dev/shm (its trainers' segments, its catch-ups' copies)."""
     sync = request.app[WEIGHT_SYNC]
     files = {"pushes": sync.transport.shm_segment_prefix, "catch_up": request.app[CATCH_UP].prefix}
