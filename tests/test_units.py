@@ -247,7 +247,7 @@ def test_packing_cuts_chunks_where_vllm_does_and_round_trips():
     import torch
     from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
 
-    from skyinfer.transfer.packing import TensorMeta, pack, plan_chunks, unpack
+    from skyinfer.transfer.packing import TensorMeta, pack, pack_into, plan_chunks, unpack
 
     sizes = [10, 300, 5, 700, 1, 64, 999, 3, 256, 256]
     tensors = [(f"t{i}", torch.randn(n)) for i, n in enumerate(sizes)]
@@ -262,6 +262,9 @@ def test_packing_cuts_chunks_where_vllm_does_and_round_trips():
     for chunk, (_, vllm_packed) in zip(ours, vllm_chunks, strict=True):
         packed = pack([by_name[m.name] for m in chunk])
         assert torch.equal(packed, vllm_packed)
+        # Into a buffer larger than the chunk, other bytes in it (a kept bucket's last push's).
+        reused = torch.full((4096,), 255, dtype=torch.uint8)
+        assert torch.equal(pack_into(reused, [by_name[m.name] for m in chunk]), vllm_packed)
         for name, tensor in unpack(packed, chunk):
             assert torch.equal(tensor, by_name[name])
 

@@ -218,7 +218,7 @@ def main() -> int:
         client.finish_weight_update = finish_when_told
     if stop_after is not None:
         sent = 0
-        real_send = trainer._send_one
+        real_start = trainer._start_broadcast
 
         def send_then_stop(tensor):
             nonlocal sent
@@ -227,10 +227,12 @@ def main() -> int:
                     os._exit(9)  # mid-transfer, as a crash would
                 print("hanging", flush=True)
                 time.sleep(3600)
-            real_send(tensor)
+            work = real_start(tensor)
+            work.wait()  # sent whole before the next starts: the fault comes after exactly N
             sent += 1
+            return work
 
-        trainer._send_one = send_then_stop
+        trainer._start_broadcast = send_then_stop
     try:
         if args.adapter:
             trainer.push_adapter(args.adapter, tensors.items(), peft_config, version=args.version)

@@ -7,9 +7,10 @@ loading into vLLM's model, finish. Figures are medians over alternating rounds.
 
 ``--transport gloo`` (engines on devices of their own): one engine per node, the transfer group
 the trainer plus one worker per node, against a raw gloo broadcast of the same packed buffers
-(same chunking) from a plain torch process to one receiver per node. Also counted, from each
-node's own metrics: HTTP calls per push; and the same push made by one ``/update_weights`` call
-(``one_call=True``), timed beside the three-call one in each round. With ``--nodes 2`` each node is a separate
+(the trainer's buckets, ``--buffer-size-mb``, its default 32) from a plain torch process to one
+receiver per node. Also counted, from each node's own metrics: HTTP calls per push; and the same
+push made by one ``/update_weights`` call (``one_call=True``), timed beside the three-call one in
+each round, and (after the rounds) with one broadcast per tensor (``packed=False``). With ``--nodes 2`` each node is a separate
 ``skyinfer serve`` on a core of its own, joined into one group through ``MultiNodeClient``.
 
 ``--transport shm`` (colocated): one ``skyinfer serve --colocate`` with ``--engines`` engines,
@@ -49,7 +50,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from skyinfer.demo_model import build_demo_int8_model, build_demo_model
 from skyinfer.trainer import GlooTrainer, SharedMemoryTrainer
-from skyinfer.transfer.packing import DEFAULT_BUFFER_SIZE_BYTES, TensorMeta, pack, plan_chunks
+from skyinfer.transfer.packing import GLOO_BUCKET_BYTES, TensorMeta, pack, plan_chunks
 from skyinfer.transfer.quantize import quantize_w8a8_int8
 
 from benchlib import bench_parser, free_port, scratch_dir, start_skyinfer, stop, wait_servers, write_json
@@ -214,13 +215,13 @@ def bench_gloo(args, model_dir: Path, tensors, mib: float, buffer_size: int) -> 
             loop_push_s.append(rl_loop_step(trainer.client, push))
         applied = {k: v for k, v in last_push.items() if k in ("applied", "load_s", "repack_s")}
         trainer.close()
-        # Packed: the tensors go in a few buffers, cut by vLLM's rule; same HTTP calls.
-        packed = GlooTrainer(
-            urls if len(urls) > 1 else urls[0], timeout_s=300, buffer_size_bytes=buffer_size, packed=True
-        )
-        packed.init()
-        packed_s = [timed_push(packed, tensors, "bench-packed")]
-        packed.close()
+        # One broadcast (and one load) per tensor, in one call: what the trainer did before buckets.
+        per_tensor = GlooTrainer(urls if len(urls) > 1 else urls[0], timeout_s=300, packed=False)
+        per_tensor.init()
+        per_tensor_s = [
+            timed_push(per_tensor, tensors, f"bench-per-tensor-{i}", one_call=True) for i in range(args.pushes)
+        ]
+        per_tensor.close()
     finally:
         raw.close()
         for proc in procs:
@@ -234,7 +235,7 @@ def bench_gloo(args, model_dir: Path, tensors, mib: float, buffer_size: int) -> 
     print(median_row("raw gloo broadcast", raw_s, mib, rows, "raw"))
     print(median_row("skyinfer push (end to end)", sky_s, mib, rows, "skyinfer"))
     print(median_row("skyinfer push, one call", one_call_s, mib, rows, "one_call"))
-    print(median_row("skyinfer push, packed", packed_s, mib, rows, "packed"))
+    print(median_row("skyinfer push, per tensor, one call", per_tensor_s, mib, rows, "per_tensor"))
     print(median_row("RL loop: pause (keep), resume", loop_alone_s, mib, rows, "loop_alone"))
     print(median_row("RL loop: pause, one-call push, resume", loop_push_s, mib, rows, "loop_push"))
     ratios = {
@@ -416,7 +417,7 @@ def main() -> None:
     p = bench_parser(__doc__)
     p.add_argument("--transport", choices=["gloo", "shm"], default="gloo")
     p.add_argument("--pushes", type=int, default=3, help="alternating rounds")
-    p.add_argument("--buffer-size-mb", type=int, default=DEFAULT_BUFFER_SIZE_BYTES // 2**20)
+    p.add_argument("--buffer-size-mb", type=int, default=GLOO_BUCKET_BYTES // 2**20)
     p.add_argument("--nodes", type=int, default=1, help="gloo: skyinfer servers, one engine each, each on its own core")
     p.add_argument("--engines", type=int, default=2, help="shm: engines of the colocated server")
     p.add_argument("--quantized", action="store_true", help="a bf16 push beside an int8 W8A8 one (gloo)")

@@ -19,6 +19,7 @@ worker joins the group is gloo's.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -29,7 +30,7 @@ import torch.distributed as dist
 
 from ..client import Client
 from .collective import GroupReceiver
-from .packing import DEFAULT_BUFFER_SIZE_BYTES, TensorMeta, pack, plan_chunks
+from .packing import GLOO_BUCKET_BYTES, TensorMeta, pack_into, plan_chunks
 from .protocol import GroupInitInfo
 from .pushing import NamedTensors, OneCall, Trainer, tensor_list, update_weights_call
 
@@ -67,10 +68,12 @@ class GlooTrainer(Trainer):
         master_address: str = "127.0.0.1",
         master_port: int | None = None,
         timeout_s: float = 120.0,
-        # Measured on CPU (tools/bench_weight_sync.py): one broadcast per tensor
-        # beats packing, which only adds copies when nothing overlaps them.
-        packed: bool = False,
-        buffer_size_bytes: int = DEFAULT_BUFFER_SIZE_BYTES,
+        # Buckets (vLLM's packed transfer): one broadcast and one load per bucket, each engine
+        # receiving the next while it loads one, this side packing the next while one is on the
+        # wire. Measured on CPU (tools/bench_weight_sync.py), against one broadcast per tensor:
+        # the 352 MiB model's push 0.62 s against 0.76 s, the demo model's 0.031 s against 0.046 s.
+        packed: bool = True,
+        buffer_size_bytes: int = GLOO_BUCKET_BYTES,
         rank_offset: int = 1,
         world_size: int | None = None,
         admin_key: str | None = None,
@@ -88,6 +91,7 @@ class GlooTrainer(Trainer):
         self.world_size = world_size
         self._store = None
         self._group = None
+        self._bucket_buffers: list[torch.Tensor] = []
 
     def init(self) -> None:
         """Form the group with every engine; returns once all have joined."""
@@ -156,20 +160,48 @@ class GlooTrainer(Trainer):
             receiving.result()
 
     def _broadcast(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        if self.packed:
-            by_name = dict(tensors)
-            for chunk in plan_chunks(
-                [TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in tensors], self.buffer_size_bytes
-            ):
-                self._send_one(pack([by_name[m.name] for m in chunk]))
-        else:
+        if not self.packed:
             for _name, tensor in tensors:
-                self._send_one(tensor)
+                self._start_broadcast(tensor).wait()
+            return
+        if not tensors:
+            return
+        by_name = dict(tensors)
+        chunks = list(plan_chunks([TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in tensors], self.buffer_size_bytes))
+        buffers = self._buckets(max(sum(m.nbytes for m in chunk) for chunk in chunks), min(2, len(chunks)))
+        # A bucket is packed while the one before it is on the wire; its buffer is packed into
+        # again once its own broadcast ended.
+        in_flight: list = [None] * len(buffers)
+        try:
+            for i, chunk in enumerate(chunks):
+                slot = i % len(buffers)
+                if in_flight[slot] is not None:
+                    in_flight[slot].wait()
+                    in_flight[slot] = None
+                bucket = pack_into(buffers[slot], [by_name[m.name] for m in chunk])
+                in_flight[slot] = self._start_broadcast(bucket)
+        except BaseException:
+            # The group broke: the other broadcast ends too (no buffer is written under it).
+            for work in in_flight:
+                if work is not None:
+                    with contextlib.suppress(Exception):
+                        work.wait()
+            raise
+        for work in in_flight:
+            if work is not None:
+                work.wait()
 
-    def _send_one(self, tensor: torch.Tensor) -> None:
+    def _buckets(self, nbytes: int, count: int) -> list[torch.Tensor]:
+        """``count`` buffers of at least ``nbytes``, made once and kept for the pushes that fit them:
+        a fresh buffer's pages cost the kernel's allocation at every push."""
+        if len(self._bucket_buffers) < count or self._bucket_buffers[0].numel() < nbytes:
+            self._bucket_buffers = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(count)]
+        return self._bucket_buffers[:count]
+
+    def _start_broadcast(self, tensor: torch.Tensor):
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        self._group.broadcast([tensor], opts).wait()
+        return self._group.broadcast([tensor], opts)
 
 
 def _json_ready(value):

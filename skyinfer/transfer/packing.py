@@ -18,7 +18,22 @@ import torch
 
 from .protocol import DEFAULT_BUFFER_SIZE_BYTES, DTYPE_SIZES
 
-__all__ = ["DEFAULT_BUFFER_SIZE_BYTES", "TensorMeta", "dtype_from_name", "dtype_name", "pack", "plan_chunks", "unpack"]
+__all__ = [
+    "DEFAULT_BUFFER_SIZE_BYTES",
+    "GLOO_BUCKET_BYTES",
+    "TensorMeta",
+    "dtype_from_name",
+    "dtype_name",
+    "pack",
+    "pack_into",
+    "plan_chunks",
+    "unpack",
+]
+
+# ``GlooTrainer``'s buckets: tens of MiB, so that a worker receives the next while it loads one (a
+# CPU's copies are slow beside a GPU's; vLLM's default, one GiB, puts a model of a few hundred MiB
+# in one bucket, and nothing then overlaps).
+GLOO_BUCKET_BYTES = 32 * 2**20
 
 
 @attrs.frozen
@@ -59,9 +74,19 @@ def plan_chunks(metas: Iterable[TensorMeta], buffer_size_bytes: int) -> Iterator
         yield chunk
 
 
+def _as_bytes(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [t.contiguous().view(-1).view(torch.uint8) for t in tensors]
+
+
 def pack(tensors: list[torch.Tensor]) -> torch.Tensor:
     """One contiguous uint8 buffer holding the tensors' bytes back to back."""
-    return torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in tensors])
+    return torch.cat(_as_bytes(tensors))
+
+
+def pack_into(buffer: torch.Tensor, tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``pack`` into the start of ``buffer`` (uint8, large enough): the part of it written."""
+    parts = _as_bytes(tensors)
+    return torch.cat(parts, out=buffer[: sum(p.numel() for p in parts)])
 
 
 def unpack(buffer: torch.Tensor, chunk: list[TensorMeta]) -> list[tuple[str, torch.Tensor]]:
