@@ -17,11 +17,23 @@ __all__ = [
     "ENGINE_DIED_HEADER",
     "EXTENSION_PATH",
     "NOT_CONTINUED_FIELD",
+    "PUSH_RECEIVE_FAILED",
     "SESSION_HEADER",
     "STACKS_SIGNAL",
     "STAGED_SWAP_ENV",
     "WORKER_SPIN_ENV",
+    "push_failed_at",
 ]
+
+
+def push_failed_at(step: str) -> str:
+    """The error code of an engine's one-call push (``POST /push``) that failed at ``step``: its
+    ``pause``, ``start`` or ``finish`` (the engine's own), or its ``receive`` (a collective with
+    the trainer, which another party may have broken)."""
+    return f"push_{step}_failed"
+
+
+PUSH_RECEIVE_FAILED = push_failed_at("receive")
 
 # Named here (not imported from worker_extension, which imports vLLM) so the
 # front can pass it to engines without importing vLLM itself.

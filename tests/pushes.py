@@ -3,7 +3,9 @@ against a transformers float32 forward pass of the same weights."""
 
 from __future__ import annotations
 
+import os
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -62,6 +64,36 @@ def start_trainer(server, weights_file: Path, version: str, *extra: str) -> subp
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def push_more(trainer: subprocess.Popen, path: Path, version: str) -> None:
+    """One more push from a trainer started with ``--more``, answered before this returns."""
+    trainer.stdin.write(f"{path} {version}\n")
+    trainer.stdin.flush()
+    assert trainer.stdout.readline().split() == ["pushed", version]
+
+
+def two_pushes_into_one_segment(
+    server, demo_model: Path, pushes, transport: str, check: Callable[[str], None] = lambda segment: None
+) -> tuple[subprocess.Popen, str]:
+    """One trainer process (``--more``) pushes twice through ``transport`` (``pushes.next()`` gives
+    each push's weights): its first push makes its segment in /dev/shm; the second writes other
+    weights into the same file (same name, same inode), which the server left in place; every
+    engine serves each push exactly, ``check(segment)`` after each. The trainer, still up, and the
+    segment's path."""
+    weights, path, version = pushes.next()
+    trainer = start_trainer(server, path, version, "--transport", transport, "--more")
+    assert trainer.stdout.readline().split() == ["pushed", version], trainer.stderr.read()
+    [segment] = server.shm_files("pushes")
+    inode = os.stat(segment).st_ino
+    assert_engines_match(server, server.model, demo_model, weights, version)
+    check(segment)
+    weights, path, version = pushes.next()
+    push_more(trainer, path, version)
+    assert server.shm_files("pushes") == [segment] and os.stat(segment).st_ino == inode
+    assert_engines_match(server, server.model, demo_model, weights, version)
+    check(segment)
+    return trainer, segment
 
 
 def reference_logprobs(

@@ -444,6 +444,17 @@ def shm_segments(procs: list[psutil.Process]) -> set[str]:
     return names
 
 
+def mapped_files(procs: list[psutil.Process], prefix: str) -> set[str]:
+    """The files in /dev/shm whose names begin with ``prefix`` that these processes map (a removed
+    one still mapped too: its pages live on as long as a mapping does)."""
+    names: set[str] = set()
+    for proc in procs:
+        with contextlib.suppress(OSError):
+            maps = Path(f"/proc/{proc.pid}/maps").read_text()
+            names |= set(re.findall(rf"/dev/shm/({re.escape(prefix)}\w*)(?: \(deleted\))?$", maps, re.M))
+    return names
+
+
 def left_in_shm(segments: set[str]) -> list[str]:
     """Those of ``segments`` still in /dev/shm."""
     return sorted(name for name in segments if os.path.exists(f"/dev/shm/{name}"))

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import signal
 import subprocess
@@ -24,7 +23,15 @@ import pytest
 import torch
 
 from forked_python import run_python
-from pushes import assert_engines_match, modified_weights, run_trainer, save, start_trainer
+from pushes import (
+    assert_engines_match,
+    modified_weights,
+    push_more,
+    run_trainer,
+    save,
+    start_trainer,
+    two_pushes_into_one_segment,
+)
 from support import (
     ServerProcess,
     admit_while_paused,
@@ -423,27 +430,14 @@ def test_a_trainer_writes_every_push_into_the_segment_it_made_once(colocated, de
     every engine serves exactly (the engines' workers kept their mapping of it). A new init removes
     it (a trainer starting over); the trainer's next push makes another and lands exactly. The
     trainer's exit removes the last one."""
-    weights, path, version = pushes.next()
-    trainer = start_trainer(colocated, path, version, "--transport", "shm", "--more")
+    trainer, segment = two_pushes_into_one_segment(colocated, demo_model, pushes, "shm")
     try:
-        assert trainer.stdout.readline().split() == ["pushed", version], trainer.stderr.read()
-        [segment] = colocated.shm_files("pushes")
-        inode = os.stat(segment).st_ino
-        assert_engines_match(colocated, colocated.model, demo_model, weights, version)
-        weights, path, version = pushes.next()
-        trainer.stdin.write(f"{path} {version}\n")
-        trainer.stdin.flush()
-        assert trainer.stdout.readline().split() == ["pushed", version]
-        assert colocated.shm_files("pushes") == [segment] and os.stat(segment).st_ino == inode
-        assert_engines_match(colocated, colocated.model, demo_model, weights, version)
         # Another trainer's init: the server removes every segment of its trainers.
         admin_post = httpx.post(f"{colocated.url}/init_weight_transfer", json={"init_info": {}}, timeout=120)
         assert admin_post.status_code == 200, admin_post.text
         assert not colocated.shm_files("pushes")
         weights, path, version = pushes.next()
-        trainer.stdin.write(f"{path} {version}\n")
-        trainer.stdin.flush()
-        assert trainer.stdout.readline().split() == ["pushed", version]
+        push_more(trainer, path, version)
         [remade] = colocated.shm_files("pushes")
         assert remade != segment
         assert_engines_match(colocated, colocated.model, demo_model, weights, version)

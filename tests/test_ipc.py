@@ -11,6 +11,7 @@ trainer killed at each phase, an engine hung at the update, an EngineCore killed
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import time
@@ -20,8 +21,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pushes import assert_engines_match, modified_weights, run_trainer, save
-from support import ServerProcess, module_servers, vllm_process
+from pushes import assert_engines_match, modified_weights, run_trainer, save, two_pushes_into_one_segment
+from support import ServerProcess, engine_tree, mapped_files, module_servers, vllm_process
 
 ABORTED = "a weight update was aborted"
 
@@ -73,6 +74,12 @@ def engines(server) -> list[dict]:
     return server.engines()
 
 
+def mapped_by_engines(server) -> list[set[str]]:
+    """Per engine, the trainers' segments its processes map (its workers' open packed buffers)."""
+    prefix = httpx.get(f"{server.url}/weight_info", timeout=30).json()["shm_prefixes"]["pushes"]
+    return [mapped_files(engine_tree(e["pid"]), prefix) for e in engines(server)]
+
+
 def wait_until(predicate, timeout_s: float, what: str):
     deadline = time.monotonic() + timeout_s
     while not (value := predicate()):
@@ -118,6 +125,8 @@ def test_a_trainer_killed_mid_push_costs_no_restart(ipc_server, demo_model, push
         "the update stays open",
     )
     wait_until(lambda: not ipc_server.shm_files(), 30, "a segment of the trainer's handles is left in /dev/shm")
+    # Nor held open by a worker: the buffer of an aborted update's trainer goes with the abort.
+    assert mapped_by_engines(ipc_server) == [set(), set()]
     assert [(e["pid"], e["restarts"]) for e in engines(ipc_server)] == before
     stale = [e["stale_reason"] for e in engines(ipc_server)]
     if phase == "segment":
@@ -128,6 +137,25 @@ def test_a_trainer_killed_mid_push_costs_no_restart(ipc_server, demo_model, push
     pushed = ipc_push(ipc_server, path, version)
     assert pushed.returncode == 0, pushed.stdout + pushed.stderr[-3000:]
     assert_engines_match(ipc_server, ipc_server.model, demo_model, weights, version)
+
+
+def test_an_ipc_trainer_packs_every_push_into_the_buffer_it_exported_once(ipc_server, demo_model, pushes):
+    """One trainer process pushes twice, packed (``IPCTrainer``'s default). Its first push makes and
+    exports its buffer (on a CPU, the stand-in's segment); every engine's worker opens it and keeps
+    it open after the finish. The second push packs other weights into the same buffer (the same
+    file), which the server left in place: every engine serves them exactly, read through the
+    mapping it kept. The trainer's exit lets the buffer go."""
+
+    def kept_open(segment: str) -> None:
+        assert mapped_by_engines(ipc_server) == [{os.path.basename(segment)}] * 2
+
+    trainer, _ = two_pushes_into_one_segment(ipc_server, demo_model, pushes, "ipc", kept_open)
+    try:
+        trainer.stdin.close()
+        assert trainer.wait(60) == 0, trainer.stderr.read()
+    finally:
+        trainer.kill()
+    assert not ipc_server.shm_files("pushes")
 
 
 def test_an_engine_hung_at_the_update_is_restarted_and_one_killed_comes_back(ipc_server, demo_model, pushes):

@@ -19,7 +19,7 @@ from aiohttp import web
 
 from skyinfer.client import SkyinferError
 from skyinfer.errors import TRANSFER_GROUP_GONE, error_body, json_response
-from skyinfer.transfer.ipc import IPCTrainer
+from skyinfer.transfer.ipc import IPCTrainer, PackedBuffer
 
 WORLD_SIZE = 2
 # Both ranks start torch, form the group and push twice well within this on a 2-core machine.
@@ -41,17 +41,23 @@ class CpuIPCTrainer(IPCTrainer):
             raise RuntimeError(f"CUDA out of memory on rank {rank} (a stand-in)")
         return [{f"gpu-{rank}": {"rank": rank, "tensor": name}} for name, _ in tensors]
 
+    def _new_buffer(self, nbytes: int) -> PackedBuffer:
+        rank = dist.get_rank()
+        if self.export_fails:
+            raise RuntimeError(f"CUDA out of memory on rank {rank} (a stand-in)")
+        return PackedBuffer(torch.empty(nbytes, dtype=torch.uint8), {f"gpu-{rank}": {"rank": rank, "buffer": True}})
+
     def _release_exported(self) -> None:
         pass  # no CUDA IPC memory to collect
 
 
 def trainer_rank(
-    rank: int, init_method: str, url: str, versions: list[str], export_fails_on: int | None, results
+    rank: int, init_method: str, url: str, versions: list[str], export_fails_on: int | None, packed: bool, results
 ) -> None:
     """One rank of the trainer (a process of its own): init, then a push per version; puts each
     push's outcome, as the training script would see it, on ``results``."""
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=WORLD_SIZE)
-    trainer = CpuIPCTrainer(url, timeout_s=30)
+    trainer = CpuIPCTrainer(url, timeout_s=30, packed=packed)
     trainer.export_fails = rank == export_fails_on
     outcomes = []
     try:
@@ -100,7 +106,12 @@ class RefusingServer:
 
 
 async def run_ranks(
-    aiohttp_server, tmp_path, server: RefusingServer, versions: list[str], export_fails_on: int | None = None
+    aiohttp_server,
+    tmp_path,
+    server: RefusingServer,
+    versions: list[str],
+    export_fails_on: int | None = None,
+    packed: bool = True,
 ) -> dict[int, list[str]]:
     """Both ranks against ``server``; each one's outcomes, once both have exited (within the bound)."""
     url = str((await aiohttp_server(server.app())).make_url(""))
@@ -111,7 +122,7 @@ async def run_ranks(
     results = context.Queue()
     init_method = f"file://{tmp_path / 'rendezvous'}"
     ranks = [
-        context.Process(target=trainer_rank, args=(rank, init_method, url, versions, export_fails_on, results))
+        context.Process(target=trainer_rank, args=(rank, init_method, url, versions, export_fails_on, packed, results))
         for rank in range(WORLD_SIZE)
     ]
     for process in ranks:
@@ -133,10 +144,15 @@ async def run_ranks(
             process.join(10)
 
 
-def assert_carries_both_ranks(update: dict) -> None:
-    """One update with every rank's handle of each tensor, in the order rank 0 named the tensors."""
+def assert_carries_both_ranks(update: dict, packed: bool = True) -> None:
+    """One update with every rank's handle: of its packed buffer (the tensors' sizes in it, for the
+    engines to keep open), or of each tensor, in the order rank 0 named the tensors."""
     info = update["update_info"]
     assert info["names"] == ["w", "b"]
+    if packed:
+        assert info["ipc_handles"] == {f"gpu-{rank}": {"rank": rank, "buffer": True} for rank in range(WORLD_SIZE)}
+        assert info["tensor_sizes"] == [24, 12] and info["reuse"] is True
+        return
     assert info["ipc_handles"] == [
         {f"gpu-{rank}": {"rank": rank, "tensor": name} for rank in range(WORLD_SIZE)} for name in ("w", "b")
     ]
@@ -174,16 +190,17 @@ async def test_every_rank_raises_a_refusal_of_rank_0s_call_and_the_next_push_goe
         assert_carries_both_ranks(update)
 
 
-async def test_every_rank_pushes_its_handles_in_rank_0s_one_update(aiohttp_server, tmp_path):
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "a handle per tensor"])
+async def test_every_rank_pushes_its_handles_in_rank_0s_one_update(aiohttp_server, tmp_path, packed):
     server = RefusingServer()
-    outcomes = await run_ranks(aiohttp_server, tmp_path, server, ["v1", "v2"])
+    outcomes = await run_ranks(aiohttp_server, tmp_path, server, ["v1", "v2"], packed=packed)
     assert outcomes == {rank: ["pushed", "pushed"] for rank in range(WORLD_SIZE)}
     assert (
         server.routes()
         == ["/init_weight_transfer"] + ["/start_weight_update", "/update_weights", "/finish_weight_update"] * 2
     )
     for update in server.updates():
-        assert_carries_both_ranks(update)
+        assert_carries_both_ranks(update, packed)
     assert [body["weight_version"] for path, body in server.calls if path == "/finish_weight_update"] == ["v1", "v2"]
 
 
@@ -197,9 +214,12 @@ async def test_rank_0_setting_the_transfer_up_again_mid_push_keeps_the_ranks_in_
     assert len(server.updates()) == 2
 
 
-async def test_a_rank_whose_export_fails_stops_the_push_on_every_rank_before_any_server_call(aiohttp_server, tmp_path):
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "a handle per tensor"])
+async def test_a_rank_whose_export_fails_stops_the_push_on_every_rank_before_any_server_call(
+    aiohttp_server, tmp_path, packed
+):
     server = RefusingServer()
-    outcomes = await run_ranks(aiohttp_server, tmp_path, server, ["v1"], export_fails_on=1)
+    outcomes = await run_ranks(aiohttp_server, tmp_path, server, ["v1"], export_fails_on=1, packed=packed)
     assert outcomes == {
         0: ["RuntimeError: rank 1 failed: RuntimeError: CUDA out of memory on rank 1 (a stand-in)"],
         1: ["RuntimeError: CUDA out of memory on rank 1 (a stand-in)"],

@@ -319,7 +319,8 @@ async def test_retiring_the_tp_2_engine_shrinks_the_world_and_its_restart_grows_
     await script(app, 0, {"fail": {"/start_weight_update": 500}})
     for _ in range(2):
         assert (await init(client, group_init, world_size=6)).status == 200
-        assert (await client.post("/update_weights", json=push)).status == 500
+        # 500 as engine 0 answered, or 502 where the others' calls were cut short by its failure.
+        assert (await client.post("/update_weights", json=push)).status in (500, 502)
     assert (await states(client))[0] == "retired"
     assert await world_size(client) == 3
     r = await init(client, group_init, world_size=3)

@@ -51,8 +51,14 @@ from aiohttp import web
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from skyinfer.engine.__main__ import set_up_process
-from skyinfer.engine_wire import CONTINUE_FIELD, CONTINUE_HEADER, CONTINUE_MARKER, ENGINE_DIED_HEADER
-from skyinfer.errors import error_response, json_response
+from skyinfer.engine_wire import (
+    CONTINUE_FIELD,
+    CONTINUE_HEADER,
+    CONTINUE_MARKER,
+    ENGINE_DIED_HEADER,
+    push_failed_at,
+)
+from skyinfer.errors import error_body, error_response, json_response
 
 SCRIPT = web.AppKey("script", dict)
 STATE = web.AppKey("state", "FakeEngine")
@@ -99,8 +105,8 @@ def _hold_the_loop(seconds: float) -> None:
     time.sleep(seconds)
 
 
-async def _scripted_before(app: web.Application, path: str) -> web.Response | None:
-    """What the script makes ``path`` do before its work: hang, block, wait, or fail (the answer)."""
+async def _scripted_before(app: web.Application, path: str) -> int | None:
+    """What the script makes ``path`` do before its work: hang, block, wait, or fail (its status)."""
     script = app[SCRIPT]
     if path in script.get("hang", ()):
         await asyncio.Event().wait()
@@ -108,25 +114,24 @@ async def _scripted_before(app: web.Application, path: str) -> web.Response | No
         _hold_the_loop(seconds)
     if delay := script.get("delay_s", {}).get(path):
         await asyncio.sleep(delay)
-    if status := script.get("fail", {}).get(path):
-        return error_response(status, f"scripted failure of {path}")
-    return None
+    return script.get("fail", {}).get(path)
 
 
-def _scripted_after(app: web.Application, path: str) -> web.Response | None:
-    if status := app[SCRIPT].get("fail_after", {}).get(path):
-        return error_response(status, f"scripted failure of {path}, after doing it")
-    return None
+def _scripted_after(app: web.Application, path: str) -> int | None:
+    """The status the script makes ``path`` fail with after its work, if any."""
+    return app[SCRIPT].get("fail_after", {}).get(path)
 
 
 def _scripted(handler):
     async def route(request: web.Request) -> web.StreamResponse:
         calls = request.app[STATE].calls
         calls[request.path] = calls.get(request.path, 0) + 1
-        if (refused := await _scripted_before(request.app, request.path)) is not None:
-            return refused
+        if status := await _scripted_before(request.app, request.path):
+            return error_response(status, f"scripted failure of {request.path}")
         answer = await handler(request)
-        return _scripted_after(request.app, request.path) or answer
+        if status := _scripted_after(request.app, request.path):
+            return error_response(status, f"scripted failure of {request.path}, after doing it")
+        return answer
 
     return route
 
@@ -321,7 +326,7 @@ def _step(status: str, then=None):
 async def _push(request: web.Request) -> web.Response:
     """A whole push in one call (the engine's ``/push``): the steps it stands for (its pause if
     asked, start, receive, finish), each as the script makes its own route behave, each timed; the
-    first that fails is the answer, what came before it done."""
+    first that fails is the answer, naming its step, what came before it done."""
     body = await _body(request)
     engine = request.app[STATE]
     engine.bodies[request.path] = body
@@ -334,13 +339,18 @@ async def _push(request: web.Request) -> web.Response:
     stages = {}
     for stage, path, step in steps:
         started = time.monotonic()
-        if (refused := await _scripted_before(request.app, path)) is not None:
-            return refused
+        if status := await _scripted_before(request.app, path):
+            return _push_failed(stage, status, f"scripted failure of {path}")
         step()
-        if (refused := _scripted_after(request.app, path)) is not None:
-            return refused
+        if status := _scripted_after(request.app, path):
+            return _push_failed(stage, status, f"scripted failure of {path}, after doing it")
         stages[stage] = time.monotonic() - started
     return json_response({"status": "finished", "weight_version": engine.weight_version, "stages": stages})
+
+
+def _push_failed(stage: str, status: int, message: str) -> web.Response:
+    """A one-call push's failure, its step named as the engine names it."""
+    return json_response(error_body(status, message, code=push_failed_at(stage)), status=status)
 
 
 async def _stage_weights(request: web.Request) -> web.Response:

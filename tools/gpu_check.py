@@ -323,8 +323,14 @@ def trainer_main(kind: str, url: str, weights_file: str, version: str) -> None:
 
         trainer = (IPCTrainer if device == "cuda" else SharedMemoryTrainer)(url, admin_key=admin_key)
         trainer.init()
+        # A training loop's pushes after its first: the buffer (segment) made and opened by then.
         started = time.perf_counter()
         trainer.push(tensors, version)
+        first_push_s = time.perf_counter() - started
+        started = time.perf_counter()
+        trainer.push(tensors, version)
+        print(json.dumps({"push_s": time.perf_counter() - started, "first_push_s": first_push_s}))
+        return
     print(json.dumps({"push_s": time.perf_counter() - started}))
 
 
@@ -442,7 +448,8 @@ def check_ipc_push(c: Check, device: str, model_dir: Path, name: str) -> None:
         c.line(
             f"ipc_push.{name}",
             gap <= TOLERANCE,
-            f"max gap {gap:.4f}; push {push['push_s']:.3f} s, device copy {copy_s:.4f} s,"
+            f"max gap {gap:.4f}; push {push['push_s']:.3f} s (the trainer's first {push['first_push_s']:.3f} s),"
+            f" device copy {copy_s:.4f} s,"
             f" ratio {push['push_s'] / copy_s:.1f}",
         )
     finally:

@@ -10,7 +10,8 @@ import time
 
 from aiohttp import web
 
-from ..errors import error_response, json_response, parse_json_object
+from ..engine_wire import push_failed_at
+from ..errors import error_body, error_response, json_response, parse_json_object
 from . import (
     DROP_STAGED_RPC,
     END_WEIGHT_UPDATE_RPC,
@@ -26,7 +27,7 @@ from . import (
 )
 from .admin import abort, pause
 from .appkeys import ENGINE_CLIENT, KV_EPOCHS
-from .worker_calls import every_worker_answers, on_every_worker
+from .worker_calls import WorkerFailed, every_worker_answers, on_every_worker
 
 __all__ = ["KvEpochs", "add_weight_routes", "engine_call_route"]
 
@@ -159,21 +160,37 @@ async def push(request: web.Request) -> web.Response:
     chunk and vLLM's finish in one call of every worker (``skyinfer_push``), then the version and
     the KV rule. The engine stays paused: the front resumes it once every engine has the push, so
     that none serves it unless all took it. The answer carries each stage's seconds as the slowest
-    worker timed its own. A failure leaves what it began (the pause, the open update) for the
-    front's abort and resume to end, as after the separate calls."""
+    worker timed its own. A failure names the step it failed at (its error's code), and leaves what
+    it began (the pause, the open update) for the front's abort and resume to end, as after the
+    separate calls."""
     engine = request.app[ENGINE_CLIENT]
     body = parse_json_object(await request.read())
     update_info, version = body["update_info"], str(body["weight_version"])
-    started = time.perf_counter()
-    if body.get("pause"):
-        await pause(engine, "keep", clear_cache=False)
-    paused_at = time.perf_counter()
-    pushed = await on_every_worker(engine, PUSH_RPC, update_info)
-    received_at = time.perf_counter()
-    await engine.update_weight_version(version)
-    await _after_new_weights(request, engine, body.get("kv"))
-    applied = [answer["applied"] for answer in pushed]
-    await _give_back_after_reload(engine, applied)
+    step = "pause"
+    try:
+        started = time.perf_counter()
+        if body.get("pause"):
+            await pause(engine, "keep", clear_cache=False)
+        paused_at = time.perf_counter()
+        try:
+            pushed = await on_every_worker(engine, PUSH_RPC, update_info)
+        except WorkerFailed as failed:
+            # A worker that failed at the receive makes it the collective's failure.
+            step = "receive" if "receive" in failed.steps or not failed.steps else failed.steps.pop()
+            raise
+        except Exception:
+            step = "receive"  # the EngineCore gone, say: as any failure inside the collective
+            raise
+        step = "finish"
+        received_at = time.perf_counter()
+        await engine.update_weight_version(version)
+        await _after_new_weights(request, engine, body.get("kv"))
+        applied = [answer["applied"] for answer in pushed]
+        await _give_back_after_reload(engine, applied)
+    except Exception as exc:
+        log.exception("/push failed at its %s", step)
+        message = f"/push failed in the engine at its {step}: {exc}"
+        return json_response(error_body(500, message, code=push_failed_at(step)), status=500)
     slowest = max((answer["stages"] for answer in pushed), key=lambda worker: sum(worker.values()))
     stages = {"pause": paused_at - started, **slowest}
     stages["finish"] += time.perf_counter() - received_at  # the version and KV rule, as a finish sets them

@@ -21,8 +21,20 @@ log = logging.getLogger("skyinfer.engine.worker_calls")
 _FAILED = "skyinfer_worker_failed"
 
 
+class StepFailed(RuntimeError):
+    """A worker method of several steps failed at ``step``: its cause's message, and the step."""
+
+    def __init__(self, step: str, cause: BaseException):
+        super().__init__(f"at its {step}: {type(cause).__name__}: {cause}")
+        self.step = step
+
+
 class WorkerFailed(RuntimeError):
-    pass
+    """Workers failed a call: each one's error; ``steps``, the steps they failed at (``StepFailed``)."""
+
+    def __init__(self, message: str, steps: set[str]):
+        super().__init__(message)
+        self.steps = steps
 
 
 def answers_every_rank(method: Callable) -> Callable:
@@ -34,7 +46,8 @@ def answers_every_rank(method: Callable) -> Callable:
             return method(self, *args, **kwargs)
         except Exception as exc:
             log.exception("%s failed", method.__name__)
-            return {_FAILED: f"{type(exc).__name__}: {exc}"}
+            step = {"step": exc.step} if isinstance(exc, StepFailed) else {}
+            return {_FAILED: f"{type(exc).__name__}: {exc}", **step}
 
     return call
 
@@ -52,11 +65,8 @@ async def on_every_worker(engine, method: str, *args: Any) -> list:
     """Call a worker method decorated with ``answers_every_rank`` on every worker of ``engine``
     (an AsyncLLM): their answers in worker order, or ``WorkerFailed`` naming each worker that failed."""
     answers = await every_worker_answers(engine, method, *args)
-    failed = [
-        f"worker {rank}: {answer[_FAILED]}"
-        for rank, answer in enumerate(answers)
-        if isinstance(answer, dict) and _FAILED in answer
-    ]
-    if failed:
-        raise WorkerFailed("; ".join(failed))
+    failures = {rank: answer for rank, answer in enumerate(answers) if isinstance(answer, dict) and _FAILED in answer}
+    if failures:
+        message = "; ".join(f"worker {rank}: {answer[_FAILED]}" for rank, answer in failures.items())
+        raise WorkerFailed(message, {answer["step"] for answer in failures.values() if "step" in answer})
     return answers

@@ -25,7 +25,7 @@ from .cpu_setup import (
 )
 from .staging import StagedPush
 from .targets import CopyTarget, ShadowTarget
-from .worker_calls import answers_every_rank
+from .worker_calls import StepFailed, answers_every_rank
 
 __all__ = ["SkyinferWorkerExtension"]
 
@@ -71,19 +71,28 @@ class SkyinferWorkerExtension:
     def skyinfer_push(self, update_info: dict | list[dict]) -> dict:
         """A whole push on this worker in one call: vLLM's start, the push's one chunk, vLLM's
         finish (vLLM's own worker methods, one after the other), each step's seconds, and how the
-        push was applied. A chunk that fails is raised with the update left open, as after vLLM's
-        own update call: the engine's abort ends it (``skyinfer_end_weight_update``)."""
-        clock = time.perf_counter
-        started = clock()
-        self.start_weight_update()
-        started_at = clock()
-        self.update_weights(update_info)
-        _raise_kept_failure(self.weight_transfer_engine)
-        received_at = clock()
-        self.finish_weight_update()
-        _raise_kept_failure(self.weight_transfer_engine)
-        stages = {"start": started_at - started, "receive": received_at - started_at, "finish": clock() - received_at}
-        return {"applied": self.weight_transfer_engine.last_applied, "stages": stages}
+        push was applied; a failure names its step (``StepFailed``). A chunk that fails is raised
+        with the update left open, as after vLLM's own update call: the engine's abort ends it
+        (``skyinfer_end_weight_update``)."""
+        receiver = self.weight_transfer_engine
+
+        def receive() -> None:
+            self.update_weights(update_info)
+            _raise_kept_failure(receiver)
+
+        def finish() -> None:
+            self.finish_weight_update()
+            _raise_kept_failure(receiver)
+
+        stages = {}
+        for stage, step in (("start", self.start_weight_update), ("receive", receive), ("finish", finish)):
+            started = time.perf_counter()
+            try:
+                step()
+            except Exception as exc:
+                raise StepFailed(stage, exc) from exc
+            stages[stage] = time.perf_counter() - started
+        return {"applied": receiver.last_applied, "stages": stages}
 
     @answers_every_rank
     def skyinfer_quantized_layers(self) -> list[str]:
@@ -112,13 +121,18 @@ class SkyinferWorkerExtension:
         weights worth serving. vLLM's finish does it for an update whose chunks all arrived; after
         a failed chunk vLLM drops its session but leaves the layerwise reload open (layers on the
         meta device, which the next forward would die on): the backend's own finish closes it,
-        giving the layers that received nothing their old tensors back."""
-        if getattr(self, "_weight_update_active", False):
-            self.finish_weight_update()
-            return
+        giving the layers that received nothing their old tensors back. What the receiver kept open
+        for its trainer's next push (a segment's mapping, a packed buffer) goes: the trainer of an
+        aborted update may be gone."""
         engine = self.weight_transfer_engine
-        engine.finish_weight_update()
-        engine.reset_weight_update_target()
+        try:
+            if getattr(self, "_weight_update_active", False):
+                self.finish_weight_update()
+            else:
+                engine.finish_weight_update()
+                engine.reset_weight_update_target()
+        finally:
+            engine.drop_kept()
 
     @answers_every_rank
     def skyinfer_load_checkpoint(self) -> int:

@@ -30,6 +30,12 @@ class EngineReply:
         return self.status == 503 and self.body.get("error") == CUT_SHORT
 
     @property
+    def code(self) -> str | int | None:
+        """The error's code (the engine's own, or its status), None for an answer that succeeded."""
+        error = self.body.get("error")
+        return error.get("code") if isinstance(error, dict) else None
+
+    @property
     def message(self) -> str:
         error = self.body.get("error")
         return error.get("message", str(error)) if isinstance(error, dict) else str(error or self.body)

@@ -39,15 +39,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import attrs
 import torch
 import torch.distributed as dist
 
 from ..client import Client, SkyinferError
-from .packing import TensorMeta, dtype_from_name, unpack
-from .protocol import IpcHandle, IpcInitInfo, IpcUpdateInfo, checked_segment_name, segment_path
+from .packing import TensorMeta, dtype_from_name, pack_into, unpack
+from .protocol import HOST_MEMORY_UUID, IpcHandle, IpcInitInfo, IpcUpdateInfo, checked_segment_name, segment_path
 from .pushing import NamedTensors, OneCall, Trainer, update_weights_call
 from .receiving import LiveReceiver
-from .shm import layout, map_segment, write_segment
+from .shm import Segment, layout, map_segment, write_segment
 
 # -- the JSON form of torch's rebuild_cuda_tensor arguments ----------------------------------
 
@@ -96,8 +97,6 @@ def encode_handle(rebuild_args: Sequence) -> dict:
 
 _TENSOR_CLASSES = {"Tensor": torch.Tensor, "Parameter": torch.nn.Parameter}
 _STORAGE_CLASSES = {"TypedStorage": torch.storage.TypedStorage, "UntypedStorage": torch.UntypedStorage}
-# What stands for a GPU's UUID where the handles are to host memory (a CPU's stand-in for CUDA IPC).
-HOST_MEMORY_UUID = "GPU-00000000-0000-0000-0000-000000000000"
 
 
 def decode_handle(handle: IpcHandle) -> tuple:
@@ -156,6 +155,14 @@ def device_uuid(device: torch.device) -> str:
     return _cuda_uuid(device) if device.type == "cuda" else HOST_MEMORY_UUID
 
 
+def _host_handle(tensor: torch.Tensor, offset_bytes: int, segment: str, size: int) -> tuple:
+    """The stand-in for ``reduce_tensor``'s arguments: ``tensor`` at ``offset_bytes`` in ``segment``
+    (``size`` bytes), its name as the storage handle."""
+    name = segment.encode()
+    return (torch.Tensor, tensor.size(), tensor.stride(), offset_bytes // tensor.element_size(), torch.UntypedStorage,
+            tensor.dtype, 0, name, size, 0, False, name, 0, None, False)  # fmt: skip
+
+
 def export_handles(tensors: list[torch.Tensor], segment: str | None = None) -> list[tuple]:
     """The arguments that open each of ``tensors`` in another process: ``reduce_tensor``'s for CUDA
     tensors; for CPU ones, the same fields for a new shared-memory ``segment`` that holds them all
@@ -164,12 +171,38 @@ def export_handles(tensors: list[torch.Tensor], segment: str | None = None) -> l
         return _export_cuda(tensors)
     offsets, size = layout([("", t) for t in tensors])
     write_segment(segment, tensors, offsets, size)
-    name = segment.encode()
-    return [
-        (torch.Tensor, t.size(), t.stride(), offset // t.element_size(), torch.UntypedStorage, t.dtype, 0, name, size,
-         0, False, name, 0, None, False)
-        for t, offset in zip(tensors, offsets)
-    ]  # fmt: skip
+    return [_host_handle(t, offset, segment, size) for t, offset in zip(tensors, offsets)]
+
+
+@attrs.define(eq=False)
+class PackedBuffer:
+    """A trainer's packed buffer, made and exported once, into which every push that fits it is
+    packed: device memory on a GPU; on a CPU, the stand-in, a shared-memory segment made once."""
+
+    tensor: torch.Tensor | None
+    # {this device's uuid: the buffer's handle}, as the JSON ``IpcHandle`` describes it.
+    handle: dict[str, dict]
+    segment: Segment | None = None
+
+    @classmethod
+    def make(cls, nbytes: int, device: torch.device, segment_prefix: str | None) -> PackedBuffer:
+        if device.type == "cuda":
+            tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            return cls(tensor, {device_uuid(device): encode_handle(_export_cuda([tensor])[0])})
+        if segment_prefix is None:
+            raise RuntimeError("call init() first: the server names the segments it takes")
+        segment = Segment(f"{segment_prefix}{uuid.uuid4().hex}", nbytes)
+        handle = _host_handle(segment.bytes, 0, segment.name, segment.size)
+        return cls(segment.bytes, {device_uuid(device): encode_handle(handle)}, segment)
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether a push of ``nbytes`` goes in (and, on a CPU, the server left its segment in place)."""
+        return self.tensor.numel() >= nbytes and (self.segment is None or not self.segment.removed())
+
+    def close(self) -> None:
+        self.tensor = None  # the segment's mapping closes once nothing views it
+        if self.segment is not None:
+            self.segment.close()
 
 
 def open_handle(args: Sequence, device: torch.device) -> torch.Tensor:
@@ -286,7 +319,12 @@ class IPCTrainer(Trainer):
     """A trainer on the same GPUs as a colocated skyinfer server (``--colocate``): pushes from its
     own GPU memory. With torch.distributed initialized, call ``init`` and ``push`` on every rank of
     ``group`` (torch's default group unless given): they return on every rank, or raise on every
-    rank (a refusal of the server as ``SkyinferError``, the same on every rank)."""
+    rank (a refusal of the server as ``SkyinferError``, the same on every rank).
+
+    ``packed`` (the default): every push is packed into one buffer of the trainer's (a device copy),
+    made and exported once and kept from push to push, as large as the checkpoint; each engine
+    worker opens it once and keeps it open (``reuse``). Unpacked: a handle per tensor, exported and
+    opened at every push, no memory beside the tensors. ``close`` lets the buffer go."""
 
     def __init__(
         self,
@@ -296,9 +334,13 @@ class IPCTrainer(Trainer):
         timeout_s: float = 120.0,
         client: Client | None = None,
         group: dist.ProcessGroup | None = None,
+        packed: bool = True,
     ):
         super().__init__(base_url, admin_key=admin_key, timeout_s=timeout_s, client=client)
         self._ranks = Ranks(group)
+        self.packed = packed
+        # Packed: the buffer this rank packs every push into.
+        self._buffer: PackedBuffer | None = None
         # The engines map this process's memory: the tensors must outlive the update's finish.
         self._keep: list[torch.Tensor] = []
         # Every rank's handles per tensor, gathered as the tensors are prepared.
@@ -312,24 +354,50 @@ class IPCTrainer(Trainer):
         self._ranks.agree(self._init_engines)
 
     def _init_engines(self) -> None:
-        answer = self.client.init_weight_transfer_engine({"packed": False, "timeout_s": self.timeout_s})
+        answer = self.client.init_weight_transfer_engine({"packed": self.packed, "timeout_s": self.timeout_s})
         self._segment_prefix = answer.get("segment_prefix")
+
+    def close(self) -> None:
+        """Let the packed buffer go (each engine worker holds it open until the next trainer's init)
+        and close the HTTP connections."""
+        if self._buffer is not None:
+            self._buffer.close()
+            self._buffer = None
+            self._release_exported()
+        super().close()
 
     def _pushed(self) -> None:
         # Every rank's tensors and handles, held for the engines while they copied them.
         self._keep, self._handles = [], []
-        self._release_exported()
+        if not self.packed:
+            self._release_exported()
 
     def _prepare(self, named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
         tensors: list[tuple[str, torch.Tensor]] = []
 
         def export() -> list[dict[str, dict]]:
             tensors.extend((name, self._on_device(t)) for name, t in named_tensors)
+            if self.packed:
+                return [self._packed_into(tensors)]
             self._keep.extend(t for _, t in tensors)
             return self._export_handles(tensors)
 
         self._handles = self._ranks.gather(export)
         return tensors
+
+    def _packed_into(self, tensors: list[tuple[str, torch.Tensor]]) -> dict[str, dict]:
+        """Pack ``tensors`` into this rank's buffer (a new one where they no longer fit it, or the
+        server removed a CPU's segment): its handle, the same from push to push."""
+        nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
+        if self._buffer is not None and not self._buffer.fits(nbytes):
+            self._buffer.close()
+            self._buffer = None
+            self._release_exported()
+        if self._buffer is None:
+            self._buffer = self._new_buffer(nbytes)
+        pack_into(self._buffer.tensor, [t for _, t in tensors])
+        self._copied()
+        return self._buffer.handle
 
     def _in_group(self, send: Callable[[], None]) -> None:
         # Rank 0's calls, with the retry of Trainer._in_group (its init makes no collective there):
@@ -338,7 +406,12 @@ class IPCTrainer(Trainer):
 
     def _send(self, tensors: list[tuple[str, torch.Tensor]], metadata: dict, one_call: OneCall | None) -> None:
         # Gathered when the tensors were prepared, so that a push sent again carries the same ones.
-        update_weights_call(self._calls, {**metadata, "ipc_handles": self._handles}, one_call)
+        if not self.packed:
+            update_weights_call(self._calls, {**metadata, "ipc_handles": self._handles}, one_call)
+            return
+        sizes = [t.numel() * t.element_size() for _, t in tensors]
+        update_info = {**metadata, "ipc_handles": self._handles[0], "tensor_sizes": sizes, "reuse": True}
+        update_weights_call(self._calls, update_info, one_call)
 
     # The device steps, apart from the ranks' choreography (a test runs that on CPU with stand-ins).
 
@@ -348,6 +421,14 @@ class IPCTrainer(Trainer):
 
     def _on_device(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.detach().to(self._device()).contiguous()  # on a CPU, copied into a segment when exported
+
+    def _new_buffer(self, nbytes: int) -> PackedBuffer:
+        return PackedBuffer.make(nbytes, self._device(), self._segment_prefix)
+
+    def _copied(self) -> None:
+        """The packing's copies are in the buffer before any engine is told to read it."""
+        if torch.cuda.is_available():
+            torch.cuda.current_stream().synchronize()
 
     def _export_handles(self, tensors: list[tuple[str, torch.Tensor]]) -> list[dict[str, dict]]:
         """One ``{this device's uuid: handle}`` per tensor."""
@@ -379,17 +460,23 @@ class IpcReceiver(LiveReceiver):
     update_info_cls = IpcUpdateInfo
 
     # A packed buffer opened once for every chunk that names it (an exporter that reuses its buffer
-    # ships the same handle each chunk): opened and released once per export, as vLLM's importer does.
+    # ships the same handle each chunk): released at the update's finish, as vLLM's importer does,
+    # or kept open for the next update when its trainer ``reuse``s it (until an update names
+    # another, an init or the transfer's shutdown).
     _packed_buffer: tuple[tuple, torch.Tensor] | None = None
+    _keep_open = False
 
     def init_transfer_engine(self, init_info: IpcInitInfo) -> None:
-        pass  # no rendezvous: each update says whether it is packed (one handle, or one per tensor)
+        # No rendezvous: each update says whether it is packed (one handle, or one per tensor). A
+        # new trainer's buffer is another: the last one's goes.
+        self._packed_buffer = None
 
     def receive_weights(self, update_info: IpcUpdateInfo) -> None:
         handles = self._handles(update_info)
         here = device_uuid(self.device)
         if isinstance(handles, dict):  # one packed buffer
             buffer = self._packed(_mine(handles, here))
+            self._keep_open = update_info.reuse
             metas = [
                 TensorMeta(name, dtype_from_name(dtype), tuple(shape))
                 for name, dtype, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes)
@@ -428,7 +515,12 @@ class IpcReceiver(LiveReceiver):
         try:
             super().finish_weight_update()
         finally:
-            self._packed_buffer = None  # the export's one release
+            if not self._keep_open:
+                self._packed_buffer = None  # the export's one release
+            self._keep_open = False
+
+    def drop_kept(self) -> None:
+        self._packed_buffer = None
 
     def shutdown(self) -> None:
         self._packed_buffer = None

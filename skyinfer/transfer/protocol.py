@@ -239,6 +239,8 @@ def _device_uuid(value: str) -> str:
 
 
 DeviceUuid = Annotated[str, AfterValidator(_device_uuid)]
+# What stands for a GPU's UUID where the handles are to host memory (a CPU's stand-in for CUDA IPC).
+HOST_MEMORY_UUID = "GPU-00000000-0000-0000-0000-000000000000"
 
 
 class IpcHandle(WireModel):
@@ -294,6 +296,11 @@ class IpcUpdateInfo(UpdateMetadata):
     ipc_handles_pickled: NonEmptyStr | None = None
     # Packed: each tensor's bytes within the one buffer.
     tensor_sizes: list[Dim] | None = None
+    # Packed: the trainer writes its next pushes into the same buffer, exported once: each worker
+    # keeps it open from one push to the next (until an update names another, an init or the
+    # transfer's shutdown), and the server leaves a CPU's stand-in segment for it in place after a
+    # push that finished.
+    reuse: bool = False
 
     @model_validator(mode="after")
     def _handles(self) -> Self:
@@ -317,7 +324,15 @@ class IpcUpdateInfo(UpdateMetadata):
             for handle in self.ipc_handles.values():
                 if handle.storage_size_bytes < sum(self.tensor_sizes):
                     raise ValueError("the packed buffer is smaller than the tensors it carries")
+        elif self.reuse:
+            raise ValueError("reuse names a packed buffer: one handle for the buffer, and tensor_sizes")
         return self
+
+    def host_segment(self) -> str | None:
+        """The shared-memory segment a CPU's stand-in handle of a packed buffer names, if any."""
+        if not isinstance(self.ipc_handles, dict) or HOST_MEMORY_UUID not in self.ipc_handles:
+            return None
+        return base64.b64decode(self.ipc_handles[HOST_MEMORY_UUID].storage_handle).decode()
 
     @property
     def pickled(self) -> bool:

@@ -64,6 +64,10 @@ class LiveReceiver:
             restore_cpu_moe_kernels(self._moe_kernels)
             raise
 
+    def drop_kept(self) -> None:
+        """Let go of what is kept open for the trainer's next push (a transport's own): an update was
+        aborted, and its trainer may be gone."""
+
     @property
     def loads_at_once(self) -> bool:
         """Whether the tensors given to ``load`` are copied before it returns (an in-place update

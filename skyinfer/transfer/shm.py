@@ -91,7 +91,8 @@ class Segment:
             os.unlink(path)
             raise
         self.name, self.size, self._fd = name, size, fd
-        self._bytes = torch.frombuffer(self._mapping, dtype=torch.uint8)
+        # Its pages, for writing into (a colocated IPC trainer packs into them: ipc.py).
+        self.bytes = torch.frombuffer(self._mapping, dtype=torch.uint8)
         self._unlink = weakref.finalize(self, _unlink_quietly, path)
 
     def removed(self) -> bool:
@@ -101,11 +102,11 @@ class Segment:
     def write(self, tensors: list[torch.Tensor], offsets: list[int]) -> None:
         for tensor, offset in zip(tensors, offsets):
             source = tensor.reshape(-1).view(torch.uint8)
-            self._bytes[offset : offset + source.numel()].copy_(source)
+            self.bytes[offset : offset + source.numel()].copy_(source)
 
     def close(self) -> None:
         self._unlink()
-        del self._bytes  # the mapping closes only once no tensor views it
+        del self.bytes  # the mapping closes only once no tensor views it
         self._mapping.close()
         os.close(self._fd)
 
@@ -212,6 +213,9 @@ class SharedMemoryReceiver(LiveReceiver):
             view = buffer[offset : offset + update_info.nbytes(i)]
             tensors.append((name, view.view(dtype_from_name(dtype)).view(shape)))
         self.load(tensors)
+
+    def drop_kept(self) -> None:
+        self._mapped = None
 
     def shutdown(self) -> None:
         self._mapped = None

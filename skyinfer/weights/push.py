@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
+from ..engine_wire import PUSH_RECEIVE_FAILED
 from ..fleet.engine_calls import EngineReply, call_engine, failure, gather_until_failure
 from ..fleet.state import PAUSE_FOR_PUSH, EngineRecord, push_verdict
 from ..transfer.protocol import UpdateMetadata
@@ -322,7 +323,7 @@ class Push:
                 await self._control.reread(record, "pause")  # it may have paused before it failed
             if record.paused:
                 self.update.current.paused_for_push.append(record)
-        await self._settle("push", records, replies, collective=True)
+        await self._settle("push", records, replies, at_fault=self._push_at_fault(records, replies))
         slowest = max((rep.body["stages"] for rep in replies), key=lambda stages: sum(stages.values()))
         self.update.current.stages.update(slowest)
         return await self._finished(records, replies, version, verify=False, expected=None, kv=kv)
@@ -457,14 +458,21 @@ class Push:
                 self.catch_up_later(record)
 
     async def _settle(
-        self, step: str, records: list[EngineRecord], replies: list[EngineReply], collective: bool = False
+        self,
+        step: str,
+        records: list[EngineRecord],
+        replies: list[EngineReply],
+        collective: bool = False,
+        at_fault: list[EngineRecord] | None = None,
     ) -> None:
         """Go on after a step, or abort the whole update if any engine failed it; an engine that
-        fails pushes by itself ``--max-push-failures`` times in a row is retired."""
+        fails pushes by itself ``--max-push-failures`` times in a row is retired (``at_fault``: the
+        engines that failed by themselves, where the step's own rule does not say)."""
         failed = failure(step, replies)
         if failed is None:
             return
-        at_fault = self._at_fault(records, replies, collective)
+        if at_fault is None:
+            at_fault = self._at_fault(records, replies, collective)
         for record in at_fault:
             record.push_failures += 1
         await self._abort(failed[1])
@@ -485,6 +493,19 @@ class Push:
         if collective and not any(reply.ok for reply in replies):
             return []
         return [record for record, reply in zip(records, replies) if not reply.ok and not reply.cut_short]
+
+    @staticmethod
+    def _push_at_fault(records: list[EngineRecord], replies: list[EngineReply]) -> list[EngineRecord]:
+        """The engines that failed a one-call push by themselves: one that failed at a step of its
+        own (its pause, start or finish, as its error's code says); one that failed at the receive,
+        when another engine did its part (else the trainer, or the group, failed them all)."""
+        own, at_receive = [], []
+        for record, reply in zip(records, replies):
+            if reply.code == PUSH_RECEIVE_FAILED:
+                at_receive.append(record)
+            elif not reply.ok and not reply.cut_short:
+                own.append(record)
+        return own + at_receive if any(reply.ok for reply in replies) else own
 
     async def end_abandoned(self, reason: str) -> None:
         """The server ends an update its trainer left, or that cannot go on: engines that began it

@@ -180,7 +180,11 @@ class FrontTransport:
 
     def update_sent(self, meta: UpdateMetadata) -> None:
         """An /update_weights call ended, however: the engines hold what they still read from a
-        segment (mapped), so its name goes now, unless the trainer reuses it."""
+        segment (mapped), so its name goes now, unless the trainer reuses it (an IPC trainer's packed
+        buffer, where a CPU's segment stands in for it, too)."""
+        if isinstance(meta, IpcUpdateInfo) and meta.reuse:
+            self.reused_segment = meta.host_segment()
+            return
         if not isinstance(meta, SharedMemoryUpdateInfo):
             return
         if meta.reuse:
