@@ -109,7 +109,8 @@ class Loop:
         weights = [
             (n, t.detach().to(self.served_dtype)) for n, t in self.policy.state_dict().items() if n != "lm_head.weight"
         ]
-        self.trainer.push(weights, version)
+        # One call: the server starts, receives and finishes the update itself, one call per engine.
+        self.trainer.push(weights, version, one_call=True)
 
     async def separate_step(self, samples: list[dict], it: int, new_version: str) -> tuple[float, float, dict]:
         """Train beside the engines; pause (keep) with stragglers in flight, push, resume."""
