@@ -464,7 +464,7 @@ def suite_table() -> Table:
     for r in list(reversed(suite()))[:8]:
         note = f"note {r['note']}" if r["note"].isdigit() else r["note"]
         ci = r["ci_run"] + (f" (pytest {r['pytest']})" if r["pytest"] else "")
-        rows.append([f"{r['commit']} ({r['tests']})", r["date"] or r["where"], r["run_tests"] or "--", ci or "--",
+        rows.append([f"{r['commit']} ({r['tests'] or '--'})", r["date"] or r["where"], r["run_tests"] or "--", ci or "--",
                      r["result"] or "green", note])  # fmt: skip
     caption = "The newest runs (all of them: ``docs/benchmarks/suite.csv``; note N: the journal's)"
     return Table(caption, ["commit (tests)", "date", "tools/run-tests", ".ci/run", "result", "note"], rows)
