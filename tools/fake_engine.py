@@ -336,15 +336,18 @@ async def _push(request: web.Request) -> web.Response:
         ("receive", "/update_weights", lambda: None),
         ("finish", "/finish_weight_update", lambda: _finish(engine, body)),
     ]
+    # The event loop's clock, which its scripted delays are timed by (uvloop's, to the millisecond:
+    # by time.monotonic a 0.6 s delay measured 0.5998 s).
+    clock = asyncio.get_running_loop().time
     stages = {}
     for stage, path, step in steps:
-        started = time.monotonic()
+        started = clock()
         if status := await _scripted_before(request.app, path):
             return _push_failed(stage, status, f"scripted failure of {path}")
         step()
         if status := _scripted_after(request.app, path):
             return _push_failed(stage, status, f"scripted failure of {path}, after doing it")
-        stages[stage] = time.monotonic() - started
+        stages[stage] = clock() - started
     return json_response({"status": "finished", "weight_version": engine.weight_version, "stages": stages})
 
 

@@ -1,7 +1,7 @@
 """One weight update, from its first call to its end, on one of two paths chosen when it opens:
-the live path (running engines paused, vLLM's layerwise reload open on each from the first chunk
-to the finish) or the staged path (staged.py). Both fail the same way: the update ends on every
-engine, without a restart where the engine can end it."""
+the live path (live.py: running engines paused, the push taken into their live weights) or the
+staged path (staged.py). Both fail the same way: the update ends on every engine, without a
+restart where the engine can end it."""
 
 from __future__ import annotations
 
@@ -9,18 +9,18 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import attrs
 
-from ..engine_wire import PUSH_RECEIVE_FAILED
-from ..fleet.engine_calls import EngineReply, call_engine, failure, gather_until_failure
+from ..fleet.engine_calls import EngineReply, call_engine, failure
 from ..fleet.state import PAUSE_FOR_PUSH, EngineRecord, push_verdict
 from ..transfer.protocol import UpdateMetadata
 from ..wire import Checksums, KvRule, PauseParams
 from .checking import WeightChecks
 from .fleet import Fleet, SyncError, unpushable
+from .live import LivePath, applied_by, push_at_fault
 from .phases import OpenUpdate, Phase
 from .staged import StagedPath
 
@@ -81,52 +81,6 @@ def _not_covered(version: str, missing: list[str] | None) -> str | None:
         f"its weights were not the fleet's, and the push of {version} carried only part of the checkpoint"
         f" ({len(missing)} tensor(s) left out: {shown}): push all of them before it serves"
     )
-
-
-def applied_by(replies: list[EngineReply]) -> dict:
-    """How the engines' workers applied a live push (receiving.py's ``LiveReceiver``): "in place" or
-    "layerwise reload", and the seconds the slowest spent loading and repacking in place; nothing
-    for a staged push, whose engines swap a copy in."""
-    applied = [rep.body["applied"] for rep in replies if isinstance(rep.body.get("applied"), dict)]
-    if not applied:
-        return {}
-    answer = {"applied": ", ".join(sorted({a["applied"] for a in applied}))}
-    for seconds in ("load_s", "repack_s"):
-        if any(seconds in a for a in applied):
-            answer[seconds] = max(a.get(seconds, 0.0) for a in applied)
-    return answer
-
-
-class LivePath:
-    """The engines' live weights take each chunk (``/update_weights``) between vLLM's start, which
-    the first chunk brings (``begin``), and its finish (``/finish_weight_update``)."""
-
-    receive_step = "update_weights"
-    apply_step = "finish_weight_update"
-
-    def __init__(self, fleet: Fleet, begin: Callable[[list[EngineRecord]], Awaitable[None]]):
-        self.fleet = fleet
-        self._begin = begin
-
-    def fits(self, records: list[EngineRecord], meta: UpdateMetadata | None) -> None:
-        """The live weights take the bytes in place: nothing more to hold."""
-
-    async def receive(
-        self, records: list[EngineRecord], update_info: dict, meta: UpdateMetadata
-    ) -> tuple[list[EngineReply], dict]:
-        if self.fleet.update.phase is not Phase.RECEIVING:
-            await self._begin(records)
-        self.fleet.update.receive(meta.names)
-        body = {"update_info": update_info}
-        timeout_s = self.fleet.timeout_s
-        replies = await gather_until_failure(
-            [(r, call_engine(r, "/update_weights", timeout_s=timeout_s, body=body)) for r in records]
-        )
-        return replies, {"status": "updated", "engines": [rep.as_json() for rep in replies]}
-
-    async def apply(self, records: list[EngineRecord], version: str, kv: KvRule) -> tuple[list[EngineReply], dict]:
-        body = {"weight_version": version, "kv": kv}
-        return await self.fleet.call_all(records, "/finish_weight_update", body=body), {}
 
 
 class Push:
@@ -295,24 +249,7 @@ class Push:
         self.update.step(Phase.RECEIVING)  # from here on, weights may be part new
         self.update.receive(meta.names)
         started = time.monotonic()
-        calls = [
-            (
-                record,
-                call_engine(
-                    record,
-                    "/push",
-                    timeout_s=self.fleet.timeout_s,
-                    body={
-                        "update_info": update_info,
-                        "weight_version": version,
-                        "kv": kv,
-                        "pause": record.engine_id in pausing,
-                    },
-                ),
-            )
-            for record in records
-        ]
-        replies = await gather_until_failure(calls)
+        replies = await self.live.push(records, update_info, version, kv, pausing)
         self.last_update_s = time.monotonic() - started
         for record, reply in zip(records, replies):
             if record.engine_id not in pausing:
@@ -323,7 +260,7 @@ class Push:
                 await self._control.reread(record, "pause")  # it may have paused before it failed
             if record.paused:
                 self.update.current.paused_for_push.append(record)
-        await self._settle("push", records, replies, at_fault=self._push_at_fault(records, replies))
+        await self._settle("push", records, replies, at_fault=push_at_fault(records, replies))
         slowest = max((rep.body["stages"] for rep in replies), key=lambda stages: sum(stages.values()))
         self.update.current.stages.update(slowest)
         return await self._finished(records, replies, version, verify=False, expected=None, kv=kv)
@@ -493,19 +430,6 @@ class Push:
         if collective and not any(reply.ok for reply in replies):
             return []
         return [record for record, reply in zip(records, replies) if not reply.ok and not reply.cut_short]
-
-    @staticmethod
-    def _push_at_fault(records: list[EngineRecord], replies: list[EngineReply]) -> list[EngineRecord]:
-        """The engines that failed a one-call push by themselves: one that failed at a step of its
-        own (its pause, start or finish, as its error's code says); one that failed at the receive,
-        when another engine did its part (else the trainer, or the group, failed them all)."""
-        own, at_receive = [], []
-        for record, reply in zip(records, replies):
-            if reply.code == PUSH_RECEIVE_FAILED:
-                at_receive.append(record)
-            elif not reply.ok and not reply.cut_short:
-                own.append(record)
-        return own + at_receive if any(reply.ok for reply in replies) else own
 
     async def end_abandoned(self, reason: str) -> None:
         """The server ends an update its trainer left, or that cannot go on: engines that began it
