@@ -371,7 +371,8 @@ async def test_an_engine_that_fails_every_push_by_itself_is_retired_and_the_flee
     await script(app, 1, {"fail": {"/start_weight_update": 500}})
     for _ in range(2):
         assert (await client.post("/init_weight_transfer", json={"init_info": group_init})).status == 200
-        assert (await client.post("/update_weights", json=push)).status == 500
+        # 502 where engine 0's one call was cut short by engine 1's failed start before it answered.
+        assert (await client.post("/update_weights", json=push)).status in (500, 502)
     assert (await states(client))[1] == "retired"
     assert (await (await client.get("/get_world_size")).json())["world_size"] == 1
     r = await client.post("/init_weight_transfer", json={"init_info": {**group_init, "world_size": 2}})
