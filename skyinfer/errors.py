@@ -88,6 +88,9 @@ STAGING_DOES_NOT_FIT = "staging_does_not_fit"
 # fell silent, a new trainer set up a transfer, an engine failed it): start the push over
 # (POST /start_weight_update, or /init_weight_transfer). skyinfer's trainer helpers do so by themselves.
 UPDATE_ABANDONED = "update_abandoned"
+# An update named its layout alone (update_info.layout) and this server was never given it, or let go
+# of it: send that update_info in full. skyinfer's trainer helpers do so by themselves.
+UNKNOWN_LAYOUT = "unknown_layout"
 
 
 class BadRequest(ApiError, ValueError):

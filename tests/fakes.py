@@ -66,6 +66,12 @@ async def calls(app: web.Application, engine: int) -> dict[str, int]:
         return await r.json()
 
 
+async def bodies(app: web.Application, engine: int) -> dict[str, dict]:
+    """The last JSON body each weight route of an engine's process got."""
+    async with app[REGISTRY].records[engine].client.get("/fake/bodies") as r:
+        return await r.json()
+
+
 def whole_checkpoint(demo_model) -> dict:
     """update_info naming every tensor the demo checkpoint stores."""
     shapes = safetensors_shapes(demo_model / "model.safetensors")

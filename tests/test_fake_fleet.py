@@ -14,10 +14,11 @@ import signal
 from pathlib import Path
 
 import pytest
-from fakes import calls, fake_fleet, kill, script, states, until, whole_checkpoint
+from fakes import bodies, calls, fake_fleet, kill, script, states, until, whole_checkpoint
 
 import skyinfer.fleet.supervisor
 from skyinfer.fleet.registry import REGISTRY
+from skyinfer.transfer.protocol import layout_id
 
 from lora_support import make_adapter
 
@@ -130,6 +131,53 @@ async def test_a_one_call_push_is_one_call_per_engine_and_the_engines_run_again_
     assert await states(client) == ["ready", "ready"]
     info = await (await client.get("/weight_info")).json()
     assert [e["weight_version"] for e in info["engines"]] == ["v1", "v1"] and info["weight_version"] == "v1"
+
+
+async def test_a_push_names_its_tensor_layout_alone_once_given_and_engines_get_it_until_each_took_it(
+    aiohttp_client, demo_model, tmp_path, group_init
+):
+    """A trainer gives its per-tensor fields once with their layout's id; its next pushes name the
+    id alone (an id the server was never given is a 409 the trainer helpers answer by sending the
+    fields again; a wrong id a 400). The engines are sent the id alone once each took a push of
+    that layout; after an engine's process was replaced, every engine gets the fields again."""
+    app, client = await fake_fleet(aiohttp_client, demo_model, tmp_path)
+    assert (await client.post("/init_weight_transfer", json={"init_info": group_init})).status == 200
+    tensors = whole_checkpoint(demo_model)
+    layout = layout_id(tensors)
+
+    async def push(update_info: dict, version: str):
+        return await client.post("/update_weights", json={"update_info": update_info, "weight_version": version})
+
+    async def sent_to_engines() -> list[dict]:
+        return [(await bodies(app, engine))["/push"]["update_info"] for engine in (0, 1)]
+
+    r = await push({"layout": layout}, "v0")
+    assert r.status == 409 and (await r.json())["error"]["code"] == "unknown_layout", await r.text()
+    r = await push({**tensors, "layout": "0" * 32}, "v0")
+    assert r.status == 400 and "layout" in (await r.json())["error"]["message"]
+    assert (await calls(app, 0)).get("/push") is None  # neither reached an engine
+    r = await push({**tensors, "layout": layout}, "v1")
+    assert r.status == 200, await r.text()
+    assert [info["names"] for info in await sent_to_engines()] == [tensors["names"]] * 2
+    info = await (await client.get("/weight_info")).json()
+    assert info["last_push"]["layout"] == "given"
+    r = await push({"layout": layout}, "v2")
+    assert r.status == 200, await r.text()
+    assert await sent_to_engines() == [{"layout": layout}] * 2
+    info = await (await client.get("/weight_info")).json()
+    assert info["weight_version"] == "v2" and info["last_push"]["layout"] == "named"
+
+    old_pid = kill(app, 1)
+    await until(
+        lambda: asyncio.sleep(0, app[REGISTRY].records[1].pid not in (None, old_pid) and app[REGISTRY].records[1].up)
+    )
+    assert (await client.post("/init_weight_transfer", json={"init_info": group_init})).status == 200
+    r = await push({"layout": layout}, "v3")
+    assert r.status == 200, await r.text()
+    assert [info.get("names") for info in await sent_to_engines()] == [tensors["names"]] * 2
+    r = await push({"layout": layout}, "v4")
+    assert r.status == 200, await r.text()
+    assert await sent_to_engines() == [{"layout": layout}] * 2
 
 
 @pytest.mark.parametrize("step", ["/pause", "/start_weight_update", "/update_weights", "/finish_weight_update"])

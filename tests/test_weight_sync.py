@@ -16,12 +16,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pushes import assert_engines_match, greedy, modified_weights, run_trainer, save
+from pushes import assert_engines_match, greedy, modified_weights, push_more, run_trainer, save, start_trainer
 from support import admit_while_paused, scrape, total
 
 pytestmark = pytest.mark.usefixtures("restores_checkpoint")
 
 PUSH_SECONDS = "skyinfer_weight_update_duration_seconds"
+# The demo model's tensors (26) a push applies by plan: all but the embeddings, whose loader also
+# zeroes the vocabulary's padding (vLLM's VocabParallelEmbedding), a write a plan does not replay.
+PLANNED_TENSORS = 25
 
 
 def test_weight_transfer_methods_drive_a_push(server, model_name, demo_model):
@@ -45,6 +48,31 @@ def test_weight_transfer_methods_drive_a_push(server, model_name, demo_model):
         assert_engines_match(server, model_name, demo_model, checkpoint, "client-push-2")
         after = client.generate([5, 6, 7], {"max_tokens": 4, "temperature": 0, "ignore_eos": True})
     assert after["choices"][0]["weight_versions"] == [{"version": "client-push-2", "start": 0, "end": 4}]
+
+
+def test_a_trainers_next_push_names_its_layout_alone_and_is_applied_by_the_engines_plans(
+    server, model_name, demo_model, tmp_path
+):
+    """One trainer process pushes twice (the second through ``--more``). The first gives its tensor
+    list with its layout's id; the second names the layout alone, nothing per tensor in its call,
+    and each engine's workers apply its tensors by the plans they recorded (where each lands in the
+    live weights: transfer/plans.py), none recorded again, no loader run for them. Both land exactly."""
+    first = modified_weights(demo_model, seed=7)
+    trainer = start_trainer(server, save(first, tmp_path / "first.safetensors"), "v-plan-1", "--more")
+    try:
+        assert trainer.stdout.readline().split() == ["pushed", "v-plan-1"], trainer.stderr.read()
+        assert_engines_match(server, model_name, demo_model, first, "v-plan-1")
+        last = httpx.get(f"{server.url}/weight_info").json()["last_push"]
+        assert last["layout"] == "given", last
+        second = modified_weights(demo_model, seed=8)
+        push_more(trainer, save(second, tmp_path / "second.safetensors"), "v-plan-2")
+        assert_engines_match(server, model_name, demo_model, second, "v-plan-2")
+        last = httpx.get(f"{server.url}/weight_info").json()["last_push"]
+        assert last["layout"] == "named" and last["applied"] == "in place", last
+        assert last["plans_recorded"] == 0 and last["by_plan"] == PLANNED_TENSORS, last
+    finally:
+        trainer.stdin.close()
+        assert trainer.wait(timeout=60) == 0, trainer.stderr.read()
 
 
 async def test_push_under_keep_pause_then_logprobs_match_transformers(server, model_name, demo_model, tmp_path):

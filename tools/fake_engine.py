@@ -59,6 +59,7 @@ from skyinfer.engine_wire import (
     push_failed_at,
 )
 from skyinfer.errors import error_body, error_response, json_response
+from skyinfer.transfer.protocol import TensorLayouts, UnknownLayout, UpdateMetadata
 
 SCRIPT = web.AppKey("script", dict)
 STATE = web.AppKey("state", "FakeEngine")
@@ -82,6 +83,8 @@ class FakeEngine:
         self.updating = False
         # A staged push's copy: the tensor names it holds, and their bytes.
         self.staged: dict[str, int] = {}
+        # The tensor layouts its pushes gave in full, as a worker keeps them.
+        self.layouts = TensorLayouts()
         self.unfinished = 0
         self.resumed = asyncio.Event()
         self.resumed.set()
@@ -91,6 +94,12 @@ class FakeEngine:
         self.went_on: list[dict] = []
         # The last body each weight (and reset) route got, for the tests.
         self.bodies: dict[str, dict] = {}
+
+    def tensors(self, update_info: dict) -> UpdateMetadata:
+        """The tensors an update_info names, its layout kept or read back as a worker does."""
+        info = UpdateMetadata.parse(self.layouts.expand(update_info))
+        self.layouts.given(info)
+        return info
 
     def pause(self) -> None:
         self.paused = True
@@ -330,6 +339,10 @@ async def _push(request: web.Request) -> web.Response:
     body = await _body(request)
     engine = request.app[STATE]
     engine.bodies[request.path] = body
+    try:
+        engine.tensors(body["update_info"])
+    except UnknownLayout as exc:  # a worker's receive refuses it as it parses it
+        return _push_failed("receive", 500, str(exc))
     steps = [("pause", "/pause", engine.pause)] if body.get("pause") else []
     steps += [
         ("start", "/start_weight_update", lambda: setattr(engine, "updating", True)),
@@ -361,7 +374,7 @@ async def _stage_weights(request: web.Request) -> web.Response:
     body = await _body(request)
     engine = request.app[STATE]
     engine.bodies[request.path] = body
-    names = body["update_info"]["names"]
+    names = engine.tensors(body["update_info"]).names
     for name in names:
         engine.staged[name] = body["update_nbytes"] // len(names)
     staged = {"bytes": sum(engine.staged.values()), "tensors": len(engine.staged), "seconds": 0.0, "place": "cpu"}

@@ -32,7 +32,7 @@ from ..client import Client
 from .collective import GroupReceiver
 from .packing import GLOO_BUCKET_BYTES, TensorMeta, pack_into, plan_chunks
 from .protocol import GroupInitInfo
-from .pushing import NamedTensors, OneCall, Trainer, tensor_list, update_weights_call
+from .pushing import NamedTensors, OneCall, Trainer, tensor_list
 
 # -- the trainer's side ---------------------------------------------------------------
 
@@ -153,9 +153,9 @@ class GlooTrainer(Trainer):
             # What the server would refuse the call for, asked first: a refusal raises here, and no
             # broadcast waits on engines that will not receive. (A chunk of an open update was checked
             # at its start.)
-            update_weights_call(self._calls, update_info, one_call, check_only=True)
+            self._update_weights(update_info, one_call, check_only=True)
         with ThreadPoolExecutor(1) as pool:
-            receiving = pool.submit(update_weights_call, self._calls, update_info, one_call)
+            receiving = pool.submit(self._update_weights, update_info, one_call)
             self._broadcast(tensors)
             receiving.result()
 

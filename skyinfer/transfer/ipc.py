@@ -46,7 +46,7 @@ import torch.distributed as dist
 from ..client import Client, SkyinferError
 from .packing import TensorMeta, dtype_from_name, pack_into, unpack
 from .protocol import HOST_MEMORY_UUID, IpcHandle, IpcInitInfo, IpcUpdateInfo, checked_segment_name, segment_path
-from .pushing import NamedTensors, OneCall, Trainer, update_weights_call
+from .pushing import NamedTensors, OneCall, Trainer
 from .receiving import LiveReceiver
 from .shm import Segment, layout, map_segment, write_segment
 
@@ -407,11 +407,11 @@ class IPCTrainer(Trainer):
     def _send(self, tensors: list[tuple[str, torch.Tensor]], metadata: dict, one_call: OneCall | None) -> None:
         # Gathered when the tensors were prepared, so that a push sent again carries the same ones.
         if not self.packed:
-            update_weights_call(self._calls, {**metadata, "ipc_handles": self._handles}, one_call)
+            self._update_weights({**metadata, "ipc_handles": self._handles}, one_call)
             return
         sizes = [t.numel() * t.element_size() for _, t in tensors]
         update_info = {**metadata, "ipc_handles": self._handles[0], "tensor_sizes": sizes, "reuse": True}
-        update_weights_call(self._calls, update_info, one_call)
+        self._update_weights(update_info, one_call)
 
     # The device steps, apart from the ranks' choreography (a test runs that on CPU with stand-ins).
 

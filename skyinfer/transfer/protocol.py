@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import base64
 import binascii
+import collections
+import hashlib
+import json
 import math
 import os
 import re
@@ -40,12 +43,76 @@ def _known_dtype(name: str) -> str:
 DtypeName = Annotated[str, AfterValidator(_known_dtype)]
 
 
+# The fields of an update_info that say something per tensor: a layout (``TensorLayouts``) is these, given
+# once, then named by its id.
+LAYOUT_FIELDS = ("names", "dtype_names", "shapes", "offsets", "tensor_sizes")
+LayoutId = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
+
+
+def layout_id(update_info: dict) -> str:
+    """The id of the layout ``update_info``'s per-tensor fields make: a digest of them, so that a
+    trainer and a server name the same layout alike without agreeing on anything else."""
+    fields = {key: update_info[key] for key in LAYOUT_FIELDS if key in update_info}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:32]
+
+
+class UnknownLayout(LookupError):
+    """An update_info names a layout this side was never given (or has let go of)."""
+
+
+class TensorLayouts:
+    """The layouts given in full so far, by id, the most recently used kept: a push then names its
+    layout alone, and nothing per tensor travels (a trainer told it is unknown sends it in full again)."""
+
+    def __init__(self, keep: int = 16) -> None:
+        self.keep = keep
+        self._by_id: collections.OrderedDict[str, dict] = collections.OrderedDict()
+
+    def __contains__(self, layout: str) -> bool:
+        return layout in self._by_id
+
+    def expand(self, update_info: dict) -> dict:
+        """``update_info`` with its per-tensor fields, where it names a layout without them."""
+        layout = update_info.get("layout")
+        if not isinstance(layout, str) or "names" in update_info:
+            return update_info  # none named, or given in full (checked as it parses)
+        fields = self._by_id.get(layout)
+        if fields is None:
+            raise UnknownLayout(
+                f"update_info.layout {layout[:40]!r} is not one this side was given: send the update_info in full"
+                " (its names, dtype_names, shapes) with its layout, as the push that plans it"
+            )
+        self._by_id.move_to_end(layout)
+        return {**update_info, **fields}
+
+    def given(self, meta: UpdateMetadata) -> None:
+        """Keep the layout of ``meta``, if it has one."""
+        if meta.layout is None or meta.layout in self._by_id:
+            return
+        self._by_id[meta.layout] = layout_fields(meta)
+        while len(self._by_id) > self.keep:
+            self._by_id.popitem(last=False)
+
+
+def layout_fields(meta: UpdateMetadata) -> dict:
+    """The per-tensor fields of a parsed update_info: its layout."""
+    return {key: getattr(meta, key) for key in LAYOUT_FIELDS if getattr(meta, key, None) is not None}
+
+
+def without_layout(update_info: dict) -> dict:
+    """``update_info`` naming its layout, without the per-tensor fields the layout holds."""
+    return {key: value for key, value in update_info.items() if key not in LAYOUT_FIELDS}
+
+
 class UpdateMetadata(WireModel):
-    """vLLM's ``update_info`` core: which tensors a transfer carries, in order."""
+    """vLLM's ``update_info`` core: which tensors a transfer carries, in order; and skyinfer's
+    ``layout``, the id of these per-tensor fields (``layout_id``), by which later updates of the
+    same tensors may name them alone."""
 
     names: Annotated[list[str], Field(min_length=1)]
     dtype_names: list[DtypeName]
     shapes: list[list[Dim]]
+    layout: LayoutId | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
@@ -56,6 +123,10 @@ class UpdateMetadata(WireModel):
             )
         if len(set(self.names)) != len(self.names):
             raise ValueError("update_info names a tensor twice")
+        if self.layout is not None and layout_id(layout_fields(self)) != self.layout:
+            raise ValueError(
+                "update_info.layout is not the id of its per-tensor fields (skyinfer.transfer.protocol.layout_id)"
+            )
         return self
 
     def nbytes(self, i: int) -> int:

@@ -18,8 +18,9 @@ import attrs
 import torch
 
 from ..client import Client, SkyinferError
-from ..errors import TRANSFER_GROUP_GONE, UPDATE_ABANDONED
+from ..errors import TRANSFER_GROUP_GONE, UNKNOWN_LAYOUT, UPDATE_ABANDONED
 from .packing import dtype_name
+from .protocol import layout_id, without_layout
 from .quantize import W8A8_INT8, quantize_w8a8_int8
 
 log = logging.getLogger("skyinfer.trainer")
@@ -52,6 +53,10 @@ class Trainer:
         self.client = client or Client(base_url, admin_key=admin_key, timeout_s=timeout_s + 60)
         self._calls = self.client if sync_client is None else ProtocolCalls(sync_client)
         self.timeout_s = timeout_s
+        # The layouts (protocol.py) the server took a push of, which later pushes name alone; and
+        # those of the push under way, taken once it succeeds.
+        self._layouts_taken: set[str] = set()
+        self._layouts_pushing: set[str] = set()
 
     def close(self) -> None:
         """Close the HTTP connections."""
@@ -90,8 +95,30 @@ class Trainer:
                 self._in_group(lambda: self._send(tensors, tensor_list(tensors), send))
             else:
                 self._in_group(lambda: self._push(tensors, version, verify, kv, staged))
+            self._layouts_taken |= self._layouts_pushing
         finally:
+            self._layouts_pushing.clear()
             self._pushed()
+
+    def _planned(self, update_info: dict) -> dict:
+        """``update_info`` as sent: with its layout's id, and without the per-tensor fields once the
+        server took a push of that layout (vLLM's own clients send them every push)."""
+        if isinstance(self._calls, ProtocolCalls):
+            return update_info
+        layout = layout_id(update_info)
+        self._layouts_pushing.add(layout)
+        if layout in self._layouts_taken:
+            return {**without_layout(update_info), "layout": layout}
+        return {**update_info, "layout": layout}
+
+    def _update_weights(self, update_info: dict, one_call: OneCall | None, check_only: bool = False) -> None:
+        """The ``/update_weights`` call for one chunk, or for a whole push made in one call
+        (``check_only``: only what the server would refuse that call for)."""
+        update_info = self._planned(update_info)
+        if one_call is None:
+            self._calls.update_weights(update_info)
+        else:
+            self._calls.update_weights(update_info, **one_call.fields(), **({"check_only": True} if check_only else {}))
 
     @functools.cached_property
     def _engines_scheme(self) -> str | None:
@@ -118,6 +145,10 @@ class Trainer:
         try:
             send()
         except SkyinferError as exc:
+            if exc.code == UNKNOWN_LAYOUT:  # a server restarted since, say: the layouts go in full again
+                self._layouts_taken.clear()
+                send()
+                return
             if exc.code not in (TRANSFER_GROUP_GONE, UPDATE_ABANDONED):
                 raise
             log.warning("the server's engines left the weight transfer (%s): setting it up again", exc.message)
@@ -130,7 +161,7 @@ class Trainer:
 
     def _push(self, tensors: list[tuple[str, torch.Tensor]], version: str, verify: bool, kv: str, staged: bool) -> None:
         metadata = tensor_list(tensors)
-        self._calls.start_weight_update(metadata, staged=staged)  # a refusal here: nothing moved
+        self._calls.start_weight_update(self._planned(metadata), staged=staged)  # a refusal here: nothing moved
         self._send(tensors, metadata, None)
         self._calls.finish_weight_update(version, verify, kv=kv)
 
@@ -154,15 +185,6 @@ class OneCall:
 
     def fields(self) -> dict:
         return {"weight_version": self.version, "staged": self.staged, "kv": self.kv}
-
-
-def update_weights_call(calls, update_info: dict, one_call: OneCall | None, check_only: bool = False) -> None:
-    """``calls.update_weights`` for one chunk, or for a whole push made in one call (``check_only``:
-    only what the server would refuse that call for)."""
-    if one_call is None:
-        calls.update_weights(update_info)
-    else:
-        calls.update_weights(update_info, **one_call.fields(), **({"check_only": True} if check_only else {}))
 
 
 class ProtocolCalls:

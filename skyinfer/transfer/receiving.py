@@ -14,6 +14,9 @@ from collections.abc import Iterable
 
 import torch
 
+from .plans import ApplyPlans
+from .protocol import TensorLayouts, UnknownLayout
+
 # The device primitives of a receive on a thread of its own, on a GPU: the thread's device and the
 # stream's end. A CPU has neither: its threads share the one device, its copies end as they return.
 
@@ -49,11 +52,28 @@ class LiveReceiver:
     _in_place: InPlaceLoad | None = None
     # How the last finished update was applied, for the front (``skyinfer_update_outcome``).
     last_applied: dict | None = None
+    # The live model's apply plans (plans.py), recorded at the first in-place push of each tensor.
+    _plans: ApplyPlans | None = None
+
+    # The layouts this worker was given in full (protocol.py): an update may name its own alone.
+    _layouts: TensorLayouts | None = None
+
+    def parse_update_info(self, update_dict: dict):
+        if self._layouts is None:
+            self._layouts = TensorLayouts()
+        try:
+            info = super().parse_update_info(self._layouts.expand(update_dict))
+        except UnknownLayout as exc:
+            raise ValueError(str(exc)) from None
+        self._layouts.given(info)
+        return info
 
     def start_weight_update(self) -> None:
         self.last_applied = None
         if applies_in_place(self.model):
-            self._in_place = InPlaceLoad(self.model)
+            if self._plans is None or self._plans.model is not self.model:
+                self._plans = ApplyPlans(self.model)
+            self._in_place = InPlaceLoad(self.model, self._plans)
             return
         from ..vllm_api import initialize_layerwise_reload
 
@@ -78,12 +98,9 @@ class LiveReceiver:
     def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load checkpoint-format tensors into the update's target (the live model, or the target a
         staged push or an adapter set); the names of the parameters written."""
-        started = time.perf_counter()
-        loaded = self.model.load_weights(weights)
         if self.loads_at_once:
-            self._in_place.load_s += time.perf_counter() - started
-            self._in_place.loaded(loaded)
-        return loaded
+            return self._in_place.load(weights)
+        return self.model.load_weights(weights)
 
     def update_weights(self, update_info: dict) -> None:
         # The base class ends with torch.accelerator.synchronize(), which has
@@ -138,14 +155,16 @@ def applies_in_place(model: torch.nn.Module) -> bool:
 
 
 class InPlaceLoad:
-    """One update loaded straight into the live parameters, and each CPU linear layer holding a
-    parameter it wrote packing its kernel's copy again: as soon as a load no longer writes the
-    layer (a push's loads come layer by layer: the layer is whole then, and the pack overlaps what
-    is still received), and at the finish for the rest. A layer written again after its pack is
-    packed again."""
+    """One update loaded straight into the live parameters, each tensor by its apply plan where it
+    has one (plans.py), and each CPU linear layer holding a parameter it wrote packing its kernel's
+    copy again: as soon as a load no longer writes the layer (a push's loads come layer by layer:
+    the layer is whole then, and the pack overlaps what is still received), and at the finish for
+    the rest. A layer written again after its pack is packed again."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, plans: ApplyPlans) -> None:
         self.model = model
+        self.plans = plans
+        self._replayed_before, self._recorded_before = plans.replayed, plans.recorded
         self.written: set[str] = set()
         self.load_s = 0.0
         self.repack_s = 0.0
@@ -156,6 +175,13 @@ class InPlaceLoad:
             for param in module.parameters(recurse=False):
                 self._holders.setdefault(id(param), []).append(module)
         self._unpacked: dict[int, torch.nn.Module] = {}  # id(module): written since it last packed
+
+    def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        started = time.perf_counter()
+        written = self.plans.load(weights, self._params)
+        self.load_s += time.perf_counter() - started
+        self.loaded(written)
+        return written
 
     def loaded(self, names: set[str]) -> None:
         """A load wrote ``names``: the layers written before it and not by it pack their kernels."""
@@ -173,6 +199,8 @@ class InPlaceLoad:
         return {
             "applied": "in place",
             "parameters": len(self.written),
+            "by_plan": self.plans.replayed - self._replayed_before,
+            "plans_recorded": self.plans.recorded - self._recorded_before,
             "repacked": self.repacked,
             "load_s": round(self.load_s, 6),
             "repack_s": round(self.repack_s, 6),

@@ -38,7 +38,7 @@ from .protocol import (
     SharedMemoryUpdateInfo,
     segment_path,
 )
-from .pushing import NamedTensors, OneCall, Trainer, update_weights_call
+from .pushing import NamedTensors, OneCall, Trainer
 from .receiving import LiveReceiver
 
 # -- the trainer's side ---------------------------------------------------------------
@@ -142,7 +142,7 @@ class SharedMemoryTrainer(Trainer):
         segment = self._segment_for(size)
         segment.write([tensor for _name, tensor in tensors], offsets)
         update_info = {**metadata, "segment": segment.name, "offsets": offsets, "reuse": True}
-        update_weights_call(self._calls, update_info, one_call)
+        self._update_weights(update_info, one_call)
 
     def _segment_for(self, size: int) -> Segment:
         """The segment, if it is still there and fits ``size`` bytes; else a new one of this server's."""

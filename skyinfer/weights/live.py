@@ -20,8 +20,9 @@ __all__ = ("LivePath", "applied_by", "push_at_fault")
 
 def applied_by(replies: list[EngineReply]) -> dict:
     """How the engines' workers applied a live push (receiving.py's ``LiveReceiver``): "in place" or
-    "layerwise reload", and the seconds the slowest spent loading and repacking in place; nothing
-    for a staged push, whose engines swap a copy in."""
+    "layerwise reload", the seconds the slowest spent loading and repacking in place, and how many
+    tensors each applied by its plan (transfer/plans.py); nothing for a staged push, whose engines
+    swap a copy in."""
     applied = [rep.body["applied"] for rep in replies if isinstance(rep.body.get("applied"), dict)]
     if not applied:
         return {}
@@ -29,6 +30,10 @@ def applied_by(replies: list[EngineReply]) -> dict:
     for seconds in ("load_s", "repack_s"):
         if any(seconds in a for a in applied):
             answer[seconds] = max(a.get(seconds, 0.0) for a in applied)
+    if any("by_plan" in a for a in applied):
+        # Tensors applied by their plans on the engine that applied fewest; plans the most recorded.
+        answer["by_plan"] = min(a.get("by_plan", 0) for a in applied)
+        answer["plans_recorded"] = max(a.get("plans_recorded", 0) for a in applied)
     return answer
 
 

@@ -106,6 +106,9 @@ class OpenUpdate:
     # Seconds the front spent in each stage of it, in the order the stages came (``Push.timed``):
     # what ``/weight_info`` shows of the last push that finished.
     stages: dict[str, float] = attrs.Factory(dict)
+    # How its trainer's calls gave the tensors (protocol.py's layouts): "given" (in full, with
+    # the layout's id), "named" (its id alone), None (in full, no layout: vLLM's clients).
+    layout: str | None = None
     # When its first stage began: a one-call push pauses engines before it leaves IDLE.
     first_stage_at: float | None = None
     # Seconds of the stages run inside the stage that runs now (a one-call push's pause and start

@@ -180,15 +180,19 @@ class Push:
             async with self.registry.fleet_change():
                 one_shot = self.update.phase is Phase.IDLE
                 records = self._refusal_of_receive(meta, kv, staged)
+                forwarded = self.fleet.transport.for_engines(update_info, meta, records)
+                if meta.layout is not None:
+                    self.update.current.layout = "given" if "names" in update_info else "named"
                 if one_shot and not staged:
-                    return await self._push_in_one_call(records, update_info, meta, _version(weight_version), kv)
+                    return await self._push_in_one_call(records, forwarded, meta, _version(weight_version), kv)
                 if one_shot:
                     self.update.current.staged = staged
                 path = self._path()
                 started = time.monotonic()
                 with self.timed("receive"):
-                    replies, answer = await path.receive(records, update_info, meta)
+                    replies, answer = await path.receive(records, forwarded, meta)
                 await self._settle(path.receive_step, records, replies, collective=True)
+                self.fleet.transport.engines_took(meta, records)
                 if path is self.live:
                     self.last_update_s = time.monotonic() - started
                 if not one_shot:
@@ -261,6 +265,7 @@ class Push:
             if record.paused:
                 self.update.current.paused_for_push.append(record)
         await self._settle("push", records, replies, at_fault=push_at_fault(records, replies))
+        self.fleet.transport.engines_took(meta, records)
         slowest = max((rep.body["stages"] for rep in replies), key=lambda stages: sum(stages.values()))
         self.update.current.stages.update(slowest)
         return await self._finished(records, replies, version, verify=False, expected=None, kv=kv)
@@ -369,6 +374,7 @@ class Push:
                 "seconds": round(time.monotonic() - min(current.started_at, current.first_stage_at), 6),
                 "stages": {stage: round(seconds, 6) for stage, seconds in current.stages.items()},
                 **applied_by(replies),
+                **({"layout": current.layout} if current.layout else {}),
             }
         log.info("weight version %s on %d engine(s)%s", version, len(records), ", verified" if verify else "")
         answer = {

@@ -131,8 +131,10 @@ async def _weight_info(request: web.Request) -> web.Response:
     push must carry for it, and each engine's version, state and group; the last push that finished
     (``last_push``: its seconds from its first call and each stage's, ``pause``, ``start``,
     ``receive``, ``finish``, ``verify``, ``resume``, as the front timed them, or a one-call live
-    push's slowest engine its own first four); the prefixes of the
-    files this server makes in /dev/shm (its trainers' segments, its catch-ups' copies)."""
+    push's slowest engine its own first four; how its tensors came, ``layout`` ``given`` or
+    ``named``, and how the engines applied them: ``in place``, ``by_plan``, ``plans_recorded``, or
+    ``layerwise reload``); the prefixes of the files this server makes in /dev/shm (its trainers'
+    segments, its catch-ups' copies)."""
     sync = request.app[WEIGHT_SYNC]
     files = {"pushes": sync.transport.shm_segment_prefix, "catch_up": request.app[CATCH_UP].prefix}
     return json_response({**sync.info(), "shm_prefixes": files})

@@ -14,7 +14,7 @@ import time
 
 import attrs
 
-from ..errors import ApiError
+from ..errors import UNKNOWN_LAYOUT, ApiError
 from ..ranks import LayoutError, RankLayout
 from ..transfer import GLOO, IPC, NCCL, SHM, Transport
 from ..transfer.protocol import (
@@ -24,11 +24,15 @@ from ..transfer.protocol import (
     IpcUpdateInfo,
     SharedMemoryInitInfo,
     SharedMemoryUpdateInfo,
+    TensorLayouts,
+    UnknownLayout,
     UpdateMetadata,
+    layout_fields,
     new_server_token,
     remove_segments,
     segment_path,
     segment_prefix,
+    without_layout,
 )
 from ..transfer.rendezvous import wait_until_listening
 
@@ -83,6 +87,10 @@ class FrontTransport:
         self.segment_prefix = segment_prefix(new_server_token())
         # The segment the trainer writes each push into, left in place between pushes that finish.
         self.reused_segment: str | None = None
+        # The layouts trainers gave in full (a push may then name its own alone), and, by layout,
+        # the engine processes (engine id, pid) that took a push of it: they are sent its id alone.
+        self.layouts = TensorLayouts()
+        self._engines_given: dict[str, set[tuple[int, int | None]]] = {}
 
     @property
     def shm_segment_prefix(self) -> str | None:
@@ -156,7 +164,17 @@ class FrontTransport:
     # -- updates ----------------------------------------------------------------------
     def parse_update(self, update_info: dict, *, carries_data: bool) -> UpdateMetadata:
         """The update's metadata, checked; with ``carries_data`` also what the transport moves
-        the bytes with (a /start_weight_update names only the tensors)."""
+        the bytes with (a /start_weight_update names only the tensors). A layout given in full is
+        kept; one named alone is read from those kept."""
+        try:
+            full = self.layouts.expand(update_info) if isinstance(update_info, dict) else update_info
+        except UnknownLayout as exc:
+            raise TransferRefused(str(exc), status=409, code=UNKNOWN_LAYOUT, param="update_info.layout") from None
+        meta = self._parse_update(full, carries_data)
+        self.layouts.given(meta)
+        return meta
+
+    def _parse_update(self, update_info: dict, carries_data: bool) -> UpdateMetadata:
         if not carries_data:
             return UpdateMetadata.parse(update_info, ("update_info",))
         if self.transport is SHM:
@@ -177,6 +195,24 @@ class FrontTransport:
                 )
             return meta
         return GroupUpdateInfo.parse(update_info, ("update_info",))
+
+    def for_engines(self, update_info: dict, meta: UpdateMetadata, records) -> dict:
+        """The update_info the engines are sent: naming its layout alone where every one of them took
+        a push of it (their workers keep it), else in full."""
+        if meta.layout is None:
+            return update_info
+        given = self._engines_given.get(meta.layout, set())
+        if all((r.engine_id, r.pid) in given for r in records):
+            return {**without_layout(update_info), "layout": meta.layout}
+        return {**update_info, **layout_fields(meta)}
+
+    def engines_took(self, meta: UpdateMetadata, records) -> None:
+        """``records`` took a push of ``meta``'s layout: its id alone is enough for them from now on."""
+        if meta.layout is None:
+            return
+        # Only for the layouts kept here: an engine's workers keep as many, and see no layout this side has not.
+        self._engines_given = {layout: e for layout, e in self._engines_given.items() if layout in self.layouts}
+        self._engines_given.setdefault(meta.layout, set()).update((r.engine_id, r.pid) for r in records)
 
     def update_sent(self, meta: UpdateMetadata) -> None:
         """An /update_weights call ended, however: the engines hold what they still read from a
