@@ -20,6 +20,7 @@ from aiohttp import web
 from skyinfer.client import SkyinferError
 from skyinfer.errors import TRANSFER_GROUP_GONE, error_body, json_response
 from skyinfer.transfer.ipc import IPCTrainer, PackedBuffer
+from skyinfer.transfer.protocol import LAYOUT_FIELDS, layout_id
 
 WORLD_SIZE = 2
 # Both ranks start torch, form the group and push twice well within this on a 2-core machine.
@@ -144,14 +145,23 @@ async def run_ranks(
             process.join(10)
 
 
-def assert_carries_both_ranks(update: dict, packed: bool = True) -> None:
+def assert_carries_both_ranks(update: dict, packed: bool = True, in_full: bool = True) -> None:
     """One update with every rank's handle: of its packed buffer (the tensors' sizes in it, for the
-    engines to keep open), or of each tensor, in the order rank 0 named the tensors."""
+    engines to keep open), or of each tensor, in the order rank 0 named the tensors; the tensors
+    listed (``in_full``: the server has not taken a push of their layout yet) or named by their
+    layout's id alone."""
     info = update["update_info"]
-    assert info["names"] == ["w", "b"]
+    fields = {"names": ["w", "b"], "dtype_names": ["float32"] * 2, "shapes": [[2, 3], [3]]}
+    if packed:
+        fields["tensor_sizes"] = [24, 12]
+    assert info["layout"] == layout_id(fields)
+    if in_full:
+        assert {key: info[key] for key in fields} == fields
+    else:
+        assert not set(LAYOUT_FIELDS) & set(info), info
     if packed:
         assert info["ipc_handles"] == {f"gpu-{rank}": {"rank": rank, "buffer": True} for rank in range(WORLD_SIZE)}
-        assert info["tensor_sizes"] == [24, 12] and info["reuse"] is True
+        assert info["reuse"] is True
         return
     assert info["ipc_handles"] == [
         {f"gpu-{rank}": {"rank": rank, "tensor": name} for rank in range(WORLD_SIZE)} for name in ("w", "b")
@@ -199,8 +209,9 @@ async def test_every_rank_pushes_its_handles_in_rank_0s_one_update(aiohttp_serve
         server.routes()
         == ["/init_weight_transfer"] + ["/start_weight_update", "/update_weights", "/finish_weight_update"] * 2
     )
-    for update in server.updates():
-        assert_carries_both_ranks(update, packed)
+    first, second = server.updates()
+    assert_carries_both_ranks(first, packed)
+    assert_carries_both_ranks(second, packed, in_full=False)  # the server took a push of that layout
     assert [body["weight_version"] for path, body in server.calls if path == "/finish_weight_update"] == ["v1", "v2"]
 
 

@@ -63,6 +63,8 @@ IDLE_S = 1.5
 
 
 WEIGHT_ROUTES = ("/start_weight_update", "/update_weights", "/finish_weight_update")
+# What /weight_info's last_push says of how the engines applied the push, and how its tensors came.
+APPLIED_KEYS = ("applied", "load_s", "repack_s", "by_plan", "plans_recorded", "layout")
 
 
 def weight_calls(urls: list[str]) -> int:
@@ -213,7 +215,7 @@ def bench_gloo(args, model_dir: Path, tensors, mib: float, buffer_size: int) -> 
             loop_alone_s.append(rl_loop_step(trainer.client))
             push = functools.partial(trainer.push, tensors, f"bench-loop-{i}", one_call=True)
             loop_push_s.append(rl_loop_step(trainer.client, push))
-        applied = {k: v for k, v in last_push.items() if k in ("applied", "load_s", "repack_s")}
+        applied = {k: v for k, v in last_push.items() if k in APPLIED_KEYS}
         trainer.close()
         # One broadcast (and one load) per tensor, in one call: what the trainer did before buckets.
         per_tensor = GlooTrainer(urls if len(urls) > 1 else urls[0], timeout_s=300, packed=False)
@@ -372,7 +374,7 @@ def bench_shm(args, model_dir: Path, tensors, mib: float, buffer_size: int) -> N
                 rows["receiving"].append(info["last_update_seconds"])
                 for stage, seconds in info["last_push"]["stages"].items():
                     stages.setdefault(stage, []).append(seconds)
-                applied = {k: v for k, v in info["last_push"].items() if k in ("applied", "load_s", "repack_s")}
+                applied = {k: v for k, v in info["last_push"].items() if k in APPLIED_KEYS}
                 http.post("/wake_up", params={"tags": "kv_cache"}).raise_for_status()
         shm_trainer.close()
         gloo_trainer.close()

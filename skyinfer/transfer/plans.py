@@ -134,7 +134,8 @@ class _Recorder:
         start = dest.storage_offset()
         for name in self.storages.get(dest.untyped_storage().data_ptr(), []):
             data = self.params[name].data
-            if data.is_contiguous() and data.storage_offset() <= start < data.storage_offset() + data.numel():
+            span = 1 + sum((n - 1) * stride for n, stride in zip(data.shape, data.stride())) if data.numel() else 0
+            if data.storage_offset() <= start < data.storage_offset() + span:
                 return name
         raise _NotPlannable("a copy into a tensor that is no parameter's (a temporary, a buffer)")
 
@@ -240,23 +241,30 @@ class ApplyPlans:
         written: set[str] = set()
         unplanned = []
         for name, tensor in weights:
-            plan = self._plan(name, tensor, params)
-            if plan is not None and plan.apply(tensor, params):
-                self.replayed += 1
-                written |= plan.writes
-                continue
-            if plan is not None:  # a parameter changed its layout since: recorded again next time
-                self._plans.pop(_key(name, tensor))
-            unplanned.append((name, tensor))
+            applied = self._apply(name, tensor, params)
+            if applied is None:
+                unplanned.append((name, tensor))
+            else:
+                written |= applied
         if unplanned:
             written |= self.model.load_weights(unplanned)
         return written
 
-    def _plan(self, name: str, tensor: torch.Tensor, params: dict[str, torch.nn.Parameter]) -> _Plan | None:
+    def _apply(self, name: str, tensor: torch.Tensor, params: dict[str, torch.nn.Parameter]) -> set[str] | None:
+        """``tensor`` applied by its plan (recorded first if it has none): the parameters written;
+        None if it has no plan (nothing written)."""
         key = _key(name, tensor)
-        if key not in self._plans:
-            self._plans[key] = self._record(name, tensor, params)
-        return self._plans[key]
+        for _ in range(2):
+            if key not in self._plans:
+                self._plans[key] = self._record(name, tensor, params)
+            plan = self._plans[key]
+            if plan is None:
+                return None
+            if plan.apply(tensor, params):
+                self.replayed += 1
+                return plan.writes
+            del self._plans[key]  # a parameter changed its layout since: recorded again against it
+        return None
 
     def _record(self, name: str, tensor: torch.Tensor, params: dict[str, torch.nn.Parameter]) -> _Plan | None:
         recorder = _Recorder(params)

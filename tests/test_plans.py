@@ -1,0 +1,138 @@
+"""Apply plans (skyinfer/transfer/plans.py) against the loaders they stand in for: a model whose
+loaders do what vLLM's do (a shard narrowed out, q/k/v stacked into one parameter, a transposed
+copy, halves of one tensor, a cast by the copy), and loaders that do more than views and a copy
+(padding zeroed, a transform after the copy, arithmetic, a temporary). What a push applies by plan
+must be bit for bit what the loaders write; a loader that does more keeps loading, and recording a
+plan writes nothing. The real engines' case is test_weight_sync's (a dense model's push by plan,
+exact against transformers)."""
+
+from __future__ import annotations
+
+import torch
+
+from skyinfer.transfer.plans import ApplyPlans
+
+
+def _param(*shape: int, dtype=torch.float32) -> torch.nn.Parameter:
+    return torch.nn.Parameter(torch.zeros(*shape, dtype=dtype), requires_grad=False)
+
+
+class Loaders(torch.nn.Module):
+    """Parameters in a serving layout, filled from checkpoint-format tensors by vLLM-like loaders."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = _param(6, 4)  # q, k, v stacked, two rows each
+        self.shard = _param(2, 3)  # the second half (rows 2-3) of a 4 x 3 checkpoint tensor
+        self.transposed = _param(4, 2)
+        self.gate_up = _param(4, 3)  # gate and up, given as one 3 x 4 tensor, each half transposed
+        self.cast = _param(5)  # float32, given bfloat16
+        self.padded = _param(6, 2)  # a vocabulary padded to 6 rows
+        self.exp = _param(3)  # served as -exp of what is given
+        self.scaled = _param(3)
+        self.via_temporary = _param(3)
+        self.extra = _param(2)  # only the test writes it
+
+    def load_weights(self, weights) -> set[str]:
+        loaded = set()
+        for name, w in weights:
+            if name in ("q", "k", "v"):
+                i = "qkv".index(name)
+                self.qkv.data.narrow(0, 2 * i, 2).copy_(w)
+                loaded.add("qkv")
+            elif name == "shard":
+                self.shard.data.copy_(w.narrow(0, 2, 2))
+                loaded.add("shard")
+            elif name == "transposed":
+                self.transposed.data.copy_(w.t())
+                loaded.add("transposed")
+            elif name == "gate_up":
+                gate, up = w.chunk(2, dim=1)
+                self.gate_up.data[:2].copy_(gate.t())
+                self.gate_up.data[2:].copy_(up.t())
+                loaded.add("gate_up")
+            elif name == "cast":
+                self.cast.data.copy_(w)
+                loaded.add("cast")
+            elif name == "padded":
+                self.padded[: w.shape[0]].data.copy_(w)
+                self.padded[w.shape[0] :].data.fill_(0)
+                loaded.add("padded")
+            elif name == "exp":
+                self.exp.data.copy_(w)
+                self.exp.data.copy_(-torch.exp(self.exp.data))
+                loaded.add("exp")
+            elif name == "scaled":
+                self.scaled.data.copy_(w * 2)
+                loaded.add("scaled")
+            elif name == "via_temporary":
+                tmp = torch.empty_like(w)
+                tmp.copy_(w)
+                self.via_temporary.data.copy_(tmp)
+                loaded.add("via_temporary")
+        return loaded
+
+
+PLANNABLE = {"q", "k", "v", "shard", "transposed", "gate_up", "cast"}
+
+
+def checkpoint(seed: int) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    shapes = {
+        "q": (2, 4), "k": (2, 4), "v": (2, 4), "shard": (4, 3), "transposed": (2, 4), "gate_up": (3, 4),
+        "padded": (4, 2), "exp": (3,), "scaled": (3,), "via_temporary": (3,),
+    }  # fmt: skip
+    tensors = [(name, torch.randn(shape, generator=g)) for name, shape in shapes.items()]
+    return [*tensors, ("cast", torch.randn(5, generator=g).to(torch.bfloat16))]
+
+
+def params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    return dict(model.named_parameters(remove_duplicate=False))
+
+
+def assert_same(by_plan: torch.nn.Module, by_loaders: torch.nn.Module) -> None:
+    for (name, a), b in zip(by_plan.named_parameters(), by_loaders.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_each_push_by_plan_writes_what_the_loaders_write_and_a_plan_is_recorded_once():
+    by_plan, by_loaders = Loaders(), Loaders()
+    plans = ApplyPlans(by_plan)
+    for push in range(3):
+        # Padding the loaders zero: written beforehand, so that a plan that skipped the loader would show it.
+        by_plan.padded.data.fill_(7)
+        by_loaders.padded.data.fill_(7)
+        written = plans.load(checkpoint(push), params(by_plan))
+        by_loaders.load_weights(checkpoint(push))
+        assert_same(by_plan, by_loaders)
+        assert written == {name for name, _ in by_plan.named_parameters()} - {"extra"}
+        assert plans.recorded == len(PLANNABLE)  # at the first push, and never again
+        assert plans.replayed == len(PLANNABLE) * (push + 1)
+
+
+def test_recording_a_plan_writes_nothing():
+    """A loader that transforms its parameter after the copy would apply the transform twice if
+    recording ran it (-exp(-exp(x))), and one that zeroes padding would zero it while nothing is
+    copied: a write during recording is refused before it runs."""
+    model, reference = Loaders(), Loaders()
+    model.extra.data.fill_(3)
+    plans = ApplyPlans(model)
+    plans.load(checkpoint(0), params(model))
+    reference.load_weights(checkpoint(0))
+    assert torch.equal(model.exp, reference.exp) and torch.equal(model.padded, reference.padded)
+    assert torch.equal(model.extra, torch.full((2,), 3.0))
+
+
+def test_a_parameter_given_new_memory_or_a_new_layout_is_written_where_it_is_now():
+    """A staged swap gives parameters new memory: a plan writes the parameter as it is at the push.
+    A parameter whose layout changed (another stride) has its plan recorded again."""
+    model, reference = Loaders(), Loaders()
+    plans = ApplyPlans(model)
+    plans.load(checkpoint(0), params(model))
+    model.qkv.data = torch.zeros(6, 4)  # the same layout, other memory
+    model.transposed.data = torch.zeros(2, 4).t()  # the same shape, other strides
+    recorded = plans.recorded
+    plans.load(checkpoint(1), params(model))
+    reference.load_weights(checkpoint(1))
+    assert_same(model, reference)
+    assert plans.recorded == recorded + 1  # the transposed parameter's plan
