@@ -91,6 +91,11 @@ UPDATE_ABANDONED = "update_abandoned"
 # An update named its layout alone (update_info.layout) and this server was never given it, or let go
 # of it: send that update_info in full. skyinfer's trainer helpers do so by themselves.
 UNKNOWN_LAYOUT = "unknown_layout"
+# A delta push (update_info.delta) some engine cannot take: it serves another version than the delta's
+# base (restarted, caught up, held out), or its model takes dense pushes only (mixture of experts,
+# quantized layers). Push dense; skyinfer's trainer helpers do so by themselves.
+DELTA_BASE_MISMATCH = "delta_base_mismatch"
+DELTA_NOT_APPLICABLE = "delta_not_applicable"
 
 
 class BadRequest(ApiError, ValueError):

@@ -277,7 +277,8 @@ async def test_a_pause_that_failed_around_a_push_is_read_back_and_undone(
     assert (await client.post("/init_weight_transfer", json={"init_info": group_init})).status == 200
     await script(app, 1, {"fail_after": {"/pause": 500}})
     r = await client.post("/update_weights", json={"update_info": whole_checkpoint(demo_model), "weight_version": "v1"})
-    assert r.status == 500
+    # Engine 0 may have been cut short by engine 1's failure before it answered (503): 502 then.
+    assert r.status in (500, 502), await r.text()
     await script(app, 1, {})
     for engine in (0, 1):
         async with app[REGISTRY].records[engine].client.get("/conditions") as conditions:

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import os
 import re
 import signal
@@ -178,6 +179,38 @@ async def test_a_push_names_its_tensor_layout_alone_once_given_and_engines_get_i
     r = await push({"layout": layout}, "v4")
     assert r.status == 200, await r.text()
     assert await sent_to_engines() == [{"layout": layout}] * 2
+
+
+async def test_a_delta_push_is_refused_unless_every_engine_serves_its_base(
+    aiohttp_client, demo_model, tmp_path, group_init
+):
+    """A delta (``update_info.delta``) names the version it applies on: refused (409, before any
+    engine is asked) while an engine serves another, taken once every engine serves it; a staged
+    delta is refused (400); the push's bytes are counted as sent against the tensors' size."""
+    app, client = await fake_fleet(aiohttp_client, demo_model, tmp_path)
+    assert (await client.post("/init_weight_transfer", json={"init_info": group_init})).status == 200
+    tensors = whole_checkpoint(demo_model)
+    count = len(tensors["names"])
+
+    async def push(version: str, base: str, **extra):
+        delta = {"base_version": base, "changed": [0] * (count - 1) + [3]}
+        body = {"update_info": {**tensors, "delta": delta}, "weight_version": version, **extra}
+        return await client.post("/update_weights", json=body)
+
+    r = await push("v1", "default-0")
+    assert r.status == 409 and (await r.json())["error"]["code"] == "delta_base_mismatch", await r.text()
+    assert "engine 0: default" in (await r.json())["error"]["message"]
+    assert (await calls(app, 0)).get("/push") is None
+    r = await client.post("/update_weights", json={"update_info": tensors, "weight_version": "v1"})
+    assert r.status == 200, await r.text()
+    r = await push("v2", "v1", staged=True)
+    assert r.status == 400 and "staged" in (await r.json())["error"]["message"]
+    r = await push("v2", "v1")
+    assert r.status == 200, await r.text()
+    info = await (await client.get("/weight_info")).json()
+    dense = sum(4 * math.prod(shape) for shape in tensors["shapes"])
+    # Three int32 positions, padded to 16 bytes, and three float32 values.
+    assert info["last_push"]["bytes"] == {"sent": 16 + 3 * 4, "dense": dense}, info["last_push"]
 
 
 @pytest.mark.parametrize("step", ["/pause", "/start_weight_update", "/update_weights", "/finish_weight_update"])

@@ -8,8 +8,13 @@ exact against transformers)."""
 
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 
+from skyinfer.transfer.delta import DENSE, SentWeights, positions_in, strided_view
+from skyinfer.transfer.packing import TensorMeta
 from skyinfer.transfer.plans import ApplyPlans
 
 
@@ -73,7 +78,7 @@ class Loaders(torch.nn.Module):
         return loaded
 
 
-PLANNABLE = {"q", "k", "v", "shard", "transposed", "gate_up", "cast"}
+PLANNABLE = {"q", "k", "v", "shard", "transposed", "gate_up", "cast", "padded"}  # padded: its fill recorded
 
 
 def checkpoint(seed: int) -> list[tuple[str, torch.Tensor]]:
@@ -112,8 +117,8 @@ def test_each_push_by_plan_writes_what_the_loaders_write_and_a_plan_is_recorded_
 
 def test_recording_a_plan_writes_nothing():
     """A loader that transforms its parameter after the copy would apply the transform twice if
-    recording ran it (-exp(-exp(x))), and one that zeroes padding would zero it while nothing is
-    copied: a write during recording is refused before it runs."""
+    recording ran it (-exp(-exp(x))): a write during recording is refused before it runs (a fill
+    with a constant, the padding's, is recorded, not run)."""
     model, reference = Loaders(), Loaders()
     model.extra.data.fill_(3)
     plans = ApplyPlans(model)
@@ -136,3 +141,94 @@ def test_a_parameter_given_new_memory_or_a_new_layout_is_written_where_it_is_now
     reference.load_weights(checkpoint(1))
     assert_same(model, reference)
     assert plans.recorded == recorded + 1  # the transposed parameter's plan
+
+
+def _delta_pieces(delta, metas):
+    """A delta's pieces as a worker takes them: (meta, positions, values) for each sparse one, and
+    the tensors sent whole."""
+    from skyinfer.transfer.delta import unpack_sparse
+
+    sparse, dense = [], []
+    by_name = dict(delta.pieces)
+    for meta, count in zip(metas, delta.changed):
+        if count > 0:
+            sparse.append((meta, *unpack_sparse(by_name[meta.name], count, meta.dtype)))
+        elif count == DENSE:
+            dense.append((meta.name, by_name[meta.name]))
+    return sparse, dense
+
+
+def test_a_delta_by_plan_lands_what_a_push_of_the_whole_tensors_lands():
+    """A trainer's step changes a few elements of each tensor (one 0.0 to -0.0, one to NaN, bit
+    patterns a float comparison misses) and all of one: the delta sends those elements (and that
+    tensor whole), nothing for a tensor unchanged; written by plan, the model holds bit for bit
+    what the loaders give from the whole tensors. A perturbation and its revert round-trip."""
+    first = [(name, tensor) for name, tensor in checkpoint(0) if name in PLANNABLE]
+    sent = SentWeights()
+    by_plan, by_loaders = Loaders(), Loaders()
+    plans = ApplyPlans(by_plan)
+    plans.load(first, params(by_plan))
+    sent.took(first, "v0")
+    step = [(name, tensor.clone()) for name, tensor in first]
+    for i, (name, tensor) in enumerate(step):
+        flat = tensor.view(-1)
+        if name == "transposed":
+            flat.add_(1)  # every element: sent whole
+        elif name != "k":  # k unchanged
+            flat[i % flat.numel()] = -0.0 if i % 2 else float("nan")
+            flat[-1] = flat[-1] * 1.5 + 0.25
+    for version, weights in (("v1", step), ("v2", first)):  # the step, then back
+        delta = sent.diff(weights)
+        assert delta is not None and delta.base_version == sent.version
+        changed = dict(zip([n for n, _ in weights], delta.changed))
+        assert changed["k"] == 0 and changed["transposed"] == DENSE
+        # Two elements of 4-byte floats cost less as positions and values; of the 5 bfloat16 ones, more.
+        assert changed["cast"] == DENSE and all(changed[n] in (1, 2) for n in ("q", "v", "shard", "gate_up", "padded"))
+        metas = [TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in weights]
+        sparse, dense = _delta_pieces(delta, metas)
+        plans.load(dense, params(by_plan))
+        for meta, positions, values in sparse:
+            plans.apply_delta(meta.name, meta.dtype, meta.shape, positions, values, params(by_plan))
+        by_loaders.load_weights(weights)
+        for name in ("qkv", "shard", "transposed", "gate_up", "cast", "padded"):
+            a, b = getattr(by_plan, name), getattr(by_loaders, name)
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32)), name  # NaN and -0.0 too
+        sent.took(weights, version)
+
+
+def test_a_delta_of_a_tensor_whose_loader_does_more_is_refused():
+    model = Loaders()
+    plans = ApplyPlans(model)
+    with pytest.raises(ValueError, match="dense pushes only"):
+        plans.apply_delta(
+            "exp", torch.float32, (3,), torch.tensor([1], dtype=torch.int32), torch.ones(1), params(model)
+        )
+    assert torch.equal(model.exp, torch.zeros(3))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_positions_in_finds_every_element_of_a_view_and_no_other(seed):
+    """Random chains of the loaders' view ops over a contiguous tensor: each flat position is
+    found in the view exactly where the view holds it."""
+    g = torch.Generator().manual_seed(seed)
+    shape = tuple(int(n) for n in torch.randint(1, 6, (3,), generator=g))
+    whole = torch.arange(math.prod(shape)).view(shape)
+    view = whole
+    for _ in range(3):
+        op = int(torch.randint(0, 4, (1,), generator=g))
+        dim = int(torch.randint(0, view.ndim, (1,), generator=g))
+        if op == 0 and view.shape[dim] > 1:
+            start = int(torch.randint(0, view.shape[dim] - 1, (1,), generator=g))
+            view = view.narrow(dim, start, view.shape[dim] - start - 1 or 1)
+        elif op == 1 and view.ndim >= 2:
+            view = view.transpose(0, view.ndim - 1)
+        elif op == 2:
+            view = view.chunk(2, dim=dim)[-1]
+        elif op == 3:
+            view = view[..., ::2]
+    found_view = strided_view(tuple(view.shape), view.stride(), view.storage_offset())
+    assert found_view is not None
+    positions = torch.arange(whole.numel())
+    found, index = positions_in(found_view, positions)
+    assert sorted(positions[found].tolist()) == sorted(view.reshape(-1).tolist())
+    assert torch.equal(view[index], positions[found])

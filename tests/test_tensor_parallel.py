@@ -19,10 +19,11 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+import torch
 
 from forked_python import VLLM_PRELOAD, run_python
 from lora_support import assert_serves, make_adapter
-from pushes import assert_engines_match, modified_weights, run_trainer, save, start_trainer
+from pushes import assert_engines_match, fleet_checksums, modified_weights, run_trainer, save, start_trainer
 from support import (
     ServerProcess,
     free_port,
@@ -132,6 +133,38 @@ class TestGroupPushes:
         assert done.returncode == 0 and "pushed tp2-vllm" in done.stdout, done.stdout + done.stderr[-3000:]
         print(f"vLLM's trainer pieces pushed in {time.monotonic() - started:.1f}s, 5 s of them before listening")
         assert_engines_match(tp2, model_name, demo_model, weights, "tp2-vllm")
+
+    def test_a_delta_push_lands_in_both_workers_shards_as_a_dense_push_of_the_same_weights(
+        self, tp2, model_name, demo_model
+    ):
+        """50 elements of each tensor changed: the trainer's next push sends only those, and each
+        worker writes the ones of its own shard (q/k/v and gate/up fused, rows and columns split)
+        where its apply plans put them. The engine then holds what a dense push of the same
+        weights gives it (vLLM's checksums of both workers equal) and serves it."""
+        from skyinfer.client import Client
+        from skyinfer.trainer import GlooTrainer
+
+        first = modified_weights(demo_model, 17)
+        g = torch.Generator().manual_seed(5)
+        second = {name: t.clone() for name, t in first.items()}
+        for tensor in second.values():
+            flat = tensor.view(-1)
+            flat[torch.randint(0, flat.numel(), (50,), generator=g)] += 0.01
+        with Client(tp2.url) as client:
+            trainer = GlooTrainer(tp2.url, timeout_s=60, client=client)
+            trainer.init()
+            trainer.push(list(first.items()), "tp2-delta-0", one_call=True)
+            trainer.push(list(second.items()), "tp2-delta-1", one_call=True)
+            sent = client.weight_info()["last_push"]["bytes"]
+            assert sent["sent"] < sent["dense"] / 10, sent
+            by_delta = fleet_checksums(tp2)
+            assert_engines_match(tp2, model_name, demo_model, second, "tp2-delta-1")
+            whole = GlooTrainer(tp2.url, timeout_s=60, client=client, delta=False)
+            whole.init()
+            whole.push(list(first.items()), "tp2-dense-0", one_call=True)
+            assert fleet_checksums(tp2) != by_delta
+            whole.push(list(second.items()), "tp2-dense-1", one_call=True)
+            assert fleet_checksums(tp2) == by_delta
 
     def test_a_trainer_killed_mid_push_costs_no_restart_and_the_next_push_lands(
         self, tp2, model_name, demo_model, pushed

@@ -16,15 +16,21 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pushes import assert_engines_match, greedy, modified_weights, push_more, run_trainer, save, start_trainer
+from pushes import (
+    assert_engines_match,
+    fleet_checksums,
+    greedy,
+    modified_weights,
+    push_more,
+    run_trainer,
+    save,
+    start_trainer,
+)
 from support import admit_while_paused, scrape, total
 
 pytestmark = pytest.mark.usefixtures("restores_checkpoint")
 
 PUSH_SECONDS = "skyinfer_weight_update_duration_seconds"
-# The demo model's tensors (26) a push applies by plan: all but the embeddings, whose loader also
-# zeroes the vocabulary's padding (vLLM's VocabParallelEmbedding), a write a plan does not replay.
-PLANNED_TENSORS = 25
 
 
 def test_weight_transfer_methods_drive_a_push(server, model_name, demo_model):
@@ -69,10 +75,70 @@ def test_a_trainers_next_push_names_its_layout_alone_and_is_applied_by_the_engin
         assert_engines_match(server, model_name, demo_model, second, "v-plan-2")
         last = httpx.get(f"{server.url}/weight_info").json()["last_push"]
         assert last["layout"] == "named" and last["applied"] == "in place", last
-        assert last["plans_recorded"] == 0 and last["by_plan"] == PLANNED_TENSORS, last
+        # A delta (the trainer's default): the tensors the second weights changed, each by its plan.
+        changed = [name for name in first if not torch.equal(first[name], second[name])]
+        assert last["plans_recorded"] == 0 and last["by_plan"] == len(changed) > 0, last
     finally:
         trainer.stdin.close()
         assert trainer.wait(timeout=60) == 0, trainer.stderr.read()
+
+
+def test_a_delta_push_after_an_optimizer_step_lands_what_a_dense_push_of_the_same_weights_lands(
+    server, model_name, demo_model
+):
+    """One AdamW step at a learning rate of 1e-6 over bfloat16 weights changes few of their bits:
+    GlooTrainer's next push sends only those elements (their positions and values), which each
+    engine writes where its apply plans put them. The engines then hold what a dense push of the
+    same weights gives them (vLLM's checksums equal) and serve it (logprobs as transformers' give);
+    the step reverted by a second delta, they hold the first weights again. A trainer whose base
+    is not what the engines serve (another trainer pushed since) is refused its delta and pushes
+    whole, by itself."""
+    from skyinfer.client import Client
+    from skyinfer.trainer import GlooTrainer
+
+    first = {name: t.to(torch.bfloat16) for name, t in modified_weights(demo_model, seed=9).items()}
+    params = {name: torch.nn.Parameter(t.clone()) for name, t in first.items()}
+    optimizer = torch.optim.AdamW(params.values(), lr=1e-6)
+    g = torch.Generator().manual_seed(3)
+    for p in params.values():
+        p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+    optimizer.step()
+    stepped = {name: p.detach().clone() for name, p in params.items()}
+    elements = sum(t.numel() for t in first.values())
+    changed = sum(int((stepped[n].view(torch.int16) != first[n].view(torch.int16)).sum()) for n in first)
+    assert 0 < changed < elements / 10, (changed, elements)
+    with Client(server.url) as client:
+
+        def pushed(weights: dict, version: str, trainer: GlooTrainer) -> dict:
+            trainer.push(list(weights.items()), version, one_call=True)
+            last = client.weight_info()["last_push"]
+            assert last["weight_version"] == version, last
+            return last["bytes"]
+
+        trainer = GlooTrainer(server.url, timeout_s=60, client=client)
+        trainer.init()
+        dense_bytes = pushed(first, "delta-0", trainer)["dense"]
+        assert dense_bytes == 2 * elements
+        at_first = fleet_checksums(server)
+        sent = pushed(stepped, "delta-1", trainer)
+        # Each changed element: a 4-byte position and a 2-byte value (a few pieces' padding).
+        assert sent["dense"] == dense_bytes and sent["sent"] <= 1.2 * 6 * changed + 64, (sent, changed)
+        by_delta = fleet_checksums(server)
+        assert by_delta != at_first
+        assert_engines_match(server, model_name, demo_model, {n: t.float() for n, t in stepped.items()}, "delta-1")
+        assert pushed(first, "delta-2", trainer)["sent"] < dense_bytes / 10
+        assert fleet_checksums(server) == at_first
+
+        whole = GlooTrainer(server.url, timeout_s=60, client=client, delta=False)
+        whole.init()
+        pushed(first, "dense-0", whole)
+        assert pushed(stepped, "dense-1", whole)["sent"] == dense_bytes
+        assert fleet_checksums(server) == by_delta
+        trainer.init()
+        assert pushed(first, "delta-3", trainer)["sent"] == dense_bytes  # its base, delta-2, is not served
+        assert fleet_checksums(server) == at_first
+        assert pushed(stepped, "delta-4", trainer)["sent"] < dense_bytes / 10  # delta-3 is
+        assert fleet_checksums(server) == by_delta
 
 
 async def test_push_under_keep_pause_then_logprobs_match_transformers(server, model_name, demo_model, tmp_path):

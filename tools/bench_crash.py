@@ -49,7 +49,7 @@ def push(url: str, model: Path) -> None:
 
     from pushes import modified_weights
 
-    trainer = GlooTrainer(url)
+    trainer = GlooTrainer(url, delta=False)
     trainer.init()
     trainer.push(modified_weights(model, 7).items(), version=VERSION)
 

@@ -70,7 +70,7 @@ def main() -> None:
     seconds: dict[str, list[float]] = {kind: [] for kind in models}
     try:
         asyncio.run(wait_servers([(urls[kind], procs[kind]) for kind in models], path="/ready"))
-        trainers = {kind: GlooTrainer(urls[kind], timeout_s=300) for kind in models}
+        trainers = {kind: GlooTrainer(urls[kind], timeout_s=300, delta=False) for kind in models}
         for trainer in trainers.values():
             trainer.init()
         for i in range(args.rounds):

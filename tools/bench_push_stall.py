@@ -74,7 +74,7 @@ def trainer_loop(url: str, model: str, commands) -> None:
     from skyinfer.trainer import GlooTrainer
 
     tensors = [checkpoint_tensors(Path(model), seed) for seed in (1, 2)]
-    trainer = GlooTrainer(url, timeout_s=600)
+    trainer = GlooTrainer(url, timeout_s=600, delta=False)
     trainer.init()
     commands.send("ready")
     while (command := commands.recv()) is not None:

@@ -201,7 +201,9 @@ def bench_gloo(args, model_dir: Path, tensors, mib: float, buffer_size: int) -> 
     stages: dict[str, list[float]] = {}
     try:
         asyncio.run(wait_servers(list(zip(urls, procs)), path="/ready"))
-        trainer = GlooTrainer(urls if len(urls) > 1 else urls[0], timeout_s=300, buffer_size_bytes=buffer_size)
+        trainer = GlooTrainer(
+            urls if len(urls) > 1 else urls[0], timeout_s=300, buffer_size_bytes=buffer_size, delta=False
+        )
         trainer.init()
         for i in range(args.pushes):
             raw_s.append(raw.push())
@@ -218,7 +220,7 @@ def bench_gloo(args, model_dir: Path, tensors, mib: float, buffer_size: int) -> 
         applied = {k: v for k, v in last_push.items() if k in APPLIED_KEYS}
         trainer.close()
         # One broadcast (and one load) per tensor, in one call: what the trainer did before buckets.
-        per_tensor = GlooTrainer(urls if len(urls) > 1 else urls[0], timeout_s=300, packed=False)
+        per_tensor = GlooTrainer(urls if len(urls) > 1 else urls[0], timeout_s=300, packed=False, delta=False)
         per_tensor.init()
         per_tensor_s = [
             timed_push(per_tensor, tensors, f"bench-per-tensor-{i}", one_call=True) for i in range(args.pushes)
@@ -285,8 +287,8 @@ def bench_quantized(args, model_dir: Path, tensors, mib: float, buffer_size: int
 
     try:
         asyncio.run(wait_servers(list(zip((bf16_url, int8_url), procs)), path="/ready"))
-        to_bf16 = GlooTrainer(bf16_url, timeout_s=300, buffer_size_bytes=buffer_size)
-        to_int8 = GlooTrainer(int8_url, timeout_s=300, buffer_size_bytes=buffer_size)
+        to_bf16 = GlooTrainer(bf16_url, timeout_s=300, buffer_size_bytes=buffer_size, delta=False)
+        to_int8 = GlooTrainer(int8_url, timeout_s=300, buffer_size_bytes=buffer_size, delta=False)
         to_bf16.init()
         to_int8.init()
         for i in range(args.pushes):
@@ -349,7 +351,7 @@ def bench_shm(args, model_dir: Path, tensors, mib: float, buffer_size: int) -> N
         asyncio.run(wait_servers(list(zip((colocated_url, separate_url), procs)), path="/ready"))
         shm_trainer, gloo_trainer = (
             SharedMemoryTrainer(colocated_url, timeout_s=300),
-            GlooTrainer(separate_url, timeout_s=300),
+            GlooTrainer(separate_url, timeout_s=300, delta=False),
         )
         shm_trainer.init()
         gloo_trainer.init()

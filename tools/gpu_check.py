@@ -314,7 +314,7 @@ def trainer_main(kind: str, url: str, weights_file: str, version: str) -> None:
         from skyinfer.trainer import GlooTrainer
 
         tensors = [(k, v.cpu()) for k, v in tensors]
-        trainer = GlooTrainer(url, admin_key=admin_key, timeout_s=300)
+        trainer = GlooTrainer(url, admin_key=admin_key, timeout_s=300, delta=False)
         trainer.init()
         started = time.perf_counter()
         trainer.push(tensors, version)

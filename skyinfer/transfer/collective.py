@@ -24,6 +24,7 @@ from typing import Protocol
 import torch
 
 from ..ranks import worker_index
+from .delta import delta_pieces, unpack_sparse
 from .packing import TensorMeta, dtype_from_name, plan_chunks, unpack
 from .protocol import GroupInitInfo, GroupUpdateInfo
 from .receiving import LiveReceiver, bind_thread, wait_for
@@ -165,9 +166,27 @@ class GroupReceiver(LiveReceiver):
         assert self._info is not None
         metas = _metas(update_info)
         packed = self._info.packed if update_info.packed is None else update_info.packed
+        delta = update_info.delta
+        if delta is not None:
+            if not packed:
+                raise ValueError("a delta push is packed; this group was set up unpacked")
+            # Its pieces, in the order sent (delta.py); sparse ones by tensor: (changed elements, meta).
+            sparse = {m.name: (count, m) for m, count in zip(metas, delta.changed) if count > 0}
+            metas = delta_pieces(metas, delta.changed)
         chunks = list(plan_chunks(metas, self._info.packed_buffer_size_bytes)) if packed else [[m] for m in metas]
+        if not chunks:  # a delta of nothing changed: nothing is broadcast
+            return
         for chunk, buffer in self._received(communicator, chunks, packed):
-            self.load(unpack(buffer, chunk) if packed else [(chunk[0].name, buffer)])
+            if delta is None:
+                self.load(unpack(buffer, chunk) if packed else [(chunk[0].name, buffer)])
+                continue
+            pieces = unpack(buffer, chunk)
+            if dense := [(name, piece) for name, piece in pieces if name not in sparse]:
+                self.load(dense)
+            for name, piece in pieces:
+                if name in sparse:
+                    count, meta = sparse[name]
+                    self.load_delta(meta, *unpack_sparse(piece, count, meta.dtype))
 
     def _received(self, communicator: Communicator, chunks: list[list[TensorMeta]], packed: bool):
         """Each chunk and the buffer it was received into, in order, the broadcasts made on a thread

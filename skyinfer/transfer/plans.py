@@ -28,6 +28,8 @@ import attrs
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .delta import StridedView, positions_in, strided_view
+
 __all__ = ["ApplyPlans"]
 
 log = logging.getLogger("skyinfer.transfer.plans")
@@ -93,23 +95,53 @@ class _Region:
 class _Copy:
     ops: tuple[Op, ...]
     region: _Region
+    # The ops' result as a strided view of the checkpoint tensor (contiguous): (size, stride,
+    # offset), where its elements can be found by their flat positions (delta.py); None where an op
+    # copies (``contiguous`` of a transposed view).
+    source: StridedView | None
+
+
+@attrs.frozen
+class _Fill:
+    """A loader's fill of a parameter's region with a constant (a vocabulary's padding zeroed)."""
+
+    region: _Region
+    value: float
 
 
 @attrs.frozen
 class _Plan:
     copies: tuple[_Copy, ...]
+    fills: tuple[_Fill, ...] = ()
 
     @property
     def writes(self) -> set[str]:
-        return {copy.region.parameter for copy in self.copies}
+        return {step.region.parameter for step in (*self.copies, *self.fills)}
 
     def apply(self, tensor: torch.Tensor, params: dict[str, torch.nn.Parameter]) -> bool:
         """Copy ``tensor`` where the plan says; False (nothing written) if a parameter changed its layout."""
+        copies = [copy.region.of(params) for copy in self.copies]
+        fills = [fill.region.of(params) for fill in self.fills]
+        if any(dest is None for dest in (*copies, *fills)):
+            return False
+        for copy, dest in zip(self.copies, copies):
+            dest.copy_(_replay(tensor, copy.ops))
+        for fill, dest in zip(self.fills, fills):
+            dest.fill_(fill.value)
+        return True
+
+    def apply_delta(self, positions: torch.Tensor, values: torch.Tensor, params: dict[str, torch.nn.Parameter]) -> bool:
+        """Write ``values`` at their flat ``positions`` of the checkpoint tensor where the plan puts
+        those elements (a fill's constant is as it was); False (nothing written) if a parameter
+        changed its layout. Raises ValueError where an op of the plan copies."""
+        if any(copy.source is None for copy in self.copies):
+            raise ValueError("its loaders copy it (not a view of it) before it lands: it takes dense pushes only")
         destinations = [copy.region.of(params) for copy in self.copies]
         if any(dest is None for dest in destinations):
             return False
         for copy, dest in zip(self.copies, destinations):
-            dest.copy_(_replay(tensor, copy.ops))
+            found, index = positions_in(copy.source, positions)
+            dest.index_put_(index, values[found].to(dest.dtype))
         return True
 
 
@@ -128,6 +160,21 @@ class _Recorder:
         for name, param in params.items():
             self.storages.setdefault(param.data.untyped_storage().data_ptr(), []).append(name)
         self.copies: list[_Copy] = []
+        self.fills: list[_Fill] = []
+
+    def _region(self, dest: torch.Tensor) -> _Region:
+        name = self._parameter_holding(dest)
+        data = self.params[name].data
+        return _Region(
+            parameter=name,
+            dtype=data.dtype,
+            shape=tuple(data.shape),
+            stride=data.stride(),
+            storage_offset=data.storage_offset(),
+            offset=dest.storage_offset(),
+            size=tuple(dest.shape),
+            region_stride=dest.stride(),
+        )
 
     def _parameter_holding(self, dest: torch.Tensor) -> str:
         """The parameter whose elements ``dest`` lies within (parameters may share a storage)."""
@@ -144,20 +191,17 @@ class _Recorder:
             raise _NotPlannable("a copy into a recording tensor")
         if tuple(dest.shape) != tuple(src.shape):
             raise _NotPlannable(f"a broadcasting copy ({tuple(src.shape)} into {tuple(dest.shape)})")
-        name = self._parameter_holding(dest)
-        data = self.params[name].data
-        region = _Region(
-            parameter=name,
-            dtype=data.dtype,
-            shape=tuple(data.shape),
-            stride=data.stride(),
-            storage_offset=data.storage_offset(),
-            offset=dest.storage_offset(),
-            size=tuple(dest.shape),
-            region_stride=dest.stride(),
-        )
-        self.copies.append(_Copy(src._ops, region))
+        region = self._region(dest)
+        self.copies.append(_Copy(src._ops, region, src._source()))
         return dest  # nothing moves while recording
+
+    def filled(self, dest: torch.Tensor, value) -> torch.Tensor:
+        if dest.numel() == 0:  # a padding of no rows: nothing to replay
+            return dest
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise _NotPlannable("a fill with something other than a number")
+        self.fills.append(_Fill(self._region(dest), float(value)))
+        return dest
 
 
 class _Recording(torch.Tensor):
@@ -166,16 +210,24 @@ class _Recording(torch.Tensor):
     anything that would read its data raises ``_NotPlannable``."""
 
     _ops: tuple[Op, ...]
-    _meta: torch.Tensor
+    _meta: torch.Tensor  # the geometry, on the meta device: the checkpoint tensor's, the ops applied
+    _root: torch.Tensor  # the checkpoint tensor's own (contiguous)
     _recorder: _Recorder
 
     @staticmethod
-    def __new__(cls, meta: torch.Tensor, device: torch.device, ops: tuple[Op, ...], recorder: _Recorder):
+    def __new__(cls, meta: torch.Tensor, root: torch.Tensor, device, ops: tuple[Op, ...], recorder: _Recorder):
         tensor = torch.Tensor._make_wrapper_subclass(
             cls, meta.shape, strides=meta.stride(), dtype=meta.dtype, device=device, requires_grad=False
         )
-        tensor._meta, tensor._ops, tensor._recorder = meta, ops, recorder
+        tensor._meta, tensor._root, tensor._ops, tensor._recorder = meta, root, ops, recorder
         return tensor
+
+    def _source(self) -> StridedView | None:
+        """Where this tensor's elements are in the checkpoint tensor, if it is a view of it."""
+        meta = self._meta
+        if meta is not self._root and meta._base is not self._root:
+            return None  # an op copied
+        return strided_view(tuple(meta.shape), meta.stride(), meta.storage_offset())
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -201,9 +253,9 @@ class _Recording(torch.Tensor):
             result = func(self._meta, *args, **kwargs)
         op: Op = (method, args, tuple(sorted(kwargs.items())))
         if isinstance(result, torch.Tensor):
-            return _Recording(result, self.device, (*self._ops, op), self._recorder)
+            return _Recording(result, self._root, self.device, (*self._ops, op), self._recorder)
         return tuple(
-            _Recording(part, self.device, (*self._ops, op, ("__getitem__", (i,), ())), self._recorder)
+            _Recording(part, self._root, self.device, (*self._ops, op, ("__getitem__", (i,), ())), self._recorder)
             for i, part in enumerate(result)
         )
 
@@ -215,10 +267,17 @@ def _is_write(func, kwargs: dict) -> bool:
 
 
 class _NoOtherWrites(TorchFunctionMode):
-    """While a plan is recorded: any write but a copy of the recording tensor is refused before it runs."""
+    """While a plan is recorded: a parameter's region filled with a constant is recorded (not run);
+    any other write but a copy of the recording tensor is refused before it runs."""
+
+    def __init__(self, recorder: _Recorder) -> None:
+        super().__init__()
+        self.recorder = recorder
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.Tensor.fill_ and len(args) == 2 and not kwargs and not isinstance(args[0], _Recording):
+            return self.recorder.filled(args[0], args[1])
         if _is_write(func, kwargs):
             src = args[1] if len(args) > 1 else kwargs.get("src")
             if not (func is torch.Tensor.copy_ and isinstance(src, _Recording)):
@@ -234,6 +293,13 @@ class ApplyPlans:
         self._plans: dict[tuple[str, torch.dtype, tuple[int, ...]], _Plan | None] = {}
         self.recorded = 0
         self.replayed = 0
+        self.deltas = 0
+
+    @property
+    def unplanned(self) -> list[str]:
+        """The tensors whose loaders do more than views and copies: loaded by them at each push,
+        sent whole in a delta push."""
+        return sorted({key[0] for key, plan in self._plans.items() if plan is None})
 
     def load(self, weights: Iterable[tuple[str, torch.Tensor]], params: dict[str, torch.nn.Parameter]) -> set[str]:
         """Load ``weights`` into the live model: each planned tensor by its plan, the rest through the
@@ -253,31 +319,56 @@ class ApplyPlans:
     def _apply(self, name: str, tensor: torch.Tensor, params: dict[str, torch.nn.Parameter]) -> set[str] | None:
         """``tensor`` applied by its plan (recorded first if it has none): the parameters written;
         None if it has no plan (nothing written)."""
-        key = _key(name, tensor)
+        if not tensor.is_contiguous():  # plans are recorded against the tensor as transports give it
+            return None
+        return self._by_plan(
+            (name, tensor.dtype, tuple(tensor.shape)), tensor.device, params, lambda plan: plan.apply(tensor, params)
+        )
+
+    def apply_delta(
+        self,
+        name: str,
+        dtype: torch.dtype,
+        shape: tuple[int, ...],
+        positions: torch.Tensor,
+        values: torch.Tensor,
+        params: dict[str, torch.nn.Parameter],
+    ) -> set[str]:
+        """A delta of a checkpoint tensor (``values`` at its flat ``positions``) applied by its plan:
+        the parameters written. ValueError if it has no plan that a delta can take."""
+        written = self._by_plan(
+            (name, dtype, shape), values.device, params, lambda plan: plan.apply_delta(positions, values, params)
+        )
+        if written is None:
+            raise ValueError(
+                f"{name}: its loaders do more than take views of it and copy them: it takes dense pushes only"
+            )
+        self.deltas += 1
+        return written
+
+    def _by_plan(self, key: tuple, device, params: dict[str, torch.nn.Parameter], apply) -> set[str] | None:
         for _ in range(2):
             if key not in self._plans:
-                self._plans[key] = self._record(name, tensor, params)
+                self._plans[key] = self._record(*key, device, params)
             plan = self._plans[key]
             if plan is None:
                 return None
-            if plan.apply(tensor, params):
+            if apply(plan):
                 self.replayed += 1
                 return plan.writes
             del self._plans[key]  # a parameter changed its layout since: recorded again against it
         return None
 
-    def _record(self, name: str, tensor: torch.Tensor, params: dict[str, torch.nn.Parameter]) -> _Plan | None:
+    def _record(
+        self, name: str, dtype: torch.dtype, shape: tuple[int, ...], device, params: dict[str, torch.nn.Parameter]
+    ) -> _Plan | None:
         recorder = _Recorder(params)
-        meta = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
+        root = torch.empty(shape, dtype=dtype, device="meta")
         try:
-            with _NoOtherWrites():
-                self.model.load_weights([(name, _Recording(meta, tensor.device, (), recorder))])
+            with _NoOtherWrites(recorder):
+                self.model.load_weights([(name, _Recording(root, root, device, (), recorder))])
         except Exception as exc:  # whatever a loader raised at a tensor it could not read: its loaders, each push
             log.debug("%s is loaded by the model's loaders at each push: %s", name, exc)
             return None
         self.recorded += 1
-        return _Plan(tuple(recorder.copies))
-
-
-def _key(name: str, tensor: torch.Tensor) -> tuple[str, torch.dtype, tuple[int, ...]]:
-    return name, tensor.dtype, tuple(tensor.shape)
+        return _Plan(tuple(recorder.copies), tuple(recorder.fills))

@@ -20,7 +20,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, Field, model_validator
 from typing_extensions import Self
 
-from ..wire import NonEmptyStr, WireModel
+from ..wire import NonEmptyStr, VersionLabel, WireModel
 
 # The dtypes a pushed tensor may have, by the name vLLM's ``dtype_names`` use, with their sizes.
 DTYPE_SIZES: dict[str, int] = {
@@ -178,9 +178,51 @@ class GroupInitInfo(WireModel):
         return self
 
 
+def sparse_nbytes(count: int, itemsize: int) -> int:
+    """A delta's sparse piece: ``count`` int32 positions, padded to 8 bytes so that the values
+    after them are aligned, then ``count`` values of ``itemsize`` bytes."""
+    return -(-4 * count // 8) * 8 + count * itemsize
+
+
+class DeltaInfo(WireModel):
+    """A push that carries only what changed since ``base_version`` (transfer/delta.py): per tensor,
+    0 (unchanged, nothing sent), the count of changed elements (their int32 flat positions, then
+    their values, in one piece), or -1 (sent whole)."""
+
+    base_version: VersionLabel
+    changed: list[Annotated[int, Field(ge=-1, strict=True)]]
+
+    def sent_bytes(self, meta: UpdateMetadata) -> int:
+        """The bytes the delta moves (``delta.sparse_nbytes`` for each sparse piece)."""
+        return sum(
+            meta.nbytes(i) if count == -1 else sparse_nbytes(count, DTYPE_SIZES[meta.dtype_names[i]]) if count else 0
+            for i, count in enumerate(self.changed)
+        )
+
+
 class GroupUpdateInfo(UpdateMetadata):
     # None: as agreed at init.
     packed: bool | None = None
+    delta: DeltaInfo | None = None
+
+    @model_validator(mode="after")
+    def _delta_fits(self) -> Self:
+        if self.delta is None:
+            return self
+        if self.packed is False:
+            raise ValueError("a delta push is packed: packed false and a delta")
+        if len(self.delta.changed) != len(self.names):
+            raise ValueError(
+                f"update_info.delta.changed has {len(self.delta.changed)} counts for {len(self.names)} tensors"
+            )
+        for i, count in enumerate(self.delta.changed):
+            elements = math.prod(self.shapes[i])
+            if count > min(elements, 2**31 - 1):
+                raise ValueError(
+                    f"update_info.delta.changed says {count} elements of {self.names[i]!r} changed; it has {elements}"
+                    " (a tensor of 2**31 elements or more is sent whole)"
+                )
+        return self
 
 
 # -- shared memory (colocated, CPU) ----------------------------------------------------

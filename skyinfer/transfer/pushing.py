@@ -53,6 +53,8 @@ class Trainer:
         self.client = client or Client(base_url, admin_key=admin_key, timeout_s=timeout_s + 60)
         self._calls = self.client if sync_client is None else ProtocolCalls(sync_client)
         self.timeout_s = timeout_s
+        # Whether the push under way is staged.
+        self._staged_push = False
         # The layouts (protocol.py) the server took a push of, which later pushes name alone; and
         # those of the push under way, taken once it succeeds.
         self._layouts_taken: set[str] = set()
@@ -88,6 +90,7 @@ class Trainer:
         """
         if one_call and verify:
             raise ValueError("verify needs the finish call: push with one_call=False")
+        self._staged_push = staged
         try:
             tensors = self._prepare(self._as_served(named_tensors) if quantize else named_tensors)
             if one_call:
@@ -96,6 +99,7 @@ class Trainer:
             else:
                 self._in_group(lambda: self._push(tensors, version, verify, kv, staged))
             self._layouts_taken |= self._layouts_pushing
+            self._took(tensors, version)
         finally:
             self._layouts_pushing.clear()
             self._pushed()
@@ -115,10 +119,8 @@ class Trainer:
         """The ``/update_weights`` call for one chunk, or for a whole push made in one call
         (``check_only``: only what the server would refuse that call for)."""
         update_info = self._planned(update_info)
-        if one_call is None:
-            self._calls.update_weights(update_info)
-        else:
-            self._calls.update_weights(update_info, **one_call.fields(), **({"check_only": True} if check_only else {}))
+        fields = {} if one_call is None else one_call.fields()
+        self._calls.update_weights(update_info, **fields, **({"check_only": True} if check_only else {}))
 
     @functools.cached_property
     def _engines_scheme(self) -> str | None:
@@ -136,6 +138,9 @@ class Trainer:
 
     def _pushed(self) -> None:
         """The push is over, however it ended: let go of what it held for the engines."""
+
+    def _took(self, tensors: list[tuple[str, torch.Tensor]], version: str) -> None:
+        """Every engine took the push of ``tensors`` as ``version``."""
 
     def _in_group(self, send: Callable[[], None]) -> None:
         """``send``, and if the server refuses it (before any byte moved) because its engines left

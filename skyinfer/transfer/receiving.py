@@ -9,11 +9,13 @@ which trainers import too, never import vLLM.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable
 
 import torch
 
+from .packing import TensorMeta
 from .plans import ApplyPlans
 from .protocol import TensorLayouts, UnknownLayout
 
@@ -102,6 +104,15 @@ class LiveReceiver:
             return self._in_place.load(weights)
         return self.model.load_weights(weights)
 
+    def load_delta(self, meta: TensorMeta, positions: torch.Tensor, values: torch.Tensor) -> set[str]:
+        """Write a delta of one checkpoint tensor (``values`` at their flat ``positions``) into the
+        live model, by the tensor's apply plan; the names of the parameters written. A delta is
+        applied in place only (a layerwise reload, a staged copy or an adapter has nothing to apply
+        it on): ValueError otherwise."""
+        if not self.loads_at_once:
+            raise ValueError("a delta push is applied in place, into a dense model's live weights; push dense")
+        return self._in_place.load_delta(meta, positions, values)
+
     def update_weights(self, update_info: dict) -> None:
         # The base class ends with torch.accelerator.synchronize(), which has
         # nothing to do (and no accelerator to ask) on CPU.
@@ -164,7 +175,7 @@ class InPlaceLoad:
     def __init__(self, model: torch.nn.Module, plans: ApplyPlans) -> None:
         self.model = model
         self.plans = plans
-        self._replayed_before, self._recorded_before = plans.replayed, plans.recorded
+        self._replayed_before, self._recorded_before, self._deltas_before = plans.replayed, plans.recorded, plans.deltas
         self.written: set[str] = set()
         self.load_s = 0.0
         self.repack_s = 0.0
@@ -179,6 +190,17 @@ class InPlaceLoad:
     def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         started = time.perf_counter()
         written = self.plans.load(weights, self._params)
+        self.load_s += time.perf_counter() - started
+        self.loaded(written)
+        return written
+
+    def load_delta(self, meta: TensorMeta, positions: torch.Tensor, values: torch.Tensor) -> set[str]:
+        started = time.perf_counter()
+        if positions.numel() > 1 and not bool((positions[1:] > positions[:-1]).all()):
+            raise ValueError(f"the delta of {meta.name} gives its positions out of order or twice")
+        if positions.numel() and not 0 <= int(positions[0]) <= int(positions[-1]) < math.prod(meta.shape):
+            raise ValueError(f"the delta of {meta.name} gives positions outside its {math.prod(meta.shape)} elements")
+        written = self.plans.apply_delta(meta.name, meta.dtype, meta.shape, positions, values, self._params)
         self.load_s += time.perf_counter() - started
         self.loaded(written)
         return written
@@ -200,7 +222,9 @@ class InPlaceLoad:
             "applied": "in place",
             "parameters": len(self.written),
             "by_plan": self.plans.replayed - self._replayed_before,
+            "deltas": self.plans.deltas - self._deltas_before,
             "plans_recorded": self.plans.recorded - self._recorded_before,
+            "unplanned": self.plans.unplanned,
             "repacked": self.repacked,
             "load_s": round(self.load_s, 6),
             "repack_s": round(self.repack_s, 6),

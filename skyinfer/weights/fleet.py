@@ -10,7 +10,7 @@ from typing import Any
 
 import attrs
 
-from ..errors import TRANSFER_GROUP_GONE, ApiError
+from ..errors import DELTA_BASE_MISMATCH, DELTA_NOT_APPLICABLE, TRANSFER_GROUP_GONE, ApiError
 from ..fleet.engine_calls import EngineReply, call_engine, failure
 from ..fleet.registry import EngineRegistry
 from ..fleet.state import APPLY, PAUSE_FOR_PUSH, EngineRecord, push_verdict
@@ -54,6 +54,9 @@ class Fleet:
         self._spec = CheckpointSpec.find(model)
         self._spec_looked_at = time.monotonic()
         self.update = UpdateMachine(metrics.set_update_phase)
+        # The tensors the engines load by their loaders, no apply plan (as their pushes said): a
+        # delta must send them whole.
+        self.unplanned: set[str] = set()
 
     @property
     def spec(self) -> CheckpointSpec | None:
@@ -117,6 +120,43 @@ class Fleet:
         meta = self.transport.parse_update(update_info, carries_data=carries_data)
         self._refuse_unless_fits(lambda spec: spec.check(meta))
         return meta
+
+    def refuse_delta_unless_every_engine_takes_it(
+        self, meta: UpdateMetadata, records: list[EngineRecord], staged: bool
+    ) -> None:
+        """Refuse a delta push (``update_info.delta``) that an engine cannot take, before any byte
+        moves: one that serves another version than its base (409 ``delta_base_mismatch``), or a
+        model that takes dense pushes only (409 ``delta_not_applicable``)."""
+        delta = getattr(meta, "delta", None)
+        if delta is None:
+            return
+        if staged:
+            raise SyncError(400, "a staged push is sent whole: push without update_info.delta")
+        spec = self.spec
+        if self.serves_quantized() or spec is None or spec.has_experts:
+            raise SyncError(
+                409,
+                "this model's engines take dense pushes only (a mixture of experts, quantized layers or an unknown"
+                " checkpoint): push without update_info.delta",
+                code=DELTA_NOT_APPLICABLE,
+            )
+        sparse = [name for name, count in zip(meta.names, delta.changed) if count > 0 and name in self.unplanned]
+        if sparse:
+            raise SyncError(
+                409,
+                f"the engines load {', '.join(sparse[:3])}{' and more' if len(sparse) > 3 else ''} by their model's"
+                " loaders, which a delta cannot go through: send them whole",
+                code=DELTA_NOT_APPLICABLE,
+            )
+        off = [r for r in records if r.weight_version != delta.base_version or r.stale is not None]
+        if off:
+            serving = ", ".join(f"engine {r.engine_id}: {r.weight_version}{' (stale)' if r.stale else ''}" for r in off)
+            raise SyncError(
+                409,
+                f"update_info.delta applies on {delta.base_version!r}, which not every engine serves ({serving}):"
+                " push dense",
+                code=DELTA_BASE_MISMATCH,
+            )
 
     def check_whole_update(self, names: Iterable[str], why: str = "update_info rejected before any transfer") -> None:
         """Refuse (400) a whole update (a start's metadata, a one-call push's, what a staged push

@@ -15,7 +15,14 @@ from ..wire import KvRule
 from .fleet import Fleet
 from .phases import Phase
 
-__all__ = ("LivePath", "applied_by", "push_at_fault")
+__all__ = ("LivePath", "applied_by", "push_at_fault", "unplanned_by")
+
+
+def unplanned_by(replies: list[EngineReply]) -> set[str]:
+    """The tensors the engines' workers load by their loaders (no apply plan): a delta sends them whole."""
+    return {
+        name for rep in replies if isinstance(a := rep.body.get("applied"), dict) for name in a.get("unplanned", ())
+    }
 
 
 def applied_by(replies: list[EngineReply]) -> dict:

@@ -29,6 +29,7 @@ from ..errors import UPDATE_ABANDONED, ApiError
 
 if TYPE_CHECKING:
     from ..fleet.state import EngineRecord
+    from ..transfer.protocol import UpdateMetadata
 
 __all__ = ("OpenUpdate", "Phase", "UpdateMachine", "UpdateRefused")
 
@@ -109,11 +110,29 @@ class OpenUpdate:
     # How its trainer's calls gave the tensors (protocol.py's layouts): "given" (in full, with
     # the layout's id), "named" (its id alone), None (in full, no layout: vLLM's clients).
     layout: str | None = None
+    # The bytes its receives moved, and the bytes of the tensors they carry whole (a delta push moves fewer).
+    bytes_sent: int = 0
+    bytes_dense: int = 0
     # When its first stage began: a one-call push pauses engines before it leaves IDLE.
     first_stage_at: float | None = None
     # Seconds of the stages run inside the stage that runs now (a one-call push's pause and start
     # come inside its receive): not that stage's own.
     nested_s: float = 0.0
+
+    def receiving(self, update_info: dict, meta: UpdateMetadata) -> None:
+        """A receive of ``meta`` (as the trainer sent it, ``update_info``) is under way."""
+        if meta.layout is not None:
+            self.layout = "given" if "names" in update_info else "named"
+        delta = getattr(meta, "delta", None)
+        self.bytes_dense += meta.total_bytes()
+        self.bytes_sent += meta.total_bytes() if delta is None else delta.sent_bytes(meta)
+
+    def account(self) -> dict:
+        """What ``/weight_info``'s ``last_push`` says of how its tensors came."""
+        answer = {"layout": self.layout} if self.layout else {}
+        if self.bytes_dense:
+            answer["bytes"] = {"sent": self.bytes_sent, "dense": self.bytes_dense}
+        return answer
 
 
 class UpdateMachine:

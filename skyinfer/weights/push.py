@@ -20,7 +20,7 @@ from ..transfer.protocol import UpdateMetadata
 from ..wire import Checksums, KvRule, PauseParams
 from .checking import WeightChecks
 from .fleet import Fleet, SyncError, unpushable
-from .live import LivePath, applied_by, push_at_fault
+from .live import LivePath, applied_by, push_at_fault, unplanned_by
 from .phases import OpenUpdate, Phase
 from .staged import StagedPath
 
@@ -156,6 +156,7 @@ class Push:
                 " /start_weight_update and kv to its /finish_weight_update",
             )
         records = self.fleet.engines_in_group()
+        self.fleet.refuse_delta_unless_every_engine_takes_it(meta, records, staged or self.update.current.staged)
         if one_shot:
             self.fleet.check_whole_update(meta.names)
             (self.staged if staged else self.live).fits(records, meta)
@@ -181,8 +182,7 @@ class Push:
                 one_shot = self.update.phase is Phase.IDLE
                 records = self._refusal_of_receive(meta, kv, staged)
                 forwarded = self.fleet.transport.for_engines(update_info, meta, records)
-                if meta.layout is not None:
-                    self.update.current.layout = "given" if "names" in update_info else "named"
+                self.update.current.receiving(update_info, meta)
                 if one_shot and not staged:
                     return await self._push_in_one_call(records, forwarded, meta, _version(weight_version), kv)
                 if one_shot:
@@ -374,8 +374,9 @@ class Push:
                 "seconds": round(time.monotonic() - min(current.started_at, current.first_stage_at), 6),
                 "stages": {stage: round(seconds, 6) for stage, seconds in current.stages.items()},
                 **applied_by(replies),
-                **({"layout": current.layout} if current.layout else {}),
+                **current.account(),
             }
+            self.fleet.unplanned |= unplanned_by(replies)
         log.info("weight version %s on %d engine(s)%s", version, len(records), ", verified" if verify else "")
         answer = {
             "status": "finished",

@@ -1,0 +1,166 @@
+"""Delta pushes, both sides: a trainer sends only the elements its step changed, and each engine
+worker writes them where its apply plans put those elements (plans.py).
+
+The trainer's side (``SentWeights``) keeps what it last pushed that every engine took, compares
+each tensor of the next push with it bit for bit (integer views: NaN and -0.0 are exact), and sends
+per tensor nothing (unchanged), the changed elements' flat positions and values (a sparse piece),
+or the whole tensor (where positions would cost more). ``update_info.delta`` names the version the
+delta applies on and, per tensor, what was sent (``changed``: 0, the count of changed elements, or
+``DENSE``); both sides cut the same pieces from it (``delta_pieces``) and pack them by the rule of
+any packed push. Needs only torch: the trainer side must not import vLLM.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from .packing import TensorMeta
+from .protocol import sparse_nbytes
+
+__all__ = [
+    "DENSE",
+    "Delta",
+    "SentWeights",
+    "StridedView",
+    "delta_pieces",
+    "positions_in",
+    "strided_view",
+    "unpack_sparse",
+]
+
+# ``changed`` of a tensor sent whole.
+DENSE = -1
+# A sparse piece's positions are int32: a tensor of more elements goes dense.
+MAX_SPARSE_ELEMENTS = 2**31 - 1
+_INTEGER_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+StridedView = tuple[tuple[int, ...], tuple[int, ...], int]  # (size, stride, storage offset)
+
+
+def _positions_nbytes(count: int) -> int:
+    return sparse_nbytes(count, 0)
+
+
+def delta_pieces(metas: Sequence[TensorMeta], changed: Sequence[int]) -> list[TensorMeta]:
+    """What a delta push carries, in order: each tensor sent whole, and one uint8 piece (positions,
+    then values) for each tensor sent sparse; nothing for an unchanged one."""
+    pieces = []
+    for meta, count in zip(metas, changed):
+        if count == DENSE:
+            pieces.append(meta)
+        elif count > 0:
+            pieces.append(TensorMeta(meta.name, torch.uint8, (sparse_nbytes(count, meta.dtype.itemsize),)))
+    return pieces
+
+
+def unpack_sparse(piece: torch.Tensor, count: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sparse piece's positions (int32) and values (views into it, or into an aligned copy)."""
+    if piece.data_ptr() % 8:  # packed back to back after a tensor of odd size
+        piece = piece.clone()
+    return piece[: 4 * count].view(torch.int32), piece[_positions_nbytes(count) :].view(dtype)
+
+
+def _pack_sparse(positions: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    count = positions.numel()
+    piece = torch.zeros(sparse_nbytes(count, values.dtype.itemsize), dtype=torch.uint8, device=values.device)
+    piece[: 4 * count].view(torch.int32).copy_(positions)
+    piece[_positions_nbytes(count) :].view(values.dtype).copy_(values)
+    return piece
+
+
+def _changed_positions(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    integer = _INTEGER_OF_SIZE[new.element_size()]
+    return torch.nonzero(new.reshape(-1).view(integer) != old.reshape(-1).view(integer)).squeeze(1)
+
+
+@attrs.frozen
+class Delta:
+    """One push as a delta: the version it applies on, what was sent per tensor, and the tensors
+    to send (each whole, or a sparse piece)."""
+
+    base_version: str
+    changed: list[int]
+    pieces: list[tuple[str, torch.Tensor]]
+
+    def update_info(self) -> dict:
+        return {"base_version": self.base_version, "changed": self.changed}
+
+
+class SentWeights:
+    """What a trainer last pushed that every engine took (a copy of each tensor, on the trainer's
+    side), and its version: the base of its next push's delta."""
+
+    def __init__(self) -> None:
+        self.version: str | None = None
+        self._tensors: dict[str, torch.Tensor] = {}
+
+    def diff(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> Delta | None:
+        """``tensors`` as a delta on what was last pushed; None where there is no base (nothing
+        pushed yet, or other tensors)."""
+        if self.version is None or [(n, t.dtype, t.shape) for n, t in tensors] != [
+            (n, t.dtype, t.shape) for n, t in self._tensors.items()
+        ]:
+            return None
+        changed, pieces = [], []
+        for name, tensor in tensors:
+            positions = _changed_positions(tensor, self._tensors[name])
+            count = positions.numel()
+            dense_bytes = tensor.numel() * tensor.element_size()
+            if count == 0:
+                changed.append(0)
+            elif tensor.numel() <= MAX_SPARSE_ELEMENTS and sparse_nbytes(count, tensor.element_size()) < dense_bytes:
+                changed.append(count)
+                pieces.append((name, _pack_sparse(positions, tensor.reshape(-1)[positions])))
+            else:
+                changed.append(DENSE)
+                pieces.append((name, tensor))
+        return Delta(self.version, changed, pieces)
+
+    def took(self, tensors: Sequence[tuple[str, torch.Tensor]], version: str) -> None:
+        """Every engine took ``tensors`` as ``version``: the next push's base."""
+        if [n for n, _ in tensors] != list(self._tensors):
+            self._tensors = {name: tensor.detach().clone() for name, tensor in tensors}
+        else:
+            for name, tensor in tensors:
+                self._tensors[name].copy_(tensor)
+        self.version = version
+
+    def forget(self) -> None:
+        """No base: the next push goes dense (an engine may serve something else now)."""
+        self.version = None
+        self._tensors = {}
+
+
+def strided_view(size: tuple[int, ...], stride: tuple[int, ...], offset: int) -> StridedView | None:
+    """``(size, stride, offset)`` if each element of such a view of a contiguous tensor is found
+    from its flat position by dividing by the strides, largest first (``positions_in``): each
+    stride larger than the span of the smaller ones, as views by narrow, transpose, split and
+    reshape give; else None."""
+    dims = sorted((d for d in range(len(size)) if size[d] > 1), key=lambda d: -stride[d])
+    for i, d in enumerate(dims):
+        span = sum((size[e] - 1) * stride[e] for e in dims[i + 1 :])
+        if stride[d] <= span:
+            return None
+    return size, stride, offset
+
+
+def positions_in(view: StridedView, positions: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """Which of ``positions`` (flat, in the contiguous tensor) lie in ``view``, and their index in it."""
+    size, stride, offset = view
+    rest = positions.to(torch.int64) - offset
+    found = rest >= 0
+    if math.prod(size) == 0:
+        found = torch.zeros_like(found)
+    index: list[torch.Tensor | None] = [None] * len(size)
+    for d in sorted((d for d in range(len(size)) if size[d] > 1), key=lambda d: -stride[d]):
+        at = torch.div(rest, stride[d], rounding_mode="floor")
+        found &= (at >= 0) & (at < size[d])
+        rest = rest - at * stride[d]
+        index[d] = at
+    found &= rest == 0
+    whole = tuple(torch.zeros_like(rest) if at is None else at for at in index)
+    return found, tuple(at[found] for at in whole)
