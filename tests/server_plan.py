@@ -70,7 +70,6 @@ SECOND_ENGINES_LANE = frozenset(
         "test_moe",
         "test_moe_colocated",
         "test_multinode",
-        "test_nccl",
         "test_quantized",
         "test_tensor_parallel",
         "test_warm_restarts",

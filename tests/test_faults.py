@@ -199,7 +199,9 @@ async def stale_without_restart(server, http: httpx.AsyncClient, model: str, pid
 
 
 @pytest.mark.parametrize(
-    "sent", [("--one-call",), ("--bucket-bytes", "16384")], ids=["tensors in one call", "buckets in a session"]
+    "sent",
+    [("--one-call",), ("--bucket-bytes", "16384"), ("--bucket-bytes", "16384", "--delta-from", "FLEET")],
+    ids=["tensors in one call", "buckets in a session", "a delta's buckets"],
 )
 async def test_trainer_killed_mid_transfer_costs_no_restart(server, model_name, demo_model, tmp_path, fleet, sent):
     """SIGKILL after two tensors of a one-call push (inside each engine's one call: the push paused
@@ -210,6 +212,8 @@ async def test_trainer_killed_mid_transfer_costs_no_restart(server, model_name, 
     and serves nothing (stale) until the next push, which succeeds at the first try. The recovery
     path (pause twice, push, resume with every engine stale) answers per engine and is never
     half-applied."""
+    if "FLEET" in sent:  # a delta on what the fleet serves (the trainer pushes it whole first)
+        sent = tuple(str(save(fleet.weights, tmp_path / "base.safetensors")) if a == "FLEET" else a for a in sent)
     _, path = fleet.next_weights(demo_model, tmp_path)
     pids = [e["pid"] for e in server.engines()]
     restarts = [e["restarts"] for e in server.engines()]
@@ -218,6 +222,7 @@ async def test_trainer_killed_mid_transfer_costs_no_restart(server, model_name, 
         trainer = await asyncio.to_thread(run_trainer, server, path, "never-served", "--die-after", "2", *sent)
         fault_at = time.monotonic()
         assert trainer.returncode == 9
+        assert ("sending a delta" in trainer.stdout) == ("--delta-from" in sent), trainer.stdout
         assert_ended(await ended(held), aborted_by_fault=True)
         ready_for_push = await stale_without_restart(server, http, model_name, pids, fault_at)
         for _ in range(2):

@@ -193,7 +193,7 @@ def test_a_delta_by_plan_lands_what_a_push_of_the_whole_tensors_lands():
         for name in ("qkv", "shard", "transposed", "gate_up", "cast", "padded"):
             a, b = getattr(by_plan, name), getattr(by_loaders, name)
             assert torch.equal(a.view(torch.int32), b.view(torch.int32)), name  # NaN and -0.0 too
-        sent.took(weights, version)
+        sent.took(weights, version, delta)  # the changed elements alone copied into its base
 
 
 def test_a_delta_of_a_tensor_whose_loader_does_more_is_refused():

@@ -17,7 +17,8 @@ finish call only when a line arrives on its stdin.
 With ``--start-names-nothing`` its start carries no metadata (as vLLM's client starts an update):
 each chunk names its tensors.
 With ``--listen-late S`` it sends its init and only S seconds later listens as the group's rank 0
-(a trainer that loads its model meanwhile).
+(a trainer that loads its model meanwhile). With ``--delta-from BASE`` it first pushes BASE whole, so
+that its push (and its fault) is a delta on it.
 
 Exits 0 after a push; prints a refusal's status and message and exits 3; with
 --die-after it sends N tensors one by one (with ``--bucket-bytes B``, N buckets of about B bytes
@@ -117,6 +118,11 @@ def main() -> int:
     )
     p.add_argument("--more", action="store_true", help="then push WEIGHTS VERSION from each line of stdin")
     p.add_argument(
+        "--delta-from",
+        metavar="BASE",
+        help="first push BASE whole (as VERSION-base), so that the push is a delta on it",
+    )
+    p.add_argument(
         "--listen-late", type=float, metavar="S", help="send the init, then take S seconds (loading a model) to listen"
     )
     args = p.parse_args()
@@ -158,6 +164,16 @@ def main() -> int:
 
         gloo._gloo_group = form_late
     trainer.init()
+    if args.delta_from:  # before any fault is set up: the base every engine takes
+        trainer.push(load_file(args.delta_from).items(), version=f"{args.version}-base", one_call=True)
+        sending = trainer._update_weights
+
+        def say_if_delta(update_info, *a, **kw):
+            if "delta" in update_info and not kw.get("check_only"):
+                print("sending a delta", flush=True)
+            return sending(update_info, *a, **kw)
+
+        trainer._update_weights = say_if_delta
     client = trainer.client
     if args.die_at == "init":
         os._exit(9)

@@ -24,7 +24,14 @@ into vLLM, another transport).
     .venv/bin/python tools/bench_weight_sync.py --pushes 3 --nodes 2
     .venv/bin/python tools/bench_weight_sync.py --transport shm --pushes 5
     .venv/bin/python tools/bench_weight_sync.py --quantized --pushes 3
+    .venv/bin/python tools/bench_weight_sync.py --delta --nodes 2 --pushes 3
     .venv/bin/python tools/bench_weight_sync.py --model demo --pushes 5   # a push's fixed cost
+
+``--delta``: one AdamW step at a learning rate of 1e-6 over the bf16 weights, then, alternating,
+the trainer's delta push of the step (only the elements it changed: ``GlooTrainer``'s default)
+against a dense push of the same weights (``dense=True``, its way back); the fraction of elements
+the step changed, the bytes the delta sent against those elements' int32 positions and values,
+and the time ratio. ``--nodes 2`` across two servers, as above.
 
 ``--quantized``: the same model served twice, in bf16 and as int8 W8A8 (one engine each, each on a
 core of its own), and a trainer holding the bf16 weights pushing to both in turn with gloo: to the
@@ -50,6 +57,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from skyinfer.demo_model import build_demo_int8_model, build_demo_model
 from skyinfer.trainer import GlooTrainer, SharedMemoryTrainer
+from skyinfer.transfer.delta import SentWeights
 from skyinfer.transfer.packing import GLOO_BUCKET_BYTES, TensorMeta, pack, plan_chunks
 from skyinfer.transfer.quantize import quantize_w8a8_int8
 
@@ -179,7 +187,9 @@ def rl_loop_step(client, push=None) -> float:
     return time.perf_counter() - started
 
 
-def bench_gloo(args, model_dir: Path, tensors, mib: float, buffer_size: int) -> None:
+def start_nodes(args, model_dir: Path) -> tuple[list[str], list]:
+    """``args.nodes`` skyinfer servers of one engine each (each on a core of its own, for several):
+    their URLs and processes."""
     cores = sorted(os.sched_getaffinity(0))
     ports = [free_port() for _ in range(args.nodes)]
     procs = [
@@ -193,7 +203,75 @@ def bench_gloo(args, model_dir: Path, tensors, mib: float, buffer_size: int) -> 
         )
         for k, port in enumerate(ports)
     ]
-    urls = [f"http://127.0.0.1:{port}" for port in ports]
+    return [f"http://127.0.0.1:{port}" for port in ports], procs
+
+
+def optimizer_step(tensors: list[tuple[str, torch.Tensor]], lr: float = 1e-6) -> list[tuple[str, torch.Tensor]]:
+    """The tensors after one AdamW step at ``lr`` (gradients drawn at random), in their own dtype."""
+    params = [torch.nn.Parameter(t.clone()) for _, t in tensors]
+    g = torch.Generator().manual_seed(0)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+    torch.optim.AdamW(params, lr=lr).step()
+    return [(name, p.detach()) for (name, _), p in zip(tensors, params)]
+
+
+def bench_delta(args, model_dir: Path, tensors, mib: float, buffer_size: int) -> None:
+    """After one AdamW step at 1e-6: the trainer's delta push of the step against a dense push of
+    the same weights (its way back), alternating, into ``args.nodes`` nodes; the bytes each sent."""
+    stepped = optimizer_step(tensors)
+    elements = sum(t.numel() for _, t in tensors)
+    changed = sum(
+        int((a.view(-1).view(torch.int16) != b.view(-1).view(torch.int16)).sum())
+        for (_, a), (_, b) in zip(tensors, stepped)
+    )
+    urls, procs = start_nodes(args, model_dir)
+    delta_s, dense_s, sent = [], [], []
+    try:
+        asyncio.run(wait_servers(list(zip(urls, procs)), path="/ready"))
+        trainer = GlooTrainer(urls if len(urls) > 1 else urls[0], timeout_s=300, buffer_size_bytes=buffer_size)
+        trainer.init()
+        trainer.push(tensors, "base", one_call=True)  # no base yet: whole
+        for i in range(args.pushes):
+            delta_s.append(timed_push(trainer, stepped, f"delta-{i}", one_call=True))
+            last_push = httpx.get(f"{urls[0]}/weight_info", timeout=30).json()["last_push"]
+            sent.append(last_push["bytes"])
+            dense_s.append(timed_push(trainer, tensors, f"dense-{i}", one_call=True, dense=True))
+        trainer.close()
+        # The trainer's own share: comparing the step with what it last pushed.
+        base = SentWeights()
+        base.took(tensors, "base")
+        started = time.perf_counter()
+        base.diff(stepped)
+        diff_s = time.perf_counter() - started
+    finally:
+        for proc in procs:
+            stop(proc)
+    ideal = changed * (4 + tensors[0][1].element_size())  # each changed element's int32 position and value
+    print(f"{args.pushes} alternating rounds, {mib:.0f} MiB to {args.nodes} node(s); median, then each round")
+    print(f"elements changed by one AdamW step at lr 1e-6: {changed} of {elements} ({changed / elements:.4%})")
+    print(f"{'':38s} {'seconds':>8s} {'MiB/s':>8s}")
+    rows: list[dict] = []
+    print(median_row("dense push of the step's weights", dense_s, mib, rows, "dense"))
+    print(median_row("delta push of the step", delta_s, mib, rows, "delta"))
+    ratios = {
+        "delta / dense time": statistics.median(delta_s) / statistics.median(dense_s),
+        "delta bytes / changed positions and values": sent[-1]["sent"] / ideal,
+        "delta bytes / dense bytes": sent[-1]["sent"] / sent[-1]["dense"],
+        "changed elements / elements": changed / elements,
+    }
+    for name, value in ratios.items():
+        print(f"ratio {name}: {value:.4f}")
+    applied = {k: v for k, v in last_push.items() if k in APPLIED_KEYS}
+    print(f"the last delta push: stages {last_push['stages']}, applied {applied}; the trainer's diff {diff_s:.3f} s")
+    write_json(
+        args, rows, mib=mib, tensors=len(tensors), ratios=ratios, bytes=sent[-1], changed_elements=changed,
+        stages=last_push["stages"], applied=applied, trainer_diff_s=diff_s,
+    )  # fmt: skip
+
+
+def bench_gloo(args, model_dir: Path, tensors, mib: float, buffer_size: int) -> None:
+    urls, procs = start_nodes(args, model_dir)
     raw = RawGloo(tensors, buffer_size, receivers=args.nodes, pushes=args.pushes)
     raw_s, sky_s, one_call_s, calls = [], [], [], []
     loop_alone_s, loop_push_s = [], []  # the RL loop's pause and resume, without and with a one-call push
@@ -425,6 +503,7 @@ def main() -> None:
     p.add_argument("--nodes", type=int, default=1, help="gloo: skyinfer servers, one engine each, each on its own core")
     p.add_argument("--engines", type=int, default=2, help="shm: engines of the colocated server")
     p.add_argument("--quantized", action="store_true", help="a bf16 push beside an int8 W8A8 one (gloo)")
+    p.add_argument("--delta", action="store_true", help="gloo: a delta push after one AdamW step against a dense one")
     p.add_argument(
         "--model",
         choices=["bench", "demo"],
@@ -437,7 +516,12 @@ def main() -> None:
     tensors = weights_of(model_dir)
     mib = sum(t.numel() * t.element_size() for _, t in tensors) / 2**20
     print(f"model: {len(tensors)} tensors, {mib:.0f} MiB ({tensors[0][1].dtype})", file=sys.stderr)
-    bench = bench_quantized if args.quantized else bench_shm if args.transport == "shm" else bench_gloo
+    bench = (
+        bench_quantized if args.quantized
+        else bench_delta if args.delta
+        else bench_shm if args.transport == "shm"
+        else bench_gloo
+    )  # fmt: skip
     bench(args, model_dir, tensors, mib, buffer_size)
 
 

@@ -85,6 +85,8 @@ class Delta:
     base_version: str
     changed: list[int]
     pieces: list[tuple[str, torch.Tensor]]
+    # The flat positions of the changed elements of each tensor that changed.
+    positions: dict[str, torch.Tensor]
 
     def update_info(self) -> dict:
         return {"base_version": self.base_version, "changed": self.changed}
@@ -105,28 +107,35 @@ class SentWeights:
             (n, t.dtype, t.shape) for n, t in self._tensors.items()
         ]:
             return None
-        changed, pieces = [], []
+        changed, pieces, changes = [], [], {}
         for name, tensor in tensors:
             positions = _changed_positions(tensor, self._tensors[name])
             count = positions.numel()
             dense_bytes = tensor.numel() * tensor.element_size()
             if count == 0:
                 changed.append(0)
-            elif tensor.numel() <= MAX_SPARSE_ELEMENTS and sparse_nbytes(count, tensor.element_size()) < dense_bytes:
+                continue
+            changes[name] = positions
+            if tensor.numel() <= MAX_SPARSE_ELEMENTS and sparse_nbytes(count, tensor.element_size()) < dense_bytes:
                 changed.append(count)
                 pieces.append((name, _pack_sparse(positions, tensor.reshape(-1)[positions])))
             else:
                 changed.append(DENSE)
                 pieces.append((name, tensor))
-        return Delta(self.version, changed, pieces)
+        return Delta(self.version, changed, pieces, changes)
 
-    def took(self, tensors: Sequence[tuple[str, torch.Tensor]], version: str) -> None:
-        """Every engine took ``tensors`` as ``version``: the next push's base."""
+    def took(self, tensors: Sequence[tuple[str, torch.Tensor]], version: str, delta: Delta | None = None) -> None:
+        """Every engine took ``tensors`` as ``version`` (sent as ``delta``, a diff of them on this
+        base, or whole): the next push's base. After a delta, only its changed elements are copied."""
         if [n for n, _ in tensors] != list(self._tensors):
             self._tensors = {name: tensor.detach().clone() for name, tensor in tensors}
-        else:
+        elif delta is None or delta.base_version != self.version:
             for name, tensor in tensors:
                 self._tensors[name].copy_(tensor)
+        else:
+            by_name = dict(tensors)
+            for name, positions in delta.positions.items():
+                self._tensors[name].view(-1)[positions] = by_name[name].reshape(-1)[positions]
         self.version = version
 
     def forget(self) -> None:

@@ -97,6 +97,8 @@ class GlooTrainer(Trainer):
         # (vLLM's sync clients have no check_only, which a delta's push asks first.)
         self.delta = delta and packed and sync_client is None
         self._sent = SentWeights()
+        # The delta the last send carried (None: it went whole).
+        self._delta_sent = None
         self.rank_offset = rank_offset
         # The caller's, if given; else the server's workers after rank_offset, asked at each init.
         self._requested_world_size = world_size
@@ -164,11 +166,13 @@ class GlooTrainer(Trainer):
         # What the server would refuse the call for is asked first: a refusal raises here, and no
         # broadcast waits on engines that will not receive. (A chunk of an open update was checked
         # at its start, but for a delta's base, which only the call itself names.)
-        delta = self._sent.diff(tensors) if self.delta and not self._staged_push else None
+        delta = self._sent.diff(tensors) if self.delta and not self._whole_push else None
+        self._delta_sent = None
         if delta is not None:
             try:
                 self._update_weights({**update_info, "delta": delta.update_info()}, one_call, check_only=True)
                 update_info, tensors = {**update_info, "delta": delta.update_info()}, delta.pieces
+                self._delta_sent = delta
             except SkyinferError as exc:
                 if exc.code not in (DELTA_BASE_MISMATCH, DELTA_NOT_APPLICABLE):
                     raise
@@ -185,7 +189,7 @@ class GlooTrainer(Trainer):
 
     def _took(self, tensors: list[tuple[str, torch.Tensor]], version: str) -> None:
         if self.delta:
-            self._sent.took(tensors, version)
+            self._sent.took(tensors, version, self._delta_sent)
 
     def _broadcast(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         if not self.packed:

@@ -53,8 +53,8 @@ class Trainer:
         self.client = client or Client(base_url, admin_key=admin_key, timeout_s=timeout_s + 60)
         self._calls = self.client if sync_client is None else ProtocolCalls(sync_client)
         self.timeout_s = timeout_s
-        # Whether the push under way is staged.
-        self._staged_push = False
+        # Whether the push under way goes whole, though the trainer pushes deltas.
+        self._whole_push = False
         # The layouts (protocol.py) the server took a push of, which later pushes name alone; and
         # those of the push under way, taken once it succeeds.
         self._layouts_taken: set[str] = set()
@@ -73,6 +73,7 @@ class Trainer:
         staged: bool = False,
         kv: str = "recompute",
         quantize: bool = True,
+        dense: bool = False,
     ) -> None:
         """Send the tensors to every engine; afterwards they serve ``version``.
 
@@ -87,10 +88,14 @@ class Trainer:
         ``/weight_info`` says) get full-precision tensors quantized to it here, each weight
         followed by its scale; tensors already quantized go as they are. ``quantize=False`` sends
         every tensor as it is.
+
+        A trainer that pushes deltas (``GlooTrainer``) sends only what changed since its last push;
+        ``dense`` sends every tensor whole this time (the next push's delta is then taken from it).
         """
         if one_call and verify:
             raise ValueError("verify needs the finish call: push with one_call=False")
-        self._staged_push = staged
+        # A staged push, or one asked dense, goes whole.
+        self._whole_push = staged or dense
         try:
             tensors = self._prepare(self._as_served(named_tensors) if quantize else named_tensors)
             if one_call:
