@@ -5,6 +5,8 @@ its engine side). Each needs torch and skyinfer's HTTP client, never vLLM, and h
 - ``GlooTrainer``: engines on separate devices, CPU (a gloo group; ``push_adapter`` for LoRA).
 - ``SharedMemoryTrainer``: a trainer colocated with the engines on CPU (``skyinfer serve --colocate``).
 - ``IPCTrainer``: a trainer colocated with the engines on GPUs (CUDA IPC; multi-rank trainers too).
+- ``ShardedPush``: every rank of a sharded trainer (DTensors sharded on their first dimension)
+  diffs its own shard; rank 0's ``GlooTrainer`` pushes the changed elements as one delta.
 
 On GPUs with the engines on devices of their own, vLLM's NCCL trainer engine drives skyinfer as
 it drives ``vllm serve``.
@@ -12,6 +14,7 @@ it drives ``vllm serve``.
 
 from .transfer.gloo import GlooTrainer
 from .transfer.ipc import IPCTrainer
+from .transfer.sharded import ShardedPush
 from .transfer.shm import SharedMemoryTrainer
 
-__all__ = ["GlooTrainer", "IPCTrainer", "SharedMemoryTrainer"]
+__all__ = ["GlooTrainer", "IPCTrainer", "ShardedPush", "SharedMemoryTrainer"]

@@ -37,6 +37,31 @@ def modified_weights(demo_model: Path, seed: int) -> dict[str, torch.Tensor]:
     return weights
 
 
+def adamw_step(weights: dict[str, torch.Tensor], seed: int = 3, lr: float = 1e-6) -> dict[str, torch.Tensor]:
+    """``weights`` after one AdamW step at ``lr`` (gradients drawn at random), in their own dtype:
+    in bfloat16, at 1e-6, few of their bits change."""
+    params = {name: torch.nn.Parameter(t.clone()) for name, t in weights.items()}
+    g = torch.Generator().manual_seed(seed)
+    for p in params.values():
+        p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+    torch.optim.AdamW(params.values(), lr=lr).step()
+    return {name: p.detach().clone() for name, p in params.items()}
+
+
+def changed_elements(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> int:
+    """How many elements of ``b`` differ from ``a``'s bit for bit (tensors of 2-byte dtypes)."""
+    return sum(int((b[n].view(torch.int16) != a[n].view(torch.int16)).sum()) for n in a)
+
+
+def pushed_bytes(trainer, weights: dict[str, torch.Tensor], version: str) -> dict:
+    """``trainer`` (in this process) pushes ``weights`` as ``version`` in one call: the bytes
+    ``/weight_info`` says it sent, against the tensors' dense size."""
+    trainer.push(list(weights.items()), version, one_call=True)
+    last = trainer.client.weight_info()["last_push"]
+    assert last["weight_version"] == version, last
+    return last["bytes"]
+
+
 def save(weights: dict[str, torch.Tensor], path: Path) -> Path:
     save_file(weights, str(path))
     return path

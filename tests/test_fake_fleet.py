@@ -209,8 +209,30 @@ async def test_a_delta_push_is_refused_unless_every_engine_serves_its_base(
     assert r.status == 200, await r.text()
     info = await (await client.get("/weight_info")).json()
     dense = sum(4 * math.prod(shape) for shape in tensors["shapes"])
-    # Three int32 positions, padded to 16 bytes, and three float32 values.
-    assert info["last_push"]["bytes"] == {"sent": 16 + 3 * 4, "dense": dense}, info["last_push"]
+    # Three int32 positions and three float32 values, each part padded to 8 bytes.
+    assert info["last_push"]["bytes"] == {"sent": 16 + 16, "dense": dense}, info["last_push"]
+    metrics = await (await client.get("/metrics")).text()
+    counted = re.findall(r'^skyinfer_weight_update_bytes_total\{carried="(\w+)"\} (\S+)$', metrics, re.M)
+    assert {kind: float(n) for kind, n in counted} == {"sent": dense + 16 + 16, "dense": 2 * dense}, counted
+
+    # A new process of engine 1, caught up with v2 from its peer, keeps no base for a delta: the
+    # next delta is refused, a dense push accepted, and a delta on that one taken again.
+    killed = kill(app, 1)
+    await until(
+        lambda: asyncio.sleep(
+            0,
+            app[REGISTRY].records[1].pid != killed
+            and [(r.state.value, r.weight_version) for r in app[REGISTRY].records] == [("ready", "v2")] * 2,
+        )
+    )
+    r = await client.post("/init_weight_transfer", json={"init_info": group_init})
+    assert r.status == 200, await r.text()
+    r = await push("v3", "v2")
+    assert r.status == 409 and (await r.json())["error"]["code"] == "delta_base_mismatch", await r.text()
+    assert "engine 1: v2, keeping no base" in (await r.json())["error"]["message"]
+    r = await client.post("/update_weights", json={"update_info": tensors, "weight_version": "v3"})
+    assert r.status == 200, await r.text()
+    assert (await push("v4", "v3")).status == 200
 
 
 @pytest.mark.parametrize("step", ["/pause", "/start_weight_update", "/update_weights", "/finish_weight_update"])

@@ -17,12 +17,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from skyinfer.demo_model import MOE_CONFIGS, build_demo_moe_model
 
 from forked_python import VLLM_PRELOAD, run_python
 from moe_pushes import MoeFleet
-from pushes import run_trainer, save, sessions_per_engine
+from pushes import adamw_step, fleet_checksums, pushed_bytes, run_trainer, save, sessions_per_engine
 from support import ServerProcess, free_port, module_servers, two_float32_engines, vllm_process
 
 ARCHITECTURES = sorted(MOE_CONFIGS)
@@ -91,6 +92,40 @@ def test_a_staged_push_leaves_the_weights_a_live_push_of_the_same_weights_leaves
     assert httpx.get(f"{moe.server.url}/weight_info", timeout=60).json()["last_staged_swap"]["installed"] == installed
 
 
+def test_a_delta_push_after_an_optimizer_step_lands_what_a_dense_push_of_the_same_weights_lands(moe, tmp_path):
+    """One AdamW step at 1e-6 over bfloat16 weights: GlooTrainer's next push sends only the elements
+    it changed. The experts are packed and padded in what each engine serves, so each worker
+    applies them to the copy of the checkpoint's tensors it kept from the push before, and reloads
+    every layer they touch from it: vLLM's checksums then equal a dense push's of the same weights,
+    the logprobs transformers' on them; the step reverted by a second delta, the first checksums
+    come back."""
+    from skyinfer.client import Client
+    from skyinfer.trainer import GlooTrainer
+
+    first = {name: t.to(torch.bfloat16) for name, t in moe.modified(seed=7).items()}
+    stepped = adamw_step(first)
+    with Client(moe.server.url) as client:
+        trainer = GlooTrainer(moe.server.url, timeout_s=60, client=client)
+        trainer.init()
+        dense = pushed_bytes(trainer, first, "delta-0")["dense"]
+        at_first = fleet_checksums(moe.server)
+        assert pushed_bytes(trainer, stepped, "delta-1")["sent"] < dense / 10
+        last = client.weight_info()["last_push"]
+        assert last["applied"] == "layerwise reload", last
+        by_delta = fleet_checksums(moe.server)
+        assert by_delta != at_first
+        moe.assert_matches_transformers({name: t.float() for name, t in stepped.items()}, tmp_path)
+        assert pushed_bytes(trainer, first, "delta-2")["sent"] < dense / 10
+        assert fleet_checksums(moe.server) == at_first
+
+        whole = GlooTrainer(moe.server.url, timeout_s=60, client=client, delta=False)
+        whole.init()
+        assert pushed_bytes(whole, stepped, "dense-1")["sent"] == dense
+        assert fleet_checksums(moe.server) == by_delta
+    moe.push(moe.checkpoint, "back", tmp_path)
+    moe.assert_serves_fresh()
+
+
 def test_reload_weights_brings_the_checkpoint_back_exactly(moe, tmp_path):
     moe.push(moe.modified(seed=3), "new-3", tmp_path)
     moe.restore()
@@ -140,18 +175,34 @@ def test_a_push_of_part_of_a_layers_experts_without_metadata_fails_at_its_finish
 
 def test_an_engine_killed_after_a_push_catches_up_from_its_peer_exactly(moe, tmp_path):
     """Engine 1's EngineCore is SIGKILLed after a push: it restarts from the checkpoint and copies
-    its peer's weights (the experts in the packed layout both engines compute with)."""
-    new = moe.modified(seed=4)
-    moe.push(new, "caught-up", tmp_path)
-    before = moe.server.engines()
-    vllm_process(before[1]["pid"], "EngineCore").send_signal(signal.SIGKILL)
-    deadline = time.monotonic() + 240
-    while not ((e := moe.server.engines()[1])["pid"] != before[1]["pid"] and e["state"] == "ready"):
-        assert time.monotonic() < deadline, e
-        time.sleep(0.5)
-    assert e["weight_version"] == "caught-up", e
-    moe.sessions = sessions_per_engine(moe.server, moe.server.model)
-    moe.assert_matches_transformers(new, tmp_path)
+    its peer's weights (the experts in the packed layout both engines compute with). Its new
+    process keeps no copy of the checkpoint's tensors to apply a delta on: the trainer's next push,
+    a delta on what both engines serve, is refused and sent whole by the trainer itself, and the
+    one after is a delta again; each lands exactly."""
+    from skyinfer.client import Client
+    from skyinfer.trainer import GlooTrainer
+
+    new = {name: t.to(torch.bfloat16) for name, t in moe.modified(seed=4).items()}
+    stepped = adamw_step(new)
+    with Client(moe.server.url) as client:
+        trainer = GlooTrainer(moe.server.url, timeout_s=60, client=client)
+        trainer.init()
+        dense = pushed_bytes(trainer, new, "caught-up")["dense"]
+        before = moe.server.engines()
+        vllm_process(before[1]["pid"], "EngineCore").send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 240
+        while not ((e := moe.server.engines()[1])["pid"] != before[1]["pid"] and e["state"] == "ready"):
+            assert time.monotonic() < deadline, e
+            time.sleep(0.5)
+        assert e["weight_version"] == "caught-up", e
+        moe.sessions = sessions_per_engine(moe.server, moe.server.model)
+        moe.assert_matches_transformers(new, tmp_path)
+
+        trainer.init()  # the new process is not in the trainer's group
+        assert pushed_bytes(trainer, stepped, "after-the-restart")["sent"] == dense
+        moe.assert_matches_transformers(stepped, tmp_path)
+        assert pushed_bytes(trainer, new, "a-delta-again")["sent"] < dense / 10
+        moe.assert_matches_transformers(new, tmp_path)
     moe.restore()
     moe.assert_serves_fresh()
 

@@ -136,6 +136,23 @@ def test_one_trainer_push_updates_both_nodes(nodes, demo_model, tmp_path):
     info = asyncio.run(_weight_info(client))
     assert info["weight_version"] == "multi-node-1" and len(info["nodes"]) == 2
 
+    # A trainer's next push is a delta on what both nodes serve: it carries only what changed, and
+    # every node's engine ends with exactly the new weights.
+    delta = modified_weights(demo_model, seed=8)
+    trainer = run_trainer(
+        nodes[0],
+        save(delta, tmp_path / "delta.safetensors"),
+        "multi-node-2",
+        "--delta-from",
+        str(tmp_path / "w.safetensors"),
+        url=",".join(n.url for n in nodes),
+    )
+    assert trainer.returncode == 0 and "sending a delta" in trainer.stdout, trainer.stdout + trainer.stderr
+    for node in nodes:
+        sent = httpx.get(f"{node.url}/weight_info", timeout=30).json()["last_push"]["bytes"]
+        assert sent["sent"] < sent["dense"], sent
+        assert_engines_match(node, node.model, demo_model, delta, "multi-node-2")
+
 
 async def _weight_info(client: MultiNodeClient) -> dict:
     async with client:

@@ -29,7 +29,16 @@ from skyinfer.transfer.quantize import quantize_w8a8_int8
 
 from forked_python import ForkedPopen
 from moe_pushes import MoeFleet, assert_same
-from pushes import PROMPTS, modified_weights, run_trainer, save, sessions_per_engine
+from pushes import (
+    PROMPTS,
+    adamw_step,
+    fleet_checksums,
+    modified_weights,
+    pushed_bytes,
+    run_trainer,
+    save,
+    sessions_per_engine,
+)
 from support import NO_SPARES, TRAINER, ServerProcess, is_openai_error, module_servers, vllm_process
 
 
@@ -205,6 +214,58 @@ def test_a_trainer_holding_bf16_weights_pushes_them_quantized_and_they_land_exac
     assert int8_bytes < 0.55 * sum(full_precision[n].nbytes for n in linear)
     fleet.push_file(save(full_precision, tmp_path / "bf16.safetensors"), "quantized-by-the-trainer")
     assert_same(fleet.served(), served_on_new)
+    fleet.push_file(int8_file(fleet.model_dir), "back")
+    fleet.assert_serves_fresh()
+
+
+def test_a_delta_push_after_an_optimizer_step_lands_what_a_dense_push_of_the_same_weights_lands(
+    fleet, served_on_new, demo_model
+):
+    """The trainer holds bf16 weights and steps them: GlooTrainer quantizes each push and compares
+    after quantizing, so a delta carries the int8 values, scales and biases the step changed. The
+    int8 layers' kernels hold their own layout: each worker applies the delta to the copy of the
+    checkpoint's tensors it kept from the push before and reloads every layer it touches from it.
+    After one AdamW step at 1e-6 (the biases and the embedding change), then one at 1e-4 with one
+    row's largest weight doubled (int8 values and that row's scale change), vLLM's checksums equal
+    a dense push's of the same weights; the first weights, pushed back by a delta, serve as an
+    engine started on them does."""
+    from skyinfer.client import Client
+    from skyinfer.trainer import GlooTrainer
+
+    first = new_full_precision(demo_model)
+    small = adamw_step(first)
+    large = adamw_step(small, lr=1e-4)
+    row = large["model.layers.1.mlp.down_proj.weight"][0]
+    row[0] = 2 * row.abs().max()
+    quantized = [dict(quantize_w8a8_int8(w)) for w in (first, small, large)]
+    int8_changed = sum(
+        int((quantized[2][n] != quantized[1][n]).sum()) for n in quantized[1] if n.endswith("proj.weight")
+    )
+    scales_changed = [
+        n for n in quantized[1] if n.endswith("_scale") and not torch.equal(quantized[1][n], quantized[2][n])
+    ]
+    assert int8_changed > 0 and scales_changed == ["model.layers.1.mlp.down_proj.weight_scale"], scales_changed
+    with Client(fleet.server.url) as client:
+        trainer = GlooTrainer(fleet.server.url, timeout_s=60, client=client)
+        trainer.init()
+        dense = pushed_bytes(trainer, first, "int8-delta-0")["dense"]
+        assert_same(fleet.served(), served_on_new)
+        at_first = fleet_checksums(fleet.server)
+        assert pushed_bytes(trainer, small, "int8-delta-1")["sent"] < dense / 10
+        by_small_delta = fleet_checksums(fleet.server)
+        assert pushed_bytes(trainer, large, "int8-delta-2")["sent"] < dense / 3
+        by_large_delta = fleet_checksums(fleet.server)
+        assert len({*map(str, (at_first, by_small_delta, by_large_delta))}) == 3
+        assert pushed_bytes(trainer, first, "int8-delta-3")["sent"] < dense / 3
+        assert fleet_checksums(fleet.server) == at_first
+        assert_same(fleet.served(), served_on_new)
+
+        whole = GlooTrainer(fleet.server.url, timeout_s=60, client=client, delta=False)
+        whole.init()
+        assert pushed_bytes(whole, small, "int8-dense-1")["sent"] == dense
+        assert fleet_checksums(fleet.server) == by_small_delta
+        pushed_bytes(whole, large, "int8-dense-2")
+        assert fleet_checksums(fleet.server) == by_large_delta
     fleet.push_file(int8_file(fleet.model_dir), "back")
     fleet.assert_serves_fresh()
 

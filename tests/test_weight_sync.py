@@ -9,7 +9,11 @@ pushes the checkpoint back and leaves the transfer group (``restores_checkpoint`
 from __future__ import annotations
 
 import asyncio
+import re
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -17,16 +21,19 @@ import torch
 from safetensors.torch import load_file
 
 from pushes import (
+    adamw_step,
     assert_engines_match,
+    changed_elements,
     fleet_checksums,
     greedy,
     modified_weights,
     push_more,
+    pushed_bytes,
     run_trainer,
     save,
     start_trainer,
 )
-from support import admit_while_paused, scrape, total
+from support import admit_while_paused, free_port, scrape, total
 
 pytestmark = pytest.mark.usefixtures("restores_checkpoint")
 
@@ -97,48 +104,85 @@ def test_a_delta_push_after_an_optimizer_step_lands_what_a_dense_push_of_the_sam
     from skyinfer.trainer import GlooTrainer
 
     first = {name: t.to(torch.bfloat16) for name, t in modified_weights(demo_model, seed=9).items()}
-    params = {name: torch.nn.Parameter(t.clone()) for name, t in first.items()}
-    optimizer = torch.optim.AdamW(params.values(), lr=1e-6)
-    g = torch.Generator().manual_seed(3)
-    for p in params.values():
-        p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
-    optimizer.step()
-    stepped = {name: p.detach().clone() for name, p in params.items()}
+    stepped = adamw_step(first)
     elements = sum(t.numel() for t in first.values())
-    changed = sum(int((stepped[n].view(torch.int16) != first[n].view(torch.int16)).sum()) for n in first)
+    changed = changed_elements(first, stepped)
     assert 0 < changed < elements / 10, (changed, elements)
     with Client(server.url) as client:
-
-        def pushed(weights: dict, version: str, trainer: GlooTrainer) -> dict:
-            trainer.push(list(weights.items()), version, one_call=True)
-            last = client.weight_info()["last_push"]
-            assert last["weight_version"] == version, last
-            return last["bytes"]
-
         trainer = GlooTrainer(server.url, timeout_s=60, client=client)
         trainer.init()
-        dense_bytes = pushed(first, "delta-0", trainer)["dense"]
+        dense_bytes = pushed_bytes(trainer, first, "delta-0")["dense"]
         assert dense_bytes == 2 * elements
         at_first = fleet_checksums(server)
-        sent = pushed(stepped, "delta-1", trainer)
+        sent = pushed_bytes(trainer, stepped, "delta-1")
         # Each changed element: a 4-byte position and a 2-byte value (a few pieces' padding).
         assert sent["dense"] == dense_bytes and sent["sent"] <= 1.2 * 6 * changed + 64, (sent, changed)
         by_delta = fleet_checksums(server)
         assert by_delta != at_first
         assert_engines_match(server, model_name, demo_model, {n: t.float() for n, t in stepped.items()}, "delta-1")
-        assert pushed(first, "delta-2", trainer)["sent"] < dense_bytes / 10
+        assert pushed_bytes(trainer, first, "delta-2")["sent"] < dense_bytes / 10
         assert fleet_checksums(server) == at_first
 
         whole = GlooTrainer(server.url, timeout_s=60, client=client, delta=False)
         whole.init()
-        pushed(first, "dense-0", whole)
-        assert pushed(stepped, "dense-1", whole)["sent"] == dense_bytes
+        pushed_bytes(whole, first, "dense-0")
+        assert pushed_bytes(whole, stepped, "dense-1")["sent"] == dense_bytes
         assert fleet_checksums(server) == by_delta
         trainer.init()
-        assert pushed(first, "delta-3", trainer)["sent"] == dense_bytes  # its base, delta-2, is not served
+        assert pushed_bytes(trainer, first, "delta-3")["sent"] == dense_bytes  # its base, delta-2, is not served
         assert fleet_checksums(server) == at_first
-        assert pushed(stepped, "delta-4", trainer)["sent"] < dense_bytes / 10  # delta-3 is
+        assert pushed_bytes(trainer, stepped, "delta-4")["sent"] < dense_bytes / 10  # delta-3 is
         assert fleet_checksums(server) == by_delta
+
+
+def test_a_sharded_trainer_diffs_each_shard_where_it_lives(server, model_name, demo_model, tmp_path):
+    """Two trainer processes, each holding half of every weight (DTensors sharded on their first
+    dimension), push through ``ShardedPush``: after one AdamW step at 1e-6, each compares its own
+    half with what it last pushed and sends rank 0 only the changed elements, which rank 0 pushes as
+    one delta. No tensor that goes sparse is gathered whole; the engines then hold what a dense push
+    of the same weights gives them."""
+    from skyinfer.client import Client
+    from skyinfer.trainer import GlooTrainer
+
+    first = {name: t.to(torch.bfloat16) for name, t in modified_weights(demo_model, seed=10).items()}
+    stepped = adamw_step(first)
+    with Client(server.url) as client:
+        whole = GlooTrainer(server.url, timeout_s=60, client=client, delta=False)
+        whole.init()
+        dense = pushed_bytes(whole, stepped, "dense-stepped")["dense"]
+        by_dense = fleet_checksums(server)
+        pushes = [f"{save(first, tmp_path / 'first.safetensors')}:sharded-0"]
+        pushes.append(f"{save(stepped, tmp_path / 'stepped.safetensors')}:sharded-1")
+        port = free_port()
+        ranks = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    str(Path(__file__).with_name("sharded_trainer.py")),
+                    server.url,
+                    str(rank),
+                    str(port),
+                    *pushes,
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for rank in (0, 1)
+        ]
+        said = [rank.communicate(timeout=240) for rank in ranks]
+        assert [rank.returncode for rank in ranks] == [0, 0], said
+        for rank, (out, _) in enumerate(said):
+            tensors = len(first)
+            assert f"rank {rank} pushed sharded-0: 0 sparse, {tensors} whole, {tensors} gathered" in out, out
+            sparse, sent_whole, gathered = map(
+                int, re.search(r"sharded-1: (\d+) sparse, (\d+) whole, (\d+) gathered", out).groups()
+            )
+            assert sparse > 0 and sparse + sent_whole <= tensors and gathered == sent_whole, out
+        last = client.weight_info()["last_push"]
+        assert last["weight_version"] == "sharded-1" and last["bytes"]["sent"] < dense / 10, last
+        assert fleet_checksums(server) == by_dense
+        assert_engines_match(server, model_name, demo_model, {n: t.float() for n, t in stepped.items()}, "sharded-1")
 
 
 async def test_push_under_keep_pause_then_logprobs_match_transformers(server, model_name, demo_model, tmp_path):

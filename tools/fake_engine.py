@@ -320,14 +320,14 @@ async def _wake_up(request: web.Request) -> web.Response:
     return json_response({"status": "awake" if not engine.asleep else "sleeping", "fully_awake": not engine.asleep})
 
 
-def _step(status: str, then=None):
+def _step(status: str, then=None, **answer):
     async def handler(request: web.Request) -> web.Response:
         body = await _body(request)
         engine = request.app[STATE]
         engine.bodies[request.path] = body
         if then is not None:
             then(engine, body)
-        return json_response({"status": status, "weight_version": engine.weight_version})
+        return json_response({"status": status, "weight_version": engine.weight_version, **answer})
 
     return handler
 
@@ -361,7 +361,9 @@ async def _push(request: web.Request) -> web.Response:
         if status := _scripted_after(request.app, path):
             return _push_failed(stage, status, f"scripted failure of {path}, after doing it")
         stages[stage] = clock() - started
-    return json_response({"status": "finished", "weight_version": engine.weight_version, "stages": stages})
+    return json_response(
+        {"status": "finished", "weight_version": engine.weight_version, "applied": APPLIED, "stages": stages}
+    )
 
 
 def _push_failed(stage: str, status: int, message: str) -> web.Response:
@@ -384,6 +386,11 @@ async def _stage_weights(request: web.Request) -> web.Response:
 def _swap_staged(engine: FakeEngine, body: dict) -> None:
     engine.staged = {}
     engine.weight_version = body["weight_version"]
+
+
+# How the fake's finish says it applied a push: as a dense model's workers do (receiving.py), able
+# to take a delta on it.
+APPLIED = {"applied": "in place", "base": True}
 
 
 def _finish(engine: FakeEngine, body: dict) -> None:
@@ -483,7 +490,7 @@ def create_fake_engine_app(
         "/start_weight_update": _step("started", lambda e, b: setattr(e, "updating", True)),
         "/update_weights": _step("updated"),
         "/load_checkpoint": _step("loaded"),
-        "/finish_weight_update": _step("finished", _finish),
+        "/finish_weight_update": _step("finished", _finish, applied=APPLIED),
         "/push": _push,
         "/abort_weight_update": _step("aborted", lambda e, b: setattr(e, "updating", False)),
         "/stage_weights": _stage_weights,

@@ -244,6 +244,8 @@ METRIC_LABELS = {
     "state": "one of " + ", ".join(f"``{s.value}``" for s in EngineState) + ": the series of the state the engine"
     " is in is 1, the others 0",
     "version": "the weight version the engine reports (``default``: the checkpoint it loaded; empty until it says)",
+    "carried": "``sent``: the bytes the pushes moved; ``dense``: the bytes of the tensors they updated, whole"
+    " (a delta push moves fewer)",
     "phase": "one of " + ", ".join(f"``{p.value}``" for p in Phase) + " (:doc:`../guides/rl-loop`, *Phases*):"
     " the series of the fleet's phase is 1, the others 0",
 }

@@ -182,6 +182,13 @@ class ServiceMetrics(RequestMetrics):
         self.push_failures = prometheus_client.Counter(
             "skyinfer_weight_update_failures", "weight pushes that failed on some engine", registry=self.prom
         )
+        # A delta push moves fewer bytes than the tensors it updates: both, over the pushes finished.
+        self.push_bytes = prometheus_client.Counter(
+            "skyinfer_weight_update_bytes",
+            "bytes of the weight pushes finished: sent (what moved) and dense (the tensors they updated, whole)",
+            ["carried"],
+            registry=self.prom,
+        )
         self.update_phase = prometheus_client.Gauge(
             "skyinfer_weight_update_phase",
             "1 for the phase the fleet's weight update is in",

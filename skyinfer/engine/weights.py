@@ -143,8 +143,17 @@ async def finish_weight_update(request: web.Request) -> web.Response:
     await _after_new_weights(request, engine, body.get("kv"))
     await _give_back_after_reload(engine, applied)
     return json_response(
-        {"status": "finished", "weight_version": await engine.get_weight_version(), "applied": applied[0]}
+        {"status": "finished", "weight_version": await engine.get_weight_version(), "applied": _of_engine(applied)}
     )
+
+
+def _of_engine(applied: list[dict | None]) -> dict | None:
+    """How the engine applied an update: its first worker's account, able to take a delta on it
+    (``base``) only where every worker is."""
+    first = applied[0]
+    if isinstance(first, dict) and "base" in first:
+        return {**first, "base": all(isinstance(a, dict) and a.get("base") is True for a in applied)}
+    return first
 
 
 async def _give_back_after_reload(engine, applied: list[dict]) -> None:
@@ -194,7 +203,9 @@ async def push(request: web.Request) -> web.Response:
     slowest = max((answer["stages"] for answer in pushed), key=lambda worker: sum(worker.values()))
     stages = {"pause": paused_at - started, **slowest}
     stages["finish"] += time.perf_counter() - received_at  # the version and KV rule, as a finish sets them
-    return json_response({"status": "finished", "weight_version": version, "applied": applied[0], "stages": stages})
+    return json_response(
+        {"status": "finished", "weight_version": version, "applied": _of_engine(applied), "stages": stages}
+    )
 
 
 async def stage_weights(request: web.Request) -> web.Response:

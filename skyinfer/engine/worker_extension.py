@@ -45,6 +45,14 @@ def _raise_kept_failure(receiver) -> None:
         raise failure
 
 
+def _forget_base(worker) -> None:
+    """The live weights are about to be written outside an update: a copy kept for deltas no
+    longer holds them (receiving.py; vLLM's own backends keep none)."""
+    forget = getattr(getattr(worker, "weight_transfer_engine", None), "forget_base", None)
+    if forget is not None:
+        forget()
+
+
 class SkyinferWorkerExtension:
     """Mixed into vLLM's worker class; ``self`` is the worker."""
 
@@ -204,6 +212,7 @@ class SkyinferWorkerExtension:
         staged = getattr(self, "_skyinfer_staged", None)
         if staged is None:
             raise RuntimeError("no staged push on this worker")
+        _forget_base(self)
         model = self.model_runner.get_model()
         if self.vllm_config.quant_config is None:
             swapped = staged.swap_into(model, self.device)
@@ -252,5 +261,6 @@ class SkyinferWorkerExtension:
         """Copy a peer worker of the same place's catch-up file into this worker's tensors, in place
         (CUDA graphs keep pointing at them), after checking that every tensor matches."""
         model = self.model_runner.get_model()
+        _forget_base(self)
         copied = import_tensors(served_tensors(model), catch_up_file(prefix, worker_index(self.parallel_config)))
         return {"tensors": copied, "repacked": pack_cpu_gemms(model.modules())}

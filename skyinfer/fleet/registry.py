@@ -95,6 +95,7 @@ class EngineRegistry:
         else:
             # Whatever the old process was, the next one starts fresh.
             record.residency, record.stale, record.mid_update = Residency(), None, False
+            record.delta_base = None
             record.staging = None  # a staging copy lives and dies with its process
             record.adapters = {}
             record.in_transfer_group = record.transfer_engine_open = False

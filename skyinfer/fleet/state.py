@@ -315,6 +315,10 @@ class EngineRecord:
     # Between vLLM's start and finish of a weight update, or in a staged swap: its layers may be
     # part new (state "receiving"; weights/push.py sets and clears it).
     mid_update: bool = False
+    # The weight version its workers can take a delta push on (transfer/delta.py): the one the last
+    # push it finished gave it, where each worker said it could (its live weights, or a copy of
+    # them kept); None after anything else wrote its weights (a catch-up, a new process).
+    delta_base: str | None = None
     pid: int | None = attrs.field(default=None, on_setattr=_announce)
     # Requests the front holds for this engine: sent to it, or waiting to be.
     in_flight_count: int = 0

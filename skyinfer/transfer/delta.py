@@ -18,16 +18,22 @@ from collections.abc import Sequence
 import attrs
 import torch
 
+from .layers import layer_of
 from .packing import TensorMeta
 from .protocol import sparse_nbytes
 
 __all__ = [
     "DENSE",
     "Delta",
+    "KeptBase",
     "SentWeights",
     "StridedView",
+    "changed_positions",
+    "check_positions",
     "delta_pieces",
+    "pack_sparse",
     "positions_in",
+    "sent_as",
     "strided_view",
     "unpack_sparse",
 ]
@@ -61,20 +67,33 @@ def unpack_sparse(piece: torch.Tensor, count: int, dtype: torch.dtype) -> tuple[
     """A sparse piece's positions (int32) and values (views into it, or into an aligned copy)."""
     if piece.data_ptr() % 8:  # packed back to back after a tensor of odd size
         piece = piece.clone()
-    return piece[: 4 * count].view(torch.int32), piece[_positions_nbytes(count) :].view(dtype)
+    values = piece[_positions_nbytes(count) :][: count * dtype.itemsize]
+    return piece[: 4 * count].view(torch.int32), values.view(dtype)
 
 
-def _pack_sparse(positions: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+def pack_sparse(positions: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     count = positions.numel()
     piece = torch.zeros(sparse_nbytes(count, values.dtype.itemsize), dtype=torch.uint8, device=values.device)
     piece[: 4 * count].view(torch.int32).copy_(positions)
-    piece[_positions_nbytes(count) :].view(values.dtype).copy_(values)
+    piece[_positions_nbytes(count) :][: count * values.element_size()].view(values.dtype).copy_(values)
     return piece
 
 
-def _changed_positions(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+def changed_positions(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """The flat positions of the elements of ``new`` that differ from ``old``'s bit for bit."""
     integer = _INTEGER_OF_SIZE[new.element_size()]
     return torch.nonzero(new.reshape(-1).view(integer) != old.reshape(-1).view(integer)).squeeze(1)
+
+
+def sent_as(tensor: torch.Tensor, count: int) -> int:
+    """What a tensor of ``count`` changed elements sends (``Delta.changed``): nothing, a sparse
+    piece, or the whole tensor where positions would cost more."""
+    if count == 0:
+        return 0
+    nbytes = tensor.numel() * tensor.element_size()
+    if tensor.numel() <= MAX_SPARSE_ELEMENTS and sparse_nbytes(count, tensor.element_size()) < nbytes:
+        return count
+    return DENSE
 
 
 @attrs.frozen
@@ -109,19 +128,16 @@ class SentWeights:
             return None
         changed, pieces, changes = [], [], {}
         for name, tensor in tensors:
-            positions = _changed_positions(tensor, self._tensors[name])
-            count = positions.numel()
-            dense_bytes = tensor.numel() * tensor.element_size()
+            positions = changed_positions(tensor, self._tensors[name])
+            count = sent_as(tensor, positions.numel())
+            changed.append(count)
             if count == 0:
-                changed.append(0)
                 continue
             changes[name] = positions
-            if tensor.numel() <= MAX_SPARSE_ELEMENTS and sparse_nbytes(count, tensor.element_size()) < dense_bytes:
-                changed.append(count)
-                pieces.append((name, _pack_sparse(positions, tensor.reshape(-1)[positions])))
-            else:
-                changed.append(DENSE)
+            if count == DENSE:
                 pieces.append((name, tensor))
+            else:
+                pieces.append((name, pack_sparse(positions, tensor.reshape(-1)[positions])))
         return Delta(self.version, changed, pieces, changes)
 
     def took(self, tensors: Sequence[tuple[str, torch.Tensor]], version: str, delta: Delta | None = None) -> None:
@@ -142,6 +158,91 @@ class SentWeights:
         """No base: the next push goes dense (an engine may serve something else now)."""
         self.version = None
         self._tensors = {}
+
+
+def check_positions(meta: TensorMeta, positions: torch.Tensor) -> None:
+    """Refuse a sparse piece whose positions are not each element once, in order, within the tensor."""
+    if positions.numel() > 1 and not bool((positions[1:] > positions[:-1]).all()):
+        raise ValueError(f"the delta of {meta.name} gives its positions out of order or twice")
+    if positions.numel() and not 0 <= int(positions[0]) <= int(positions[-1]) < math.prod(meta.shape):
+        raise ValueError(f"the delta of {meta.name} gives positions outside its {math.prod(meta.shape)} elements")
+
+
+class KeptBase:
+    """A worker's copy of the checkpoint tensors its live model took, for a model whose layers
+    cannot be read back as loaded (vLLM processes experts and quantized layers after loading:
+    packed, padded, quantized kernels' layouts): a delta is applied to this copy, and each layer it
+    touched is reloaded whole from it, through vLLM's layerwise reload. Host memory as large as the
+    tensors pushed, kept only while the trainer's pushes ask for it (``keep_for_deltas``).
+
+    It serves as a base only while it is what the model serves: an update that did not keep what
+    it loaded (a reload from disk, a staged swap, a push that failed or did not ask) drops it, and
+    so does any write into the live weights outside an update (``forget``)."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.current = False
+        # The update open on the live model, if any: whether the copy was current at its start,
+        # whether each of its chunks asked to keep it (None: no chunk came, as in a reload from
+        # disk), and the tensors a delta of it changed.
+        self.open = False
+        self._was_current = False
+        self.keeping: bool | None = None
+        self._touched: set[str] = set()
+        self.deltas = 0
+
+    def begin(self) -> None:
+        self._was_current, self.current = self.current, False
+        self.open, self.keeping, self._touched, self.deltas = True, None, set(), 0
+
+    def chunk(self, keep: bool) -> None:
+        """A chunk of the open update came, asking to keep what it carries (or not)."""
+        if self.keeping is None and keep and not self._was_current:
+            self.tensors = {}  # not what the model serves: rebuilt from this update's tensors
+        self.keeping = keep if self.keeping is None else self.keeping and keep
+        if not self.keeping:
+            self.tensors = {}
+
+    def failed(self) -> None:
+        self.keeping, self.tensors = False, {}
+
+    def put(self, weights: Sequence[tuple[str, torch.Tensor]], *, of_delta: bool = False) -> None:
+        """Keep ``weights`` as loaded (``of_delta``: sent whole in a delta, their layers reloaded from here)."""
+        for name, tensor in weights:
+            kept = self.tensors.get(name)
+            if kept is None or kept.shape != tensor.shape or kept.dtype != tensor.dtype:
+                self.tensors[name] = tensor.detach().to("cpu", copy=True)
+            else:
+                kept.copy_(tensor)
+            if of_delta:
+                self._touched.add(name)
+
+    def apply(self, name: str, positions: torch.Tensor, values: torch.Tensor) -> None:
+        """Write a delta of one tensor (``values`` at its flat ``positions``) into the copy."""
+        if not (self.keeping and self._was_current):
+            raise ValueError("this worker keeps no copy of the weights it serves to apply a delta on: push dense")
+        kept = self.tensors.get(name)
+        if kept is None:
+            raise ValueError(f"{name} was not in the push this worker keeps a copy of: push dense")
+        kept.view(-1)[positions.to("cpu", torch.int64)] = values.to("cpu", kept.dtype)
+        self._touched.add(name)
+        self.deltas += 1
+
+    def to_reload(self) -> list[tuple[str, torch.Tensor]]:
+        """Each kept tensor of each layer a delta of the open update touched: that layer reloaded whole."""
+        layers = {layer_of(name) for name in self._touched}
+        return [(name, tensor) for name, tensor in self.tensors.items() if layer_of(name) in layers]
+
+    def end(self, finished: bool) -> None:
+        """The open update ended (``finished``: every chunk and its finish went through)."""
+        self.current = finished and bool(self.keeping)
+        if not self.current:
+            self.tensors = {}
+        self.open, self._touched = False, set()
+
+    def forget(self) -> None:
+        self.current, self.tensors = False, {}
 
 
 def strided_view(size: tuple[int, ...], stride: tuple[int, ...], offset: int) -> StridedView | None:

@@ -163,6 +163,8 @@ class GlooTrainer(Trainer):
 
     def _send(self, tensors: list[tuple[str, torch.Tensor]], metadata: dict, one_call: OneCall | None) -> None:
         update_info = {**metadata, "packed": self.packed}
+        if self.delta:  # engines that cannot read their layers back keep a copy of this push for the next delta
+            update_info["keep_for_deltas"] = True
         # What the server would refuse the call for is asked first: a refusal raises here, and no
         # broadcast waits on engines that will not receive. (A chunk of an open update was checked
         # at its start, but for a delta's base, which only the call itself names.)
@@ -179,6 +181,8 @@ class GlooTrainer(Trainer):
                 log.info("the server takes this push whole: %s", exc.message)
                 self._sent.forget()  # this push goes whole, and is the next one's base
                 self.delta = exc.code == DELTA_BASE_MISMATCH  # else this server's engines take no delta
+                if not self.delta:
+                    del update_info["keep_for_deltas"]
                 delta = None
         if delta is None and one_call is not None:
             self._update_weights(update_info, one_call, check_only=True)

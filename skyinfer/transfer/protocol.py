@@ -179,9 +179,14 @@ class GroupInitInfo(WireModel):
 
 
 def sparse_nbytes(count: int, itemsize: int) -> int:
-    """A delta's sparse piece: ``count`` int32 positions, padded to 8 bytes so that the values
-    after them are aligned, then ``count`` values of ``itemsize`` bytes."""
-    return -(-4 * count // 8) * 8 + count * itemsize
+    """A delta's sparse piece: ``count`` int32 positions, then ``count`` values of ``itemsize``
+    bytes, each part padded to 8 bytes, so that the values and whatever is packed after the piece
+    start aligned (after an int8 tensor's odd count of values, a bf16 tensor could not be viewed)."""
+    return _padded(4 * count) + _padded(count * itemsize)
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // 8) * 8
 
 
 class DeltaInfo(WireModel):
@@ -204,6 +209,10 @@ class GroupUpdateInfo(UpdateMetadata):
     # None: as agreed at init.
     packed: bool | None = None
     delta: DeltaInfo | None = None
+    # The trainer sends deltas on this push later: a worker whose layers cannot be read back as
+    # loaded (processed after loading: experts, quantized) keeps a copy of its tensors to apply
+    # them on (transfer/delta.py ``KeptBase``). Without it, such a worker keeps nothing.
+    keep_for_deltas: bool = False
 
     @model_validator(mode="after")
     def _delta_fits(self) -> Self:

@@ -9,12 +9,12 @@ which trainers import too, never import vLLM.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterable
 
 import torch
 
+from .delta import KeptBase, check_positions
 from .packing import TensorMeta
 from .plans import ApplyPlans
 from .protocol import TensorLayouts, UnknownLayout
@@ -40,7 +40,9 @@ class LiveReceiver:
     a push wrote packs its kernel's copy again (``InPlaceLoad``). Any other (quantized layers, mixture
     of experts, attention layers that derive tensors from their weights) goes through vLLM's
     layerwise reload, as vLLM's own checkpoint-format backends do: each layer reloaded whole into
-    fresh memory and processed as at start-up, then copied into the tensors the engine computes with."""
+    fresh memory and processed as at start-up, then copied into the tensors the engine computes with;
+    it applies a delta to the copy of the checkpoint's tensors it keeps where its trainer asks
+    (delta.py ``KeptBase``), and reloads each layer the delta touched from it."""
 
     supports_draft_weight_update = False
     # How the last update_weights or finish went: None, or the exception it raised (kept for the
@@ -56,6 +58,11 @@ class LiveReceiver:
     last_applied: dict | None = None
     # The live model's apply plans (plans.py), recorded at the first in-place push of each tensor.
     _plans: ApplyPlans | None = None
+
+    # A model that reloads layerwise: the copy of what it took, to apply deltas on (delta.py).
+    _kept: KeptBase | None = None
+    # Whether the chunk received now is a delta.
+    _receiving_delta = False
 
     # The layouts this worker was given in full (protocol.py): an update may name its own alone.
     _layouts: TensorLayouts | None = None
@@ -79,11 +86,15 @@ class LiveReceiver:
             return
         from ..vllm_api import initialize_layerwise_reload
 
+        if self._kept is None or self._kept.model is not self.model:
+            self._kept = KeptBase(self.model)
+        self._kept.begin()
         self._moe_kernels = forget_cpu_moe_kernels(self.model)
         try:
             initialize_layerwise_reload(self.model)
         except BaseException:
             restore_cpu_moe_kernels(self._moe_kernels)
+            self._kept.end(finished=False)
             raise
 
     def drop_kept(self) -> None:
@@ -102,25 +113,54 @@ class LiveReceiver:
         staged push or an adapter set); the names of the parameters written."""
         if self.loads_at_once:
             return self._in_place.load(weights)
+        kept = self._kept_open()
+        if kept is not None and kept.keeping:
+            weights = list(weights)
+            kept.put(weights, of_delta=self._receiving_delta)
+            if self._receiving_delta:
+                return set()  # reloaded from the copy at the finish, with the rest of their layers
         return self.model.load_weights(weights)
+
+    def _kept_open(self) -> KeptBase | None:
+        """The kept copy of the live model whose update is open, if the update loads into it."""
+        kept = self._kept
+        return kept if kept is not None and kept.open and kept.model is self.model else None
+
+    def forget_base(self) -> None:
+        """The live weights were written outside an update (a peer's import, a staged swap): the
+        kept copy is no longer what they hold."""
+        if self._kept is not None:
+            self._kept.forget()
 
     def load_delta(self, meta: TensorMeta, positions: torch.Tensor, values: torch.Tensor) -> set[str]:
         """Write a delta of one checkpoint tensor (``values`` at their flat ``positions``) into the
-        live model, by the tensor's apply plan; the names of the parameters written. A delta is
-        applied in place only (a layerwise reload, a staged copy or an adapter has nothing to apply
-        it on): ValueError otherwise."""
-        if not self.loads_at_once:
-            raise ValueError("a delta push is applied in place, into a dense model's live weights; push dense")
-        return self._in_place.load_delta(meta, positions, values)
+        live model: by the tensor's apply plan, in place, or into the kept copy of a model that
+        reloads layerwise (its layer reloaded at the finish); the names of the parameters written
+        now. A staged copy or an adapter has nothing to apply it on: ValueError."""
+        check_positions(meta, positions)
+        if self.loads_at_once:
+            return self._in_place.load_delta(meta, positions, values)
+        kept = self._kept_open()
+        if kept is None:
+            raise ValueError("a delta push is applied to the live weights, not to a staged copy or an adapter")
+        kept.apply(meta.name, positions, values)
+        return set()
 
     def update_weights(self, update_info: dict) -> None:
         # The base class ends with torch.accelerator.synchronize(), which has
         # nothing to do (and no accelerator to ask) on CPU.
         self.update_failure = None
+        kept = self._kept_open()
         try:
-            self.receive_weights(self.parse_update_info(update_info))
+            info = self.parse_update_info(update_info)
+            if kept is not None:
+                kept.chunk(getattr(info, "keep_for_deltas", False))
+            self._receiving_delta = getattr(info, "delta", None) is not None
+            self.receive_weights(info)
         except Exception as exc:
             self.update_failure = exc
+            if kept is not None:
+                kept.failed()
 
     def finish_weight_update(self) -> None:
         self.update_failure = None
@@ -130,8 +170,16 @@ class LiveReceiver:
             # front holds it out), its packed kernels matching its parameters.
             self.last_applied = in_place.finish()
             return
+        kept, finished = self._kept_open(), False
+        reloaded = kept.to_reload() if kept is not None else []
         try:
+            try:
+                if reloaded:  # the layers a delta touched, whole, from the copy it was applied to
+                    self.model.load_weights(reloaded)
+            except Exception as exc:  # vLLM's reload still ends, below; the engine is stale
+                self.update_failure = exc
             finish_layerwise_reload(self.model, self.model_config)
+            finished = self.update_failure is None
         except PartOfALayerRefused as exc:
             # Kept: the layers it names kept their weights whole, and vLLM's session ends as after
             # any finish (an update the front aborted ends here too: its engines are stale anyway).
@@ -139,7 +187,15 @@ class LiveReceiver:
         finally:
             restore_cpu_moe_kernels(self._moe_kernels or {})
             self._moe_kernels = None
-        self.last_applied = {"applied": "layerwise reload"}
+            if kept is not None:
+                kept.end(finished)
+        self.last_applied = {
+            "applied": "layerwise reload",
+            # Whether a delta can come on what it now serves (the copy it keeps is current).
+            "base": kept is not None and kept.current,
+            "deltas": kept.deltas if kept is not None else 0,
+            "reloaded_from_copy": len(reloaded),
+        }
 
 
 def applies_in_place(model: torch.nn.Module) -> bool:
@@ -196,10 +252,6 @@ class InPlaceLoad:
 
     def load_delta(self, meta: TensorMeta, positions: torch.Tensor, values: torch.Tensor) -> set[str]:
         started = time.perf_counter()
-        if positions.numel() > 1 and not bool((positions[1:] > positions[:-1]).all()):
-            raise ValueError(f"the delta of {meta.name} gives its positions out of order or twice")
-        if positions.numel() and not 0 <= int(positions[0]) <= int(positions[-1]) < math.prod(meta.shape):
-            raise ValueError(f"the delta of {meta.name} gives positions outside its {math.prod(meta.shape)} elements")
         written = self.plans.apply_delta(meta.name, meta.dtype, meta.shape, positions, values, self._params)
         self.load_s += time.perf_counter() - started
         self.loaded(written)
@@ -220,6 +272,7 @@ class InPlaceLoad:
         self._unpacked = {}
         return {
             "applied": "in place",
+            "base": True,  # a delta applies on the live weights themselves
             "parameters": len(self.written),
             "by_plan": self.plans.replayed - self._replayed_before,
             "deltas": self.plans.deltas - self._deltas_before,

@@ -281,6 +281,7 @@ class CatchUp:
                 if not ours():
                     raise _Abandoned(f"engine {record.engine_id} changed during its catch-up ({record.state.value})")
                 record.weight_version = label
+                record.delta_base = None  # its workers hold no base for a delta: its next push comes whole
                 self.registry.set_stale(record, None)
         except _Abandoned as exc:
             if ours():

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import struct
 from collections.abc import Iterable
 from pathlib import Path
 
 import attrs
 
+from ..transfer.layers import experts_layer_of, module_of, projection_layer_of
 from ..transfer.protocol import FLOATING, UpdateMetadata
 from ..transfer.quantize import SCALE_SUFFIX, W8A8_INT8, is_w8a8_int8
 
@@ -39,42 +39,21 @@ def safetensors_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
     return {name: tuple(entry["shape"]) for name, entry in safetensors_header(path).items()}
 
 
-# A routed expert's tensor, as mixture-of-experts checkpoints name them: the layer's experts, the
-# expert's index, the tensor (``model.layers.0.mlp.experts.3.gate_proj.weight``).
-_EXPERT_TENSOR = re.compile(r"^(?P<experts>.+\.experts)\.\d+\.")
-
-
 def _by_expert_layer(names: Iterable[str]) -> dict[str, set[str]]:
     layers: dict[str, set[str]] = {}
     for name in names:
-        if (match := _EXPERT_TENSOR.match(name)) is not None:
-            layers.setdefault(match["experts"], set()).add(name)
+        if (experts := experts_layer_of(name)) is not None:
+            layers.setdefault(experts, set()).add(name)
     return layers
-
-
-# The checkpoint's projections vLLM loads into one layer (its models' packed_modules_mapping).
-_FUSED_PROJECTIONS = {
-    "q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj",
-}  # fmt: skip
-
-
-def _module_of(name: str) -> str:
-    return name.rpartition(".")[0]
-
-
-def _layer_of(module: str) -> str:
-    """The layer vLLM holds a checkpoint module in (q, k and v in ``qkv_proj``)."""
-    parent, _, projection = module.rpartition(".")
-    return f"{parent}.{_FUSED_PROJECTIONS.get(projection, projection)}"
 
 
 def _by_quantized_layer(names: Iterable[str], quantized_modules: set[str]) -> dict[str, set[str]]:
     """The tensors of each quantized layer as vLLM holds it (q, k and v in one), by that layer."""
     layers: dict[str, set[str]] = {}
     for name in names:
-        module = _module_of(name)
+        module = module_of(name)
         if module in quantized_modules:
-            layers.setdefault(_layer_of(module), set()).add(name)
+            layers.setdefault(projection_layer_of(module), set()).add(name)
     return layers
 
 
@@ -164,7 +143,9 @@ class CheckpointSpec:
         """The checkpoint's modules that are served quantized: those whose weight it stores quantized,
         with its scale (``<module>.weight_scale``), and those of a layer the engines report quantized."""
         stored = {name.rpartition(".")[0] for name in self.names if name.endswith(".weight" + SCALE_SUFFIX)}
-        return stored | {module for module in map(_module_of, self.names) if _layer_of(module) in self.served_quantized}
+        return stored | {
+            module for module in map(module_of, self.names) if projection_layer_of(module) in self.served_quantized
+        }
 
     def quantized_layer_shapes(self) -> dict[str, tuple[int, int]]:
         """Each quantized layer as vLLM holds it (q, k and v in one), and its weight's [out, in] shape."""

@@ -125,19 +125,18 @@ class Fleet:
         self, meta: UpdateMetadata, records: list[EngineRecord], staged: bool
     ) -> None:
         """Refuse a delta push (``update_info.delta``) that an engine cannot take, before any byte
-        moves: one that serves another version than its base (409 ``delta_base_mismatch``), or a
-        model that takes dense pushes only (409 ``delta_not_applicable``)."""
+        moves: one that serves another version than its base, or keeps nothing to apply it on (a
+        new process, a catch-up, a push whose trainer asked for no copy: 409 ``delta_base_mismatch``),
+        or one whose tensors a delta cannot reach (409 ``delta_not_applicable``)."""
         delta = getattr(meta, "delta", None)
         if delta is None:
             return
         if staged:
             raise SyncError(400, "a staged push is sent whole: push without update_info.delta")
-        spec = self.spec
-        if self.serves_quantized() or spec is None or spec.has_experts:
+        if self.spec is None:
             raise SyncError(
                 409,
-                "this model's engines take dense pushes only (a mixture of experts, quantized layers or an unknown"
-                " checkpoint): push without update_info.delta",
+                "the served checkpoint's tensors are unknown here: push without update_info.delta",
                 code=DELTA_NOT_APPLICABLE,
             )
         sparse = [name for name, count in zip(meta.names, delta.changed) if count > 0 and name in self.unplanned]
@@ -148,9 +147,13 @@ class Fleet:
                 " loaders, which a delta cannot go through: send them whole",
                 code=DELTA_NOT_APPLICABLE,
             )
-        off = [r for r in records if r.weight_version != delta.base_version or r.stale is not None]
+        off = [r for r in records if r.delta_base != delta.base_version or r.stale is not None]
         if off:
-            serving = ", ".join(f"engine {r.engine_id}: {r.weight_version}{' (stale)' if r.stale else ''}" for r in off)
+            serving = ", ".join(
+                f"engine {r.engine_id}: {r.weight_version}{' (stale)' if r.stale else ''}"
+                f"{'' if r.delta_base == r.weight_version else ', keeping no base to apply a delta on'}"
+                for r in off
+            )
             raise SyncError(
                 409,
                 f"update_info.delta applies on {delta.base_version!r}, which not every engine serves ({serving}):"

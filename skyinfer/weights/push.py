@@ -349,11 +349,15 @@ class Push:
         the registry's lock held."""
         self.registry.fleet_weight_version = version
         self.fleet.metrics.push_seconds.observe(time.monotonic() - self.update.current.started_at)
+        self.fleet.metrics.push_bytes.labels("sent").inc(self.update.current.bytes_sent)
+        self.fleet.metrics.push_bytes.labels("dense").inc(self.update.current.bytes_dense)
         missing = [] if self.update.current.whole_checkpoint else self.fleet.missing(self.update.received)
-        for record in records:
+        for record, reply in zip(records, replies, strict=True):
             record.weight_version = version
             record.mid_update = False
             record.push_failures = 0
+            applied = reply.body.get("applied")
+            record.delta_base = version if isinstance(applied, dict) and applied.get("base") is True else None
             if not record.up or record.stale is None:
                 continue
             # Its weights were not the fleet's before (discarded by a sleep, mixed by an abort,
