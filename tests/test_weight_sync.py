@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from forked_python import ForkedPopen
 from pushes import (
     adamw_step,
     assert_engines_match,
@@ -155,10 +155,9 @@ def test_a_sharded_trainer_diffs_each_shard_where_it_lives(server, model_name, d
         pushes.append(f"{save(stepped, tmp_path / 'stepped.safetensors')}:sharded-1")
         port = free_port()
         ranks = [
-            subprocess.Popen(
+            ForkedPopen(
                 [
-                    sys.executable,
-                    str(Path(__file__).with_name("sharded_trainer.py")),
+                    Path(__file__).with_name("sharded_trainer.py"),
                     server.url,
                     str(rank),
                     str(port),
