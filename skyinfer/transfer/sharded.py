@@ -6,8 +6,9 @@ changed than positions would save, or a push the server takes whole) is gathered
 that goes sparse is.
 
 Every rank calls ``ShardedPush.push`` with its tensors, in the same order, in step: the ranks agree
-through the trainer's own process group (``group``: gloo, or NCCL for tensors on GPUs) on what each
-tensor sends, from the counts of changed elements every rank reports. Rank 0 alone talks to the
+through the trainer's own process group (``group``) on what each tensor sends, from the counts of
+changed elements every rank reports. The group must be gloo: the counts and the ranks' answers
+travel as CPU tensors, which NCCL does not take (only a gloo group over CPU tensors is tested). Rank 0 alone talks to the
 server; it tells the others whether the server took the delta and whether the push landed, so that
 every rank's kept shards move on only once every engine took the push. Needs only torch.
 """
